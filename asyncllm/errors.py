@@ -1,0 +1,33 @@
+"""Typed errors raised by asyncllm.
+
+Errors caused by what a caller sends subclass ``ValueError`` so that callers can catch bad
+input uniformly; they are raised before a request reaches the engine loop.
+"""
+
+
+class AsyncLLMError(Exception):
+    """Base class of every error asyncllm raises on purpose."""
+
+
+class InvalidRequestError(AsyncLLMError, ValueError):
+    """A request is malformed (empty prompt, prompt longer than max_model_len, bad params)."""
+
+
+class ModelNotFoundError(AsyncLLMError, ValueError):
+    """The model source does not exist or lacks required files; the message names the path."""
+
+
+class UnsupportedModelError(AsyncLLMError, ValueError):
+    """The model's architecture needs an attention feature the paged attention lacks."""
+
+
+class ModelLoadError(AsyncLLMError, ValueError):
+    """The model files exist but cannot be read (corrupt or truncated file)."""
+
+
+class EngineDeadError(AsyncLLMError, RuntimeError):
+    """The engine loop failed; ``__cause__`` holds the original exception."""
+
+
+class EngineNotRunningError(AsyncLLMError, RuntimeError):
+    """A request was sent to an engine that is not started (use ``async with engine``)."""
