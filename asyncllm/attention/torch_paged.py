@@ -1,0 +1,172 @@
+"""Paged attention in plain torch: the CPU path and the reference for the Triton kernels.
+
+Layout (PagedAttention, Kwon et al., SOSP 2023): each layer has a key cache and a value cache
+of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``p`` of a sequence lives
+in block ``block_table[p // block_size]`` at offset ``p % block_size``; its flat slot is
+``block * block_size + offset``.
+
+A step's queries are flattened over sequences (varlen, no padding): sequence ``b`` owns query
+rows ``query_start_loc[b]:query_start_loc[b + 1]``, which are its last ``q_len`` positions of
+``seq_lens[b]`` (context including the new tokens). Query ``i`` attends to context positions
+``<= seq_lens[b] - q_len + i``: causal inside the chunk, full over earlier blocks. Grouped-query
+attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new K/V rows at their slots; rows whose slot is negative are skipped.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[num_tokens]`` int64 flat slots (-1: do not store).
+    """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    flat_k = key_cache.view(-1, *key_cache.shape[2:])
+    flat_v = value_cache.view(-1, *value_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, key)
+    flat_v.index_copy_(0, slot_mapping, value)
+
+
+@dataclass(frozen=True)
+class _Decodes:
+    rows: torch.Tensor  # [Bd] query rows of single-token sequences
+    block_tables: torch.Tensor  # [Bd, max_blocks] int64
+    mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
+    identity: bool  # rows are 0..Bd-1 and cover the whole step
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    start: int  # first query row
+    end: int  # one past the last query row
+    blocks: torch.Tensor  # [num_blocks_used] int64
+    ctx_len: int
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when plain causal
+
+
+@dataclass(frozen=True)
+class PagedAttentionPlan:
+    """Index tensors for one step, built once and reused by every layer.
+
+    Build it with :meth:`build`; decodes (``q_len == 1``) are batched into one attention call,
+    longer chunks run one call per sequence.
+    """
+
+    num_tokens: int
+    decodes: _Decodes | None
+    prefills: tuple[_Prefill, ...]
+
+    @staticmethod
+    def build(
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedAttentionPlan:
+        """Plan a step.
+
+        Args:
+            query_lens: new tokens per sequence (>= 1), in query-row order.
+            seq_lens: context length per sequence including its new tokens (tokens).
+            block_tables: each sequence's physical blocks, covering ``seq_lens``.
+            block_size: tokens per block.
+            device: where the index tensors live.
+        """
+        dec_rows: list[int] = []
+        dec_tables: list[Sequence[int]] = []
+        dec_lens: list[int] = []
+        prefills: list[_Prefill] = []
+        row = 0
+        for q_len, ctx, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            n_blocks = -(-ctx // block_size)
+            if q_len == 1:
+                dec_rows.append(row)
+                dec_tables.append(table[:n_blocks])
+                dec_lens.append(ctx)
+            else:
+                mask = None
+                if ctx != q_len:
+                    q_pos = torch.arange(ctx - q_len, ctx, device=device)
+                    mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
+                blocks = torch.tensor(table[:n_blocks], dtype=torch.long, device=device)
+                prefills.append(_Prefill(row, row + q_len, blocks, ctx, mask))
+            row += q_len
+        decodes = None
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            padded = [list(t) + [0] * (width - len(t)) for t in dec_tables]
+            lens = torch.tensor(dec_lens, device=device)
+            mask = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
+            decodes = _Decodes(
+                rows=torch.tensor(dec_rows, dtype=torch.long, device=device),
+                block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+                mask=mask[:, None, None, :],
+                identity=len(dec_rows) == row,
+            )
+        return PagedAttentionPlan(row, decodes, tuple(prefills))
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``[..., n_blocks]`` block ids -> ``[..., num_kv_heads, n_blocks * block_size, head_dim]``."""
+    g = cache[blocks]  # [..., n_blocks, block_size, Hkv, D]
+    g = g.flatten(-4, -3)  # [..., L, Hkv, D]
+    return g.transpose(-3, -2)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: PagedAttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a step's queries over their paged context (the K/V already written).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        plan: the step's :class:`PagedAttentionPlan`.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]``, the query's dtype.
+    """
+    out = torch.empty_like(query)
+    d = plan.decodes
+    if d is not None:
+        q = query if d.identity else query[d.rows]
+        k = _gather(key_cache, d.block_tables)  # [Bd, Hkv, L, D]
+        v = _gather(value_cache, d.block_tables)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], k, v, attn_mask=d.mask, scale=scale, enable_gqa=True
+        )[:, :, 0, :]
+        if d.identity:
+            return o
+        out[d.rows] = o
+    for p in plan.prefills:
+        q = query[p.start : p.end].transpose(0, 1)  # [H, q_len, D]
+        k = _gather(key_cache, p.blocks)[:, : p.ctx_len]
+        v = _gather(value_cache, p.blocks)[:, : p.ctx_len]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+        )
+        out[p.start : p.end] = o.transpose(0, 1)
+    return out

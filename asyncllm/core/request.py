@@ -1,0 +1,127 @@
+"""Request state as the core sees it: token ids and counters, no tensors.
+
+One model covers prefill, chunked prefill, decode and resumption alike (as in vLLM v1):
+``num_computed_tokens`` (tokens whose K/V are in the cache) catches up with ``num_tokens``
+(prompt plus generated). A step that brings it level samples one new token.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the three terminal states."""
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The public ``finish_reason`` string: "stop", "length", "abort", or None."""
+        return self.value if self in _FINISHED else None
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+
+class Request:
+    """One generation request inside the core.
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: the prompt, at least one token.
+        max_tokens: the most tokens to generate (>= 1).
+        stop_token_ids: generating one of these ends the request with "stop" (empty when the
+            caller asked to ignore EOS).
+        max_model_len: prompt plus generated tokens never exceed this (tokens).
+        arrival_time: seconds (``time.monotonic()``) when the request was received.
+        priority: lower is served first (vLLM's convention); ties go to earlier arrival.
+        params: opaque per-request data for the worker (its sampling parameters); the core
+            never looks inside.
+    """
+
+    __slots__ = (
+        "arrival_time",
+        "max_model_len",
+        "max_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_token_ids",
+        "params",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "status",
+        "stop_token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        stop_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        params: Any = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.max_tokens = max_tokens
+        self.stop_token_ids = stop_token_ids
+        self.max_model_len = max_model_len
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.params = params
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens ``[start, stop)`` of prompt + output, without copying the whole sequence."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n_prompt]
+
+    def append_token(self, token_id: int) -> RequestStatus | None:
+        """Append a sampled token; return the finished status it causes, if any.
+
+        Stop conditions in order: a stop token ("stop"), then ``max_tokens`` generated or
+        ``max_model_len`` reached ("length").
+        """
+        self.output_token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,93 @@
+"""The pre-allocated paged KV cache tensors and their sizing."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+CPU_MEMORY_FRACTION = 0.2
+"""Share of the available host memory a CPU engine's KV cache takes when not told."""
+
+CUDA_MEMORY_FRACTION = 0.8
+"""Share of the device memory left free after loading the weights a CUDA KV cache takes."""
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one token's K/V across the model.
+
+    Attributes:
+        num_layers: attention layers.
+        num_kv_heads: key/value heads per layer.
+        head_dim: features per head.
+        dtype: the cache's element type.
+        block_size: tokens per block.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """``2 (K and V) x layers x kv_heads x head_dim x dtype bytes``."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return self.bytes_per_token * self.block_size
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory now: host ``MemAvailable`` on CPU, ``cudaMemGetInfo`` free on CUDA (bytes)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_kv_cache_bytes(device: torch.device, cap_bytes: int) -> int:
+    """The KV budget when the config gives none (see :class:`asyncllm.EngineConfig`)."""
+    fraction = CUDA_MEMORY_FRACTION if device.type == "cuda" else CPU_MEMORY_FRACTION
+    return min(int(available_memory_bytes(device) * fraction), cap_bytes)
+
+
+class KVCache:
+    """One K and one V tensor per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Allocated once, zero-filled so that never-written slots read as finite numbers.
+
+    Args:
+        spec: the per-token shape.
+        num_blocks: blocks per layer (>= 1).
+        device: where the tensors live.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.key_caches = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
+        self.value_caches = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held by all K and V tensors."""
+        return self.num_blocks * self.spec.bytes_per_block
