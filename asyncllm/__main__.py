@@ -1,0 +1,83 @@
+"""Command line: ``python -m asyncllm generate "What is the capital of France?"``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+
+def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """Run a coroutine on uvloop when it is installed, else on asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main())
+    return uvloop.run(main())
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from asyncllm import AsyncEngine, SamplingParams
+
+    t0 = time.perf_counter()
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    engine = AsyncEngine.from_pretrained(args.model, max_num_seqs=1)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    tokenizer = engine.tokenizer
+    if args.raw or not getattr(tokenizer, "chat_template", None):
+        prompt: Any = args.prompt
+    else:
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+
+    async def main() -> int:
+        async with engine:
+            start = time.perf_counter()
+            first = None
+            n_prompt = n_gen = 0
+            async for out in engine.stream(prompt, params):
+                if first is None:
+                    first = time.perf_counter()
+                print(out.text, end="", flush=True)
+                n_prompt, n_gen = out.num_prompt_tokens, out.num_generated_tokens
+            end = time.perf_counter()
+        ttft = (first or end) - start
+        decode_s = end - (first or end)
+        rate = (n_gen - 1) / decode_s if n_gen > 1 and decode_s > 0 else 0.0
+        print(
+            f"\n[prompt tokens {n_prompt} | generated tokens {n_gen} | TTFT {ttft:.3f} s "
+            f"| {rate:.1f} tokens/s]",
+            file=sys.stderr,
+        )
+        return 0
+
+    return run_async(main)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments and run a subcommand; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m asyncllm")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream an answer to one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="default", help='"default", an HF directory or a .gguf')
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    args = parser.parse_args(argv)
+    try:
+        return _generate(args)
+    except ValueError as e:  # our typed errors: bad model path, bad parameters
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random-weight models, the default model, and the block-pool check.
+
+Every engine a test builds through ``make_engine`` is checked after the test: no request left
+in it, every KV block free, and the pool's reference counts consistent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from asyncllm import AsyncEngine
+from asyncllm.models.loader import resolve_model_dir
+
+TINY = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> pathlib.Path:
+    """The default model as a cached safetensors directory (converted once per machine)."""
+    return resolve_model_dir("default")
+
+
+def _save_tiny(path: pathlib.Path, model: torch.nn.Module, tokenizer_dir: pathlib.Path) -> None:
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: pathlib.Path
+) -> pathlib.Path:
+    """A 2-layer random Llama (GQA 4:2) with SmolLM2's tokenizer."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    _save_tiny(path, LlamaForCausalLM(LlamaConfig(**TINY)), default_model_dir)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: pathlib.Path
+) -> pathlib.Path:
+    """A 2-layer random Qwen2 (q/k/v biases, GQA 4:2) with SmolLM2's tokenizer."""
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY, use_sliding_window=False))
+    with torch.no_grad():  # random init leaves biases at zero; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    _save_tiny(path, model, default_model_dir)
+    return path
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., AsyncEngine]]:
+    """Build engines; after the test, assert that each one's block pool is whole."""
+    engines: list[AsyncEngine] = []
+
+    def make(model: str | pathlib.Path, **config: Any) -> AsyncEngine:
+        engine = AsyncEngine.from_pretrained(str(model), **config)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        check_pool_whole(engine)
+
+
+def check_pool_whole(engine: AsyncEngine) -> None:
+    """No request left, every block free, reference counts consistent."""
+    core = engine._engine
+    core.block_manager.check_invariants()
+    assert not core.has_unfinished(), core.scheduler.requests
+    assert core.block_manager.num_free_blocks == core.block_manager.num_total_blocks
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``predicate`` on the event loop until it holds (fails the test after timeout)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)

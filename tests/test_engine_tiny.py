@@ -1,0 +1,223 @@
+"""End-to-end engine tests on tiny random-weight models (fast)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncllm import (
+    EngineNotRunningError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    SamplingParams,
+)
+from tests.conftest import wait_until
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPT_LENS = [3, 7, 12, 20, 1, 9, 30, 16]
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(123)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _reference(model_dir, prompts, max_new_tokens):
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+async def test_greedy_matches_transformers_generate(arch, request, make_engine):
+    """8 prompts streamed concurrently, chunked (budget 16, block size 4) with decodes."""
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    prompts = _prompts()
+    expected = _reference(model_dir, prompts, GREEDY.max_tokens)
+    engine = make_engine(model_dir, block_size=4, max_num_batched_tokens=16, kv_cache_bytes=2**20)
+
+    async def consume(p):
+        ids, n_items = [], 0
+        async for out in engine.stream(p, GREEDY):
+            ids.extend(out.token_ids)
+            n_items += 1
+        assert out.finish_reason == "length"
+        return ids, n_items
+
+    async with engine:
+        results = await asyncio.gather(*(consume(p) for p in prompts))
+        stats = engine.stats()
+    assert [r[0] for r in results] == expected
+    assert all(n > 1 for _, n in results)  # streamed, not delivered at once
+    # Prompts of 20 and 30 tokens cannot fit one 16-token step: they were chunked.
+    assert stats["num_steps"] > GREEDY.max_tokens + 1
+
+
+async def test_stops_at_eos_and_respects_max_model_len(tiny_llama_dir, make_engine):
+    prompts = _prompts()
+    expected = _reference(tiny_llama_dir, prompts[:1], 10)[0]
+    eos = expected[3]
+    engine = make_engine(tiny_llama_dir, block_size=4, kv_cache_bytes=2**20, max_model_len=40)
+    engine._engine.eos_token_ids = frozenset({eos})
+    async with engine:
+        out = await engine.generate(prompts[0], SamplingParams(max_tokens=10, temperature=0))
+        assert out.finish_reason == "stop"
+        assert out.token_ids == expected[: expected.index(eos) + 1]
+        # ignore_eos runs on; a 30-token prompt with max_model_len 40 gets 10 tokens at most.
+        long = await engine.generate(prompts[6], SamplingParams(max_tokens=50, ignore_eos=True))
+        assert long.finish_reason == "length"
+        assert len(long.token_ids) == 40 - 30
+
+
+async def test_preemption_by_recompute_keeps_outputs(tiny_llama_dir, make_engine):
+    """A pool far too small for the batch: requests are preempted and recomputed."""
+    prompts = _prompts()
+    expected = _reference(tiny_llama_dir, prompts, 10)
+    engine = make_engine(
+        tiny_llama_dir, block_size=4, max_num_batched_tokens=16, max_model_len=48,
+        kv_cache_bytes=12 * 4 * 2 * 2 * 2 * 16 * 4,  # 12 blocks of 4 tokens
+    )  # fmt: skip
+    async with engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+        assert engine.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == expected
+
+
+async def test_seeded_sampling_independent_of_batch(tiny_llama_dir, make_engine):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=7)
+    prompts = _prompts()
+    engine = make_engine(tiny_llama_dir, block_size=4, kv_cache_bytes=2**20)
+    async with engine:
+        alone = await engine.generate(prompts[0], params)
+        crowd = await asyncio.gather(
+            engine.generate(prompts[0], params),
+            *(engine.generate(p, SamplingParams(max_tokens=12, seed=i)) for i, p in
+              enumerate(prompts[1:])),
+        )  # fmt: skip
+        other_seed = await engine.generate(prompts[0], SamplingParams(max_tokens=12, seed=8))
+    assert crowd[0].token_ids == alone.token_ids
+    assert other_seed.token_ids != alone.token_ids
+
+
+@pytest.mark.parametrize(
+    ("where", "how"),
+    [("prefill", "cancel"), ("decode", "cancel"), ("decode", "break"), ("decode", "aclose")],
+)
+async def test_cancellation_frees_blocks(where, how, tiny_llama_dir, make_engine):
+    """Mid-prefill a consumer can only be cancelled; mid-decode it can also break or aclose."""
+    engine = make_engine(tiny_llama_dir, block_size=4, max_num_batched_tokens=8,
+                         kv_cache_bytes=2**20)  # fmt: skip
+    long_prompt = list(range(5, 105))  # 100 tokens: many steps of prefill at budget 8
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    core = engine._engine
+
+    def victim():
+        return core.scheduler.requests.get("victim")
+
+    async with engine:
+        other = asyncio.create_task(engine.generate(_prompts()[1], GREEDY))
+        gen = engine.stream(long_prompt, params, request_id="victim")
+        if how == "cancel":
+
+            async def consume():
+                async for _ in gen:
+                    pass
+
+            task = asyncio.create_task(consume())
+            if where == "prefill":
+                await wait_until(lambda: victim() is not None and victim().num_computed_tokens > 0)
+                assert victim().num_computed_tokens < 100
+            else:
+                await wait_until(lambda: victim() is not None and len(victim().output_token_ids) > 2)
+            task.cancel()
+        else:
+            async for out in gen:
+                if out.num_generated_tokens > 2:
+                    break
+            if how == "aclose":
+                await gen.aclose()
+            else:
+                del gen  # the loop's async-generator finalizer closes it
+        await wait_until(lambda: victim() is None)
+        assert (await other).finish_reason == "length"
+        await wait_until(lambda: not core.has_unfinished())
+
+
+async def test_event_loop_stays_responsive(tiny_llama_dir, make_engine):
+    """A ticker's worst lag stays far below one step's time while the engine computes."""
+    engine = make_engine(tiny_llama_dir, block_size=16, kv_cache_bytes=2**22)
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker():
+        while not stop.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - t - 0.001)
+
+    # Slow every step down so that one step is long compared with a tick.
+    real_step = engine._engine.step
+
+    def slow_step():
+        time.sleep(0.2)  # releases the GIL like a torch op would
+        return real_step()
+
+    engine._engine.step = slow_step
+    async with engine:
+        tick = asyncio.create_task(ticker())
+        await engine.generate(_prompts()[0], SamplingParams(max_tokens=5, ignore_eos=True))
+        stop.set()
+        await tick
+    assert len(lags) > 50
+    assert max(lags) < 0.05
+
+
+async def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama_dir, make_engine):
+    engine = make_engine(tiny_llama_dir, kv_cache_bytes=2**20, max_model_len=64)
+    with pytest.raises(EngineNotRunningError):
+        await engine.generate("hi")
+    async with engine:
+        good = asyncio.create_task(engine.generate(_prompts()[0], GREEDY))
+        bad_calls = [
+            ("", GREEDY),
+            ([], GREEDY),
+            (list(range(5, 69)), GREEDY),  # 64 tokens = max_model_len: no room to generate
+            ([1, 2, 10**9], GREEDY),
+            ("hello", "not params"),
+        ]
+        for prompt, params in bad_calls:
+            with pytest.raises(InvalidRequestError):
+                await engine.generate(prompt, params)
+        with pytest.raises(ValueError, match="max_tokens"):
+            SamplingParams(max_tokens=0)
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=-1)
+        stream = engine.stream(_prompts()[2], GREEDY, request_id="dup")
+        first = await stream.__anext__()
+        with pytest.raises(InvalidRequestError, match="duplicate"):
+            await engine.generate("x", GREEDY, request_id="dup")
+        await stream.aclose()
+        assert first.token_ids
+        assert (await good).finish_reason == "length"
+
+
+def test_unknown_model_path_is_a_typed_error(tmp_path):
+    from asyncllm import AsyncEngine
+
+    with pytest.raises(ModelNotFoundError, match=str(tmp_path / "nope")):
+        AsyncEngine.from_pretrained(str(tmp_path / "nope"))
