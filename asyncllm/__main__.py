@@ -34,7 +34,9 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
 
     async def main() -> int:
         async with engine:

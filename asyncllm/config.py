@@ -54,7 +54,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(
-                f"EngineConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+                "EngineConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
+                f"got {self.device!r}"
             )
         positive("block_size", self.block_size)
         positive("max_num_seqs", self.max_num_seqs)

@@ -63,8 +63,9 @@ def paged_attention_forward(
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {METADATA_KWARG} kwarg")
     layer = module.layer_idx
     k_cache, v_cache = meta.key_caches[layer], meta.value_caches[layer]
-    write_kv_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache,
-                   meta.slot_mapping)  # fmt: skip
+    write_kv_cache(
+        key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
+    )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = paged_attention(query[0].transpose(0, 1), k_cache, v_cache, meta.plan, scale)
     return out[None], None

@@ -32,8 +32,16 @@ logger = logging.getLogger("asyncllm")
 class _Mailbox:
     """One request's unread output, merged; the engine task writes, the stream reads."""
 
-    __slots__ = ("detokenizer", "error", "event", "finish_reason", "num_prompt_tokens",
-                 "num_generated", "token_ids", "text")  # fmt: skip
+    __slots__ = (
+        "detokenizer",
+        "error",
+        "event",
+        "finish_reason",
+        "num_generated",
+        "num_prompt_tokens",
+        "text",
+        "token_ids",
+    )
 
     def __init__(self, detokenizer: IncrementalDetokenizer, num_prompt_tokens: int) -> None:
         self.detokenizer = detokenizer
@@ -246,9 +254,11 @@ class AsyncEngine:
         if request_id in self._mailboxes:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         request = self._engine.make_request(
-            request_id, prompt, params if params is not None else SamplingParams(),
+            request_id,
+            prompt,
+            params if params is not None else SamplingParams(),
             priority=priority,
-        )  # fmt: skip
+        )
         detok = IncrementalDetokenizer(self._engine.tokenizer, request.prompt_token_ids)
         mailbox = _Mailbox(detok, len(request.prompt_token_ids))
         self._mailboxes[request_id] = mailbox

@@ -27,7 +27,7 @@ logger = logging.getLogger("asyncllm")
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> CUDA when available, else CPU."""
+    """ "auto" -> CUDA when available, else CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -132,7 +132,9 @@ class LLMEngine:
         else:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
-                raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+                raise InvalidRequestError(
+                    f"prompt token ids must be ints in [0, {self.vocab_size})"
+                )
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         if len(token_ids) >= self.max_model_len:

