@@ -89,9 +89,12 @@ async def test_preemption_by_recompute_keeps_outputs(tiny_llama_dir, make_engine
     prompts = _prompts()
     expected = _reference(tiny_llama_dir, prompts, 10)
     engine = make_engine(
-        tiny_llama_dir, block_size=4, max_num_batched_tokens=16, max_model_len=48,
+        tiny_llama_dir,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_model_len=48,
         kv_cache_bytes=12 * 4 * 2 * 2 * 2 * 16 * 4,  # 12 blocks of 4 tokens
-    )  # fmt: skip
+    )
     async with engine:
         outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
         assert engine.stats()["num_preemptions"] > 0
@@ -106,9 +109,11 @@ async def test_seeded_sampling_independent_of_batch(tiny_llama_dir, make_engine)
         alone = await engine.generate(prompts[0], params)
         crowd = await asyncio.gather(
             engine.generate(prompts[0], params),
-            *(engine.generate(p, SamplingParams(max_tokens=12, seed=i)) for i, p in
-              enumerate(prompts[1:])),
-        )  # fmt: skip
+            *(
+                engine.generate(p, SamplingParams(max_tokens=12, seed=i))
+                for i, p in enumerate(prompts[1:])
+            ),
+        )
         other_seed = await engine.generate(prompts[0], SamplingParams(max_tokens=12, seed=8))
     assert crowd[0].token_ids == alone.token_ids
     assert other_seed.token_ids != alone.token_ids
@@ -120,8 +125,9 @@ async def test_seeded_sampling_independent_of_batch(tiny_llama_dir, make_engine)
 )
 async def test_cancellation_frees_blocks(where, how, tiny_llama_dir, make_engine):
     """Mid-prefill a consumer can only be cancelled; mid-decode it can also break or aclose."""
-    engine = make_engine(tiny_llama_dir, block_size=4, max_num_batched_tokens=8,
-                         kv_cache_bytes=2**20)  # fmt: skip
+    engine = make_engine(
+        tiny_llama_dir, block_size=4, max_num_batched_tokens=8, kv_cache_bytes=2**20
+    )
     long_prompt = list(range(5, 105))  # 100 tokens: many steps of prefill at budget 8
     params = SamplingParams(max_tokens=200, ignore_eos=True)
     core = engine._engine
@@ -143,7 +149,9 @@ async def test_cancellation_frees_blocks(where, how, tiny_llama_dir, make_engine
                 await wait_until(lambda: victim() is not None and victim().num_computed_tokens > 0)
                 assert victim().num_computed_tokens < 100
             else:
-                await wait_until(lambda: victim() is not None and len(victim().output_token_ids) > 2)
+                await wait_until(
+                    lambda: victim() is not None and len(victim().output_token_ids) > 2
+                )
             task.cancel()
         else:
             async for out in gen:

@@ -46,20 +46,23 @@ sentencepiece tokenizer ``dec(G)`` drops the leading space of the first generate
 the stream keeps. (With an empty prompt the two coincide.) The same holds for each prefix of
 ``G`` that ends on a complete character: the concatenated deltas so far equal
 ``dec(P + G[:k])[len(dec(P)):]``. No delta contains U+FFFD unless that U+FFFD is in the final
-text too. ``clean_up_tokenization_spaces`` is always off: that clean-up ("a ." -> "a.") is not
+text too. For byte-level BPE all this holds for *any* id sequence, even invalid UTF-8.
+``clean_up_tokenization_spaces`` is always off: that clean-up ("a ." -> "a.") is not
 local, so it cannot be applied to a stream (transformers 5 ignores it for BPE tokenizers anyway).
 
 The invariant relies on the decoder being local (the text of a token depends only on a few
 neighbours), which holds for byte-level BPE, Metaspace/sentencepiece and WordPiece decoders.
 Known exceptions, shared with vLLM/TGI: (a) a prompt whose last tokens end in the middle of a
-UTF-8 character (a truncated prompt): ``dec(P)`` then ends with U+FFFD and the slicing above loses
-the completed character -- the stream matches that slicing; (b) a byte-fallback tokenizer
-(``<0xNN>`` tokens) whose model generates *invalid* UTF-8: the ``ByteFallback`` decoder renders a
-whole run of consecutive byte tokens as U+FFFD (one per token) as soon as any byte in the run is
-invalid, so ``dec`` also turns the run's earlier, valid, already emitted characters into U+FFFD,
-while the stream keeps them. Matching that would mean holding every byte-token run until a
-non-byte token ends it (seconds of latency for text in scripts the vocabulary lacks) for
-output that is garbage anyway; vLLM and TGI do not either. Valid UTF-8 output is unaffected.
+UTF-8 character (a truncated prompt): ``dec(P)`` then ends with U+FFFD and the slicing above
+loses the completed character -- the stream matches that slicing; (b) a byte-fallback tokenizer
+(``<0xNN>`` tokens) whose model generates *invalid* UTF-8: the ``ByteFallback`` decoder renders
+a whole run of consecutive byte tokens as U+FFFD (one per token) as soon as any byte in the run
+is invalid, so ``dec`` also turns the run's earlier, valid, already emitted characters into
+U+FFFD, while the stream keeps them (and the U+FFFD it emits for the run may then differ in
+number from ``dec``'s, as the delta is cut from the window's text by length). Matching that
+would mean holding every byte-token run until a non-byte token ends it (unbounded latency for
+text in scripts the vocabulary lacks) for output that is garbage anyway; vLLM and TGI do not
+either. Valid UTF-8 output is unaffected.
 
 Cost per call: one ``decode`` of the window (plus one for the context text when the window
 slid), where the window is the tokens of the previous emission plus the tokens not yet emitted --

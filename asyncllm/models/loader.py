@@ -108,7 +108,7 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> pathlib.Path:
         return _convert_gguf(_default_gguf_path())
     path = pathlib.Path(os.fspath(model)).expanduser()
     if path.is_dir():
-        return _validate_hf_dir(path.resolve())
+        return _validate_hf_dir(path.absolute())
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return _convert_gguf(path.resolve())
