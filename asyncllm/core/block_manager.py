@@ -1,26 +1,58 @@
-"""Paged KV cache bookkeeping: a pool of physical blocks and a block table per request.
+"""Paged KV cache bookkeeping: a pool of physical blocks, block tables, prefix caching.
 
-Pure Python, integers only. The worker owns the tensors; this module only decides which
-physical block (an index into the first dimension of the K/V cache tensors) holds which
+Pure Python, integers and bytes only. The worker owns the tensors; this module only decides
+which physical block (an index into the first dimension of the K/V cache tensors) holds which
 tokens. Token ``i`` of a request lives in block ``block_table[i // block_size]`` at offset
 ``i % block_size`` (PagedAttention, Kwon et al., SOSP 2023).
+
+Automatic prefix caching (as in vLLM): every full block gets a hash that chains the hash of
+the block before it, the block's token ids, and the request's optional ``cache_salt`` (in the
+first block, so it reaches every later one). A request's prompt is matched block by block
+against the hashes of blocks already computed; hits are shared by reference count instead of
+being computed again. A freed block keeps its hash and stays in the free queue, least recently
+freed first; it serves hits until it is handed out again, which evicts it.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+
+class TokenSource(Protocol):
+    """Anything that hands out a slice of a request's tokens (prompt then output)."""
+
+    def token_ids(self, start: int, stop: int) -> list[int]: ...
 
 
 class BlockPoolError(RuntimeError):
     """A bookkeeping bug: double free, freeing an unknown block, or a broken invariant."""
 
 
-class BlockPool:
-    """A fixed set of ``num_blocks`` physical blocks with reference counts.
+def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None = None) -> bytes:
+    """SHA-256 of (parent hash, salt of the first block, token ids): 32 bytes.
 
-    A block is free exactly when its reference count is zero; free blocks are handed out
-    first-in first-out so that recently freed blocks are reused last.
+    SHA-256 makes collisions negligible (unlike Python's ``hash()`` of a tuple, which is 64-bit
+    and seeded per process).
+    """
+    h = hashlib.sha256()
+    if parent is None:
+        h.update(b"root" if salt is None else b"salt:" + salt.encode())
+    else:
+        h.update(parent)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+class BlockPool:
+    """A fixed set of ``num_blocks`` physical blocks with reference counts and hashes.
+
+    A block is in the free queue exactly when its reference count is zero. The queue is
+    ordered least recently freed first; :meth:`allocate` takes from its head and evicts the
+    cached hash of a block it takes.
 
     Raises:
         ValueError: ``num_blocks`` < 1.
@@ -31,28 +63,69 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._hashes: list[bytes | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        """Blocks with reference count zero."""
+        """Blocks with reference count zero (cached or not)."""
         return len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks that carry a hash (in use or free)."""
+        return len(self._cached)
+
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks, each with reference count 1.
+        """Take ``n`` free blocks, least recently freed first, each with reference count 1.
 
         Raises:
             BlockPoolError: fewer than ``n`` blocks are free (callers check ``num_free`` first).
         """
         if n > len(self._free):
             raise BlockPoolError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            h = self._hashes[b]
+            if h is not None:  # evict: its old contents are about to be overwritten
+                del self._cached[h]
+                self._hashes[b] = None
+                self.num_evictions += 1
             self._ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The block holding ``block_hash``, or None."""
+        return self._cached.get(block_hash)
+
+    def share(self, blocks: Iterable[int]) -> None:
+        """Add one reference to each block, taking cached free blocks out of the free queue."""
+        for b in blocks:
+            if self._ref_counts[b] == 0:
+                if self._hashes[b] is None:
+                    raise BlockPoolError(f"sharing free uncached block {b}")
+                del self._free[b]
+            self._ref_counts[b] += 1
+
+    def set_hash(self, block: int, block_hash: bytes) -> bool:
+        """Register a full, computed block under ``block_hash``.
+
+        Returns:
+            False when another block already holds that hash (this one stays uncached).
+        """
+        if self._hashes[block] is not None or block_hash in self._cached:
+            return False
+        self._hashes[block] = block_hash
+        self._cached[block_hash] = block
+        return True
+
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block; a block whose count reaches zero becomes free.
+        """Drop one reference to each block; a block whose count reaches zero joins the tail
+        of the free queue (keeping its hash, so it can still be hit).
 
         Raises:
             BlockPoolError: a block id is out of range or already free (double free).
@@ -64,23 +137,29 @@ class BlockPool:
                 raise BlockPoolError(f"double free of block {b}")
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
 
     def ref_count(self, block: int) -> int:
         """The number of block tables holding ``block``."""
         return self._ref_counts[block]
 
+    def block_hash(self, block: int) -> bytes | None:
+        """The hash a block is cached under, or None."""
+        return self._hashes[block]
+
     def check_invariants(self) -> None:
-        """Raise BlockPoolError unless every block is either free exactly once or referenced."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise BlockPoolError("a block is in the free queue twice")
+        """Raise BlockPoolError unless free queue, reference counts and hashes agree."""
         for b in range(self.num_blocks):
-            in_free = self._ref_counts[b] == 0
-            if self._ref_counts[b] < 0:
+            rc = self._ref_counts[b]
+            if rc < 0:
                 raise BlockPoolError(f"block {b} has negative reference count")
-            if in_free != (b in free):
-                raise BlockPoolError(f"block {b}: ref count {self._ref_counts[b]} vs free queue")
+            if (rc == 0) != (b in self._free):
+                raise BlockPoolError(f"block {b}: ref count {rc} vs free queue")
+            h = self._hashes[b]
+            if h is not None and self._cached.get(h) != b:
+                raise BlockPoolError(f"block {b}: hash not mapped back to it")
+        if len(self._cached) != sum(h is not None for h in self._hashes):
+            raise BlockPoolError("cached-hash map and block hashes disagree")
 
 
 class BlockManager:
@@ -89,18 +168,27 @@ class BlockManager:
     Args:
         num_blocks: physical blocks in the KV cache.
         block_size: tokens per block.
+        enable_caching: match and register full blocks by hash (prefix caching).
+
+    Raises:
+        ValueError: ``num_blocks`` or ``block_size`` below 1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
+        # Per request, the hashes of its full blocks in order (computed lazily).
+        self._hashes: dict[str, list[bytes]] = {}
+        # Per request, how many of its leading blocks are registered in the pool.
+        self._registered: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        """Free physical blocks."""
+        """Free physical blocks (cached blocks with no holder count as free)."""
         return self.pool.num_free
 
     @property
@@ -108,24 +196,85 @@ class BlockManager:
         """All physical blocks."""
         return self.pool.num_blocks
 
+    def block_hashes(
+        self, request_id: str, tokens: TokenSource, salt: str | None, num_tokens: int
+    ) -> list[bytes]:
+        """Hashes of (at least) the full blocks among the first ``num_tokens`` tokens, kept
+        per request and extended as it grows, so each block is hashed once."""
+        hashes = self._hashes.setdefault(request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tokens.token_ids(i * bs, (i + 1) * bs), salt))
+        return hashes
+
+    def find_cached_prefix(
+        self, request_id: str, tokens: TokenSource, num_tokens: int, salt: str | None
+    ) -> list[int]:
+        """The blocks of the longest cached prefix of ``token_ids`` made of full blocks.
+
+        The last token is never covered (it must be computed to produce logits), so a prompt
+        that is a whole number of blocks leaves its last block to be computed into a fresh one.
+        Changes nothing but the request's hash list.
+        """
+        if not self.enable_caching:
+            return []
+        hashes = self.block_hashes(request_id, tokens, salt, num_tokens - 1)
+        hits: list[int] = []
+        for h in hashes:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks the request needs so that its table covers ``num_tokens`` tokens."""
         held = len(self._tables.get(request_id, ()))
         return max(0, -(-num_tokens // self.block_size) - held)
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Grow the request's block table to cover ``num_tokens`` tokens.
+
+        Args:
+            cached: for a request holding no blocks yet, the prefix blocks found by
+                :meth:`find_cached_prefix`; they are shared, not copied.
 
         Returns:
             False, changing nothing, when too few blocks are free.
         """
-        need = self.blocks_needed(request_id, num_tokens)
-        if need > self.pool.num_free:
+        table = self._tables.get(request_id)
+        if cached and table:
+            raise BlockPoolError(f"{request_id}: cached prefix given to a request with blocks")
+        need = max(0, -(-num_tokens // self.block_size) - len(table or cached))
+        reclaimed = sum(1 for b in cached if self.pool.ref_count(b) == 0)
+        if need + reclaimed > self.pool.num_free:
             return False
-        table = self._tables.setdefault(request_id, [])
+        if table is None:
+            table = self._tables[request_id] = []
+        if cached:
+            self.pool.share(cached)
+            table.extend(cached)
         if need:
             table.extend(self.pool.allocate(need))
         return True
+
+    def cache_full_blocks(
+        self, request_id: str, tokens: TokenSource, salt: str | None, num_computed: int
+    ) -> None:
+        """Register the request's blocks that are full and computed (``num_computed`` tokens
+        have their K/V in the cache) so that later requests can hit them."""
+        if not self.enable_caching:
+            return
+        done = self._registered.get(request_id, 0)
+        full = num_computed // self.block_size
+        if full <= done:
+            return
+        table = self._tables[request_id]
+        hashes = self.block_hashes(request_id, tokens, salt, num_computed)
+        for i in range(done, full):
+            self.pool.set_hash(table[i], hashes[i])
+        self._registered[request_id] = full
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's physical block ids, logical order (the live list; do not mutate)."""
@@ -133,9 +282,11 @@ class BlockManager:
 
     def free(self, request_id: str) -> None:
         """Return all of the request's blocks to the pool (no-op if it holds none)."""
+        self._hashes.pop(request_id, None)
+        self._registered.pop(request_id, None)
         table = self._tables.pop(request_id, None)
         if table:
-            # Tail first: with prefix caching the tail is the least reusable part.
+            # Tail first: the tail is the least shared part, so it is evicted first.
             self.pool.free(reversed(table))
 
     def check_invariants(self) -> None:

@@ -51,12 +51,16 @@ class Request:
         priority: lower is served first (vLLM's convention); ties go to earlier arrival.
         params: opaque per-request data for the worker (its sampling parameters); the core
             never looks inside.
+        cache_salt: requests share cached KV blocks only when their salts are equal (None is
+            a salt too); tenants that must not share cache get different salts.
     """
 
     __slots__ = (
         "arrival_time",
+        "cache_salt",
         "max_model_len",
         "max_tokens",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "output_token_ids",
@@ -79,6 +83,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         params: Any = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -89,6 +94,9 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.params = params
+        self.cache_salt = cache_salt
+        # Prompt tokens served from the prefix cache at first admission.
+        self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -6,7 +6,8 @@ Each step the scheduler decides, from scratch, which requests compute how many t
 2. running requests still prefilling get the next chunk of their prompt from what is left of
    the budget (chunked prefill, as in vLLM and Sarathi-Serve, Agrawal et al., OSDI 2024);
 3. waiting requests are admitted in arrival order while the budget, ``max_num_seqs`` and the
-   free blocks allow; a long prompt's first chunk fills the rest of the budget.
+   free blocks allow; the longest cached prefix of full blocks is shared (prefix caching) and
+   only the rest is computed; a long prompt's first chunk fills the rest of the budget.
 
 When a running request needs a block and none is free, the running request that arrived last
 is preempted by recomputation: its blocks are freed and it goes back to the front of the
@@ -102,6 +103,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_cache_hits = 0  # of which served from cached blocks
 
     @property
     def num_unfinished(self) -> int:
@@ -120,8 +123,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Finish a request as aborted and free its blocks; None if it is not here."""
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> Request | None:
+        """Finish a request from outside the step (abort, or a stop string the front end
+        matched) with ``status`` and free its blocks; None if it is not here."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -129,7 +135,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, status)
         return request
 
     def schedule(self) -> SchedulerOutput:
@@ -150,11 +156,21 @@ class Scheduler:
                 scheduled.add(request.request_id)
                 budget -= n
 
+        bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + n):
+            cached = bm.find_cached_prefix(
+                request.request_id, request, request.num_tokens, request.cache_salt
+            )
+            num_cached = len(cached) * bm.block_size
+            n = min(request.num_tokens - num_cached, budget)
+            if not bm.allocate(request.request_id, num_cached + n, cached):
                 break
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -180,6 +196,9 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
+            self.block_manager.cache_full_blocks(
+                request.request_id, request, request.cache_salt, request.num_computed_tokens
+            )
             if not chunk.sample:
                 continue
             token = sampled[chunk.request_id]
