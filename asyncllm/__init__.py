@@ -9,20 +9,26 @@ from asyncllm.errors import (
     InvalidRequestError,
     ModelLoadError,
     ModelNotFoundError,
+    QueueFull,
     UnsupportedModelError,
 )
-from asyncllm.outputs import RequestOutput
+from asyncllm.llm import LLM
+from asyncllm.outputs import Logprob, RequestMetrics, RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
 __all__ = [
+    "LLM",
     "AsyncEngine",
     "AsyncLLMError",
     "EngineConfig",
     "EngineDeadError",
     "EngineNotRunningError",
     "InvalidRequestError",
+    "Logprob",
     "ModelLoadError",
     "ModelNotFoundError",
+    "QueueFull",
+    "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "UnsupportedModelError",

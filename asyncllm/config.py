@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 _DTYPES = ("float32", "float16", "bfloat16")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -27,8 +28,26 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         max_model_len: the most tokens (prompt + generated) of one request; None: the
             model's ``max_position_embeddings``.
         seed: seeds the sampling of requests that carry no seed of their own.
+        preemption_mode: what happens to a preempted request's KV blocks: "offload" copies
+            them to a CPU block pool and back (no recomputation; falls back to recompute when
+            the pool is full), "recompute" drops them and prefills again on resumption.
+        cpu_offload_bytes: bytes of the CPU block pool for "offload"; None: as many bytes as
+            the device KV cache; 0: no pool (always recompute). Pinned memory on CUDA.
+        enable_prefix_caching: share the KV blocks of prompt prefixes that were computed
+            before (full blocks only, matched by a chained SHA-256 of their tokens).
         num_threads: torch intra-op threads on CPU; None: one per core minus one for the
             event loop, at least 1 (see docs/tuning.md for the measurement behind it).
+        attention_backend: "auto" (the Triton kernels of docs/kernels.md on CUDA, the torch
+            path on CPU), "torch" or "triton"; "triton" on a CPU raises ValueError when the
+            engine is built unless ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests).
+        max_waiting: the most requests waiting to be scheduled (submitted, not yet
+            running); past it ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at
+            once instead of queueing. None: unbounded.
+        shutdown_mode: what leaving ``async with engine`` does with requests still in
+            flight: "abort" ends them at once with finish_reason "abort"; "drain" stops
+            accepting new ones and lets them finish first. Either way the background task
+            and its thread are joined before ``__aexit__`` returns; when the block exits
+            with an exception, in-flight requests are aborted whatever the mode.
 
     Raises:
         ValueError: a field outside its range, naming the field.
@@ -43,7 +62,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True
+    preemption_mode: Literal["offload", "recompute"] = "offload"
+    cpu_offload_bytes: int | None = None
     num_threads: int | None = None
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    max_waiting: int | None = 1024
+    shutdown_mode: Literal["abort", "drain"] = "abort"
 
     def __post_init__(self) -> None:
         def positive(name: str, value: object, lo: int = 1) -> None:
@@ -57,6 +82,23 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 "EngineConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                 f"got {self.device!r}"
             )
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(
+                f"EngineConfig.attention_backend must be one of {_ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                "EngineConfig.enable_prefix_caching must be a bool, "
+                f"got {self.enable_prefix_caching!r}"
+            )
+        if self.preemption_mode not in ("offload", "recompute"):
+            raise ValueError(
+                "EngineConfig.preemption_mode must be 'offload' or 'recompute', "
+                f"got {self.preemption_mode!r}"
+            )
+        if self.cpu_offload_bytes is not None:
+            positive("cpu_offload_bytes", self.cpu_offload_bytes, 0)
         positive("block_size", self.block_size)
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -64,3 +106,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for name in ("kv_cache_bytes", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 positive(name, getattr(self, name))
+        if self.max_waiting is not None:
+            positive("max_waiting", self.max_waiting, 0)
+        if self.shutdown_mode not in ("abort", "drain"):
+            raise ValueError(
+                f"EngineConfig.shutdown_mode must be 'abort' or 'drain', got {self.shutdown_mode!r}"
+            )

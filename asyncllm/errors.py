@@ -31,3 +31,8 @@ class EngineDeadError(AsyncLLMError, RuntimeError):
 
 class EngineNotRunningError(AsyncLLMError, RuntimeError):
     """A request was sent to an engine that is not started (use ``async with engine``)."""
+
+
+class QueueFull(AsyncLLMError, RuntimeError):
+    """The waiting queue holds ``EngineConfig.max_waiting`` requests; try again later (an
+    HTTP server would answer 503 / 429). Raised when the request is submitted."""

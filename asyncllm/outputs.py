@@ -5,29 +5,102 @@ from __future__ import annotations
 import msgspec
 
 
+class Logprob(msgspec.Struct, frozen=True):
+    """One token's log-probability at one position.
+
+    Attributes:
+        logprob: natural-log probability under the model's raw distribution (``log_softmax``
+            of the logits, before bias, penalties and temperature).
+        rank: 1-based rank of the token in that distribution (1 = most likely; the number
+            of tokens whose log-probability is >= this one's, as vLLM counts).
+        decoded_token: the token's own text (``decode([id])``, special tokens kept; a byte
+            token of a multi-byte character decodes to U+FFFD).
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+#: Per position: token id -> its :class:`Logprob`; the chosen (sampled, or prompt) token
+#: first, then the requested top alternatives by rank.
+PositionLogprobs = dict[int, Logprob]
+
+
+class RequestMetrics(msgspec.Struct, kw_only=True):
+    """Per-request timings (seconds, from ``time.monotonic()``) and token counts.
+
+    Attributes:
+        arrival_time: when the call was made (``time.monotonic()``).
+        queue_time: first scheduled - arrival; None when it was never scheduled.
+        ttft: time to first token: first token delivered to the front end - arrival; None
+            when no token was generated.
+        mean_tpot: mean time per output token after the first: (last token - first token)
+            / (tokens - 1); None with fewer than two tokens.
+        e2e_latency: finish - arrival.
+        num_prompt_tokens: tokens in the prompt.
+        num_cached_tokens: prompt tokens served from the prefix cache (not computed).
+        num_generated_tokens: tokens generated.
+        num_preemptions: times the request was preempted and recomputed.
+    """
+
+    arrival_time: float
+    queue_time: float | None
+    ttft: float | None
+    mean_tpot: float | None
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int = 0
+
+
 class RequestOutput(msgspec.Struct, kw_only=True):
     """One item of a stream, or the whole result of ``generate()``.
 
-    In a stream, ``token_ids`` and ``text`` hold what is new since the previous item (deltas;
-    a slow reader gets several steps merged into one item). From ``generate()`` they hold the
-    whole generated sequence.
+    With ``output_kind="delta"`` (the default) ``token_ids``, ``text`` and ``logprobs`` of a
+    streamed item hold what is new since the previous item (a slow reader gets several steps
+    merged into one item); with "cumulative" they hold everything so far; with "final" the
+    stream has one item, the last. ``generate()`` always returns the whole output.
 
     Attributes:
         request_id: the request's id.
-        token_ids: generated token ids.
-        text: their text (never ends inside a multi-byte character).
-        finish_reason: None while running, then "stop" (EOS or a stop token), "length"
-            (max_tokens or max_model_len reached) or "abort".
+        token_ids: generated token ids (a matched stop string's tokens included).
+        text: their text: never ends inside a multi-byte character, never ends with text
+            that could still become a stop string, and leaves out the matched stop string
+            (and a stop token's text) unless ``include_stop_str_in_output``.
+        finish_reason: None while running, then "stop" (EOS, a stop token or a stop string),
+            "length" (max_tokens or max_model_len reached), "abort" (the caller aborted, or
+            the engine shut down with ``shutdown_mode="abort"``) or "timeout" (the request's
+            ``timeout`` passed).
+        stop_reason: with finish_reason "stop": the matched stop string, or the stop token
+            id from ``stop_token_ids``; None for EOS.
         num_prompt_tokens: tokens in the prompt.
+        num_cached_tokens: prompt tokens served from the prefix cache.
         num_generated_tokens: tokens generated so far in total.
+        logprobs: with ``SamplingParams.logprobs``: one dict per token of ``token_ids``.
+        cumulative_logprob: with ``logprobs``: the sum of the generated tokens' logprobs so
+            far.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: one entry per prompt token
+            (None for the first), on the first item of a stream (every item when
+            "cumulative").
+        prompt_token_ids: the prompt's token ids, on the last item.
+        metrics: timings and counts, on the last item.
     """
 
     request_id: str
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     num_generated_tokens: int = 0
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    metrics: RequestMetrics | None = None
 
     @property
     def finished(self) -> bool:

@@ -88,11 +88,15 @@ def make_engine() -> Iterator[Callable[..., AsyncEngine]]:
 
 
 def check_pool_whole(engine: AsyncEngine) -> None:
-    """No request left, every block free, reference counts consistent."""
+    """No request left, every device and CPU block free, reference counts consistent."""
     core = engine._engine
     core.block_manager.check_invariants()
     assert not core.has_unfinished(), core.scheduler.requests
     assert core.block_manager.num_free_blocks == core.block_manager.num_total_blocks
+    cpu_pool = core.scheduler.cpu_pool
+    if cpu_pool is not None:
+        cpu_pool.check_invariants()
+        assert cpu_pool.num_free == cpu_pool.num_blocks
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -151,3 +151,52 @@ def test_stop_token_and_max_model_len():
     r = Request("b", [1, 2], max_tokens=10, max_model_len=4)
     assert r.append_token(3) is None
     assert r.append_token(4).finish_reason == "length"
+
+
+def test_parallel_samples_fork_and_copy_on_write():
+    """3 samples of a 6-token prompt (block size 4): the prefix request computes 5 tokens,
+    the samples fork its 2 blocks; the shared partial block is copied on write by the first
+    two writers, the last writer owns it alone and writes in place."""
+    bm = BlockManager(20, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    samples = [Request(f"s{i}", [1, 2, 3, 4, 5, 6], max_tokens=3, max_model_len=100)
+               for i in range(3)]  # fmt: skip
+    sched.add_parallel_requests(samples)
+    plan = sched.schedule()
+    assert [(c.request_id, len(c.token_ids), c.sample) for c in plan.chunks] == [
+        ("s0#prefix", 5, False)
+    ]
+    prefix_blocks = plan.chunks[0].block_table
+    sched.update_from_output(plan, {})
+    assert all(bm.block_table(f"s{i}") == prefix_blocks for i in range(3))
+    assert bm.pool.ref_count(prefix_blocks[1]) == 3
+    plan = sched.schedule()
+    assert [(c.request_id, c.token_ids, c.start_pos) for c in plan.chunks] == [
+        (f"s{i}", [6], 5) for i in range(3)
+    ]
+    assert [src for src, _ in plan.copies] == [prefix_blocks[1]] * 2
+    tables = [c.block_table for c in plan.chunks]
+    assert all(t[0] == prefix_blocks[0] for t in tables)  # the full block stays shared
+    assert len({t[1] for t in tables}) == 3 and tables[2][1] == prefix_blocks[1]
+    sched.update_from_output(plan, {f"s{i}": 10 + i for i in range(3)})
+    bm.check_invariants()
+    while sched.num_unfinished:
+        plan = sched.schedule()
+        assert not plan.copies
+        sched.update_from_output(plan, {c.request_id: 7 for c in plan.chunks if c.sample})
+    assert [s.output_token_ids for s in samples] == [[10, 7, 7], [11, 7, 7], [12, 7, 7]]
+    bm.check_invariants()
+    assert bm.num_free_blocks == 20
+
+
+def test_aborting_every_unforked_sample_aborts_the_prefix():
+    bm = BlockManager(20, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=2)
+    samples = [Request(f"s{i}", list(range(1, 11)), max_tokens=3, max_model_len=100)
+               for i in range(2)]  # fmt: skip
+    sched.add_parallel_requests(samples)
+    sched.update_from_output(sched.schedule(), {})  # 2 of the 9 prefix tokens
+    sched.abort_request("s0")
+    assert "s0#prefix" in sched.requests
+    sched.abort_request("s1")
+    assert not sched.requests and bm.num_free_blocks == 20

@@ -9,6 +9,7 @@ model call, so each engine passes its own cache and nothing lives in a module gl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +17,38 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from asyncllm.attention import triton_paged
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
 
 ATTN_IMPLEMENTATION = "asyncllm_paged"
 METADATA_KWARG = "asyncllm_attn"
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One paged attention implementation; the model runner picks one per engine.
+
+    Attributes:
+        name: "torch" (:mod:`~asyncllm.attention.torch_paged`) or "triton"
+            (:mod:`~asyncllm.attention.triton_paged`).
+        build_plan: ``(query_lens, seq_lens, block_tables, block_size, device) -> plan``.
+        write: ``(key, value, key_cache, value_cache, slot_mapping) -> None``.
+        attend: ``(query, key_cache, value_cache, plan, scale) -> [num_tokens, H, D]``.
+    """
+
+    name: str
+    build_plan: Callable[..., Any]
+    write: Callable[..., None]
+    attend: Callable[..., torch.Tensor]
+
+
+TORCH_BACKEND = AttentionBackend("torch", PagedAttentionPlan.build, write_kv_cache, paged_attention)
+TRITON_BACKEND = AttentionBackend(
+    "triton",
+    triton_paged.TritonPagedPlan.build,
+    triton_paged.write_kv_cache,
+    triton_paged.paged_attention,
+)
 
 
 @dataclass(frozen=True)
@@ -29,13 +58,15 @@ class AttentionMetadata:
     Attributes:
         key_caches, value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]`` int64 flat cache slot of each new token.
-        plan: the step's query/context layout.
+        plan: the step's query/context layout, built by ``backend.build_plan``.
+        backend: the implementation that writes and attends.
     """
 
     key_caches: list[torch.Tensor]
     value_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor
-    plan: PagedAttentionPlan
+    plan: Any
+    backend: AttentionBackend = TORCH_BACKEND
 
 
 def paged_attention_forward(
@@ -63,11 +94,11 @@ def paged_attention_forward(
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {METADATA_KWARG} kwarg")
     layer = module.layer_idx
     k_cache, v_cache = meta.key_caches[layer], meta.value_caches[layer]
-    write_kv_cache(
+    meta.backend.write(
         key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
     )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_attention(query[0].transpose(0, 1), k_cache, v_cache, meta.plan, scale)
+    out = meta.backend.attend(query[0].transpose(0, 1), k_cache, v_cache, meta.plan, scale)
     return out[None], None
 
 

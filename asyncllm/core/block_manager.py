@@ -139,6 +139,17 @@ class BlockPool:
             if self._ref_counts[b] == 0:
                 self._free[b] = None
 
+    def evict_free_cached(self) -> int:
+        """Drop the hashes of all free blocks (blocks in use keep theirs); returns how many."""
+        dropped = 0
+        for b in self._free:
+            h = self._hashes[b]
+            if h is not None:
+                del self._cached[h]
+                self._hashes[b] = None
+                dropped += 1
+        return dropped
+
     def ref_count(self, block: int) -> int:
         """The number of block tables holding ``block``."""
         return self._ref_counts[block]
@@ -233,12 +244,24 @@ class BlockManager:
         held = len(self._tables.get(request_id, ()))
         return max(0, -(-num_tokens // self.block_size) - held)
 
-    def allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        cached: Sequence[int] = (),
+        *,
+        write_from: int | None = None,
+        copies: list[tuple[int, int]] | None = None,
+    ) -> bool:
         """Grow the request's block table to cover ``num_tokens`` tokens.
 
         Args:
             cached: for a request holding no blocks yet, the prefix blocks found by
                 :meth:`find_cached_prefix`; they are shared, not copied.
+            write_from: the first position the step writes. If it falls inside a block that
+                other tables share (a forked, partly filled block), that block is copied on
+                write: a new block replaces it in this table and ``(old, new)`` is appended to
+                ``copies`` for the worker to copy before the step.
 
         Returns:
             False, changing nothing, when too few blocks are free.
@@ -248,16 +271,37 @@ class BlockManager:
             raise BlockPoolError(f"{request_id}: cached prefix given to a request with blocks")
         need = max(0, -(-num_tokens // self.block_size) - len(table or cached))
         reclaimed = sum(1 for b in cached if self.pool.ref_count(b) == 0)
-        if need + reclaimed > self.pool.num_free:
+        cow = -1
+        if table and write_from is not None and write_from % self.block_size:
+            i = write_from // self.block_size
+            if i < len(table) and self.pool.ref_count(table[i]) > 1:
+                cow = i
+        if need + reclaimed + (cow >= 0) > self.pool.num_free:
             return False
         if table is None:
             table = self._tables[request_id] = []
         if cached:
             self.pool.share(cached)
             table.extend(cached)
+        if cow >= 0:
+            (new,) = self.pool.allocate(1)
+            old = table[cow]
+            self.pool.free([old])
+            table[cow] = new
+            if copies is None:
+                raise BlockPoolError("copy-on-write needs a copies list")
+            copies.append((old, new))
         if need:
             table.extend(self.pool.allocate(need))
         return True
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` (holding no blocks) the parent's blocks, shared by reference."""
+        if self._tables.get(child_id):
+            raise BlockPoolError(f"{child_id} already holds blocks")
+        table = list(self._tables.get(parent_id, ()))
+        self.pool.share(table)
+        self._tables[child_id] = table
 
     def cache_full_blocks(
         self, request_id: str, tokens: TokenSource, salt: str | None, num_computed: int

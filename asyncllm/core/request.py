@@ -44,8 +44,9 @@ class Request:
         request_id: unique id.
         prompt_token_ids: the prompt, at least one token.
         max_tokens: the most tokens to generate (>= 1).
-        stop_token_ids: generating one of these ends the request with "stop" (empty when the
-            caller asked to ignore EOS).
+        stop_token_ids: generating one of these ends the request with "stop" (the model's EOS
+            tokens unless the caller asked to ignore EOS, plus the caller's stop token ids).
+        min_tokens: stop tokens do not end the request before this many tokens are generated.
         max_model_len: prompt plus generated tokens never exceed this (tokens).
         arrival_time: seconds (``time.monotonic()``) when the request was received.
         priority: lower is served first (vLLM's convention); ties go to earlier arrival.
@@ -53,18 +54,24 @@ class Request:
             never looks inside.
         cache_salt: requests share cached KV blocks only when their salts are equal (None is
             a salt too); tenants that must not share cache get different salts.
+        prefill_only: compute the prompt's K/V and sample nothing (the shared prefix of
+            parallel samples).
     """
 
     __slots__ = (
         "arrival_time",
         "cache_salt",
+        "cpu_blocks",
+        "first_scheduled_time",
         "max_model_len",
         "max_tokens",
+        "min_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "output_token_ids",
         "params",
+        "prefill_only",
         "priority",
         "prompt_token_ids",
         "request_id",
@@ -79,26 +86,34 @@ class Request:
         *,
         max_tokens: int,
         stop_token_ids: frozenset[int] = frozenset(),
+        min_tokens: int = 0,
         max_model_len: int,
         arrival_time: float = 0.0,
         priority: int = 0,
         params: Any = None,
         cache_salt: str | None = None,
+        prefill_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.max_tokens = max_tokens
         self.stop_token_ids = stop_token_ids
+        self.min_tokens = min_tokens
         self.max_model_len = max_model_len
+        # Seconds (time.monotonic()) when a step first computed any of its tokens.
+        self.first_scheduled_time: float | None = None
         self.arrival_time = arrival_time
         self.priority = priority
         self.params = params
         self.cache_salt = cache_salt
+        self.prefill_only = prefill_only
         # Prompt tokens served from the prefix cache at first admission.
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # While swapped out: the CPU blocks holding its first num_computed_tokens tokens' KV.
+        self.cpu_blocks: list[int] | None = None
         self.status = RequestStatus.WAITING
 
     @property
@@ -118,11 +133,12 @@ class Request:
     def append_token(self, token_id: int) -> RequestStatus | None:
         """Append a sampled token; return the finished status it causes, if any.
 
-        Stop conditions in order: a stop token ("stop"), then ``max_tokens`` generated or
-        ``max_model_len`` reached ("length").
+        Stop conditions in order: a stop token once more than ``min_tokens`` tokens are
+        generated ("stop"), then ``max_tokens`` generated or ``max_model_len`` reached
+        ("length").
         """
         self.output_token_ids.append(token_id)
-        if token_id in self.stop_token_ids:
+        if token_id in self.stop_token_ids and len(self.output_token_ids) > self.min_tokens:
             return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -9,22 +9,46 @@ Each step the scheduler decides, from scratch, which requests compute how many t
    free blocks allow; the longest cached prefix of full blocks is shared (prefix caching) and
    only the rest is computed; a long prompt's first chunk fills the rest of the budget.
 
-When a running request needs a block and none is free, the running request that arrived last
-is preempted by recomputation: its blocks are freed and it goes back to the front of the
-waiting queue with ``num_computed_tokens = 0``; on readmission its prompt and generated tokens
-are prefilled again, so its output is unchanged.
+Priorities: a lower ``priority`` value is served first, ties by earlier arrival (vLLM's
+convention); the waiting queue is admitted in that order and running requests get the budget
+in that order.
+
+Preemption: when a running request needs a block and none is free, or when the best waiting
+request has a better priority than some running request and cannot be admitted (too few free
+blocks for its first chunk, or ``max_num_seqs`` running), running requests are preempted,
+worst first: unprotected before protected, then the largest priority value, then the latest
+arrival. A victim's KV blocks are either
+
+* swapped out (offload): copied to a CPU block pool and freed on the device; on readmission
+  they are copied back into new device blocks and decoding continues where it stopped; or
+* dropped (recompute), when there is no CPU pool or it is full: ``num_computed_tokens`` goes
+  back to 0 and the prompt and generated tokens are prefilled again on readmission.
+
+Either way the request's output is unchanged. The copies of one step are listed in its plan
+(``swap_out`` before ``swap_in``) and done by the worker before the forward pass.
+
+Parallel sampling (n > 1): the n samples of one prompt share its KV blocks. A hidden prefix
+request computes all prompt tokens but the last; then each sample forks its block table
+(reference counts, no copies) and computes the last prompt token itself, which samples its
+first token. The partly filled last block is copied on write by each sample that writes into
+it while others still share it; the copies of a step are in its plan (``copies``).
+
+Starvation: a request is protected once it has been preempted ``PROTECT_AFTER_PREEMPTIONS``
+times or has waited ``PROTECT_AFTER_WAIT_S`` seconds since it arrived. A protected request is
+admitted before every unprotected one and is preempted only when no unprotected request can
+be, so it finishes under any sustained load of higher priority.
 
 Pure Python: the plan crosses to the worker as a :class:`SchedulerOutput` of plain lists.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncllm.core.block_manager import BlockManager
+from asyncllm.core.block_manager import BlockManager, BlockPool
 from asyncllm.core.request import Request, RequestStatus
 
 
@@ -42,6 +66,11 @@ class ScheduledChunk:
             request's tokens).
         num_output_tokens: tokens the request had generated before this step.
         params: the request's opaque worker parameters (sampling parameters).
+        prompt_token_ids: the request's prompt (a read-only reference to its list, not a
+            copy), for penalties and prompt logprobs.
+        output_token_ids: the request's generated tokens so far (read-only reference).
+        stop_token_ids: the tokens that stop the request (masked while ``min_tokens`` is
+            not reached).
     """
 
     request_id: str
@@ -51,13 +80,36 @@ class ScheduledChunk:
     sample: bool
     num_output_tokens: int
     params: Any
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+PROTECT_AFTER_PREEMPTIONS = 3
+"""Preemptions after which a request is protected from further preemption."""
+
+PROTECT_AFTER_WAIT_S = 30.0
+"""Seconds since arrival after which a request is protected (and admitted first)."""
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step's plan. Chunks that sample come in the order their tokens are returned."""
+    """One step's plan.
+
+    Attributes:
+        chunks: the tokens each scheduled request computes.
+        swap_out: (device block, CPU block) pairs to copy to the CPU pool first.
+        swap_in: (CPU block, device block) pairs to copy back, after ``swap_out``.
+        cpu_blocks_to_free: CPU blocks released once this step's copies are done.
+        copies: (source, destination) device blocks to copy after the swaps
+            (copy-on-write of shared, partly filled blocks).
+    """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    cpu_blocks_to_free: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,8 +118,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing to compute."""
-        return not self.chunks
+        """Nothing to compute and nothing to copy."""
+        return not (self.chunks or self.swap_out or self.swap_in or self.copies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,23 +138,41 @@ class Scheduler:
         block_manager: the KV cache block bookkeeping.
         max_num_seqs: the most requests running at once.
         max_num_batched_tokens: the token budget of one step.
+        cpu_pool: the CPU block pool that preempted requests are swapped out to; None means
+            preemption always recomputes.
+        clock: seconds, monotonic (for the starvation bound).
 
     Raises:
         ValueError: a limit below 1.
     """
 
     def __init__(
-        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        cpu_pool: BlockPool | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.cpu_pool = cpu_pool
+        self.clock = clock
+        self.protect_after_preemptions = PROTECT_AFTER_PREEMPTIONS
+        self.protect_after_wait_s = PROTECT_AFTER_WAIT_S
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Prefix request id -> the samples waiting for it to finish before they fork.
+        self._forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.num_recomputed_tokens = 0  # computed tokens dropped by recompute preemption
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of which served from cached blocks
 
@@ -123,6 +193,38 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_parallel_requests(self, samples: Sequence[Request]) -> None:
+        """Queue the n samples of one prompt so that they share its KV blocks (see the module
+        docstring). Their ids must be distinct; the prompt is the first sample's.
+
+        Raises:
+            ValueError: a duplicate request id.
+        """
+        first = samples[0]
+        if len(samples) == 1 or len(first.prompt_token_ids) < 2:
+            for r in samples:
+                self.add_request(r)
+            return
+        ids = [r.request_id for r in samples]
+        prefix_id = f"{first.request_id}#prefix"
+        if len(set(ids)) != len(ids) or any(i in self.requests for i in [*ids, prefix_id]):
+            raise ValueError(f"duplicate request id among {ids}")
+        prefix = Request(
+            prefix_id,
+            first.prompt_token_ids[:-1],
+            max_tokens=1,
+            max_model_len=first.max_model_len,
+            arrival_time=first.arrival_time,
+            priority=first.priority,
+            cache_salt=first.cache_salt,
+            prefill_only=True,
+        )
+        self.add_request(prefix)
+        self._forks[prefix_id] = list(samples)
+        for r in samples:
+            r.status = RequestStatus.WAITING
+            self.requests[r.request_id] = r
+
     def abort_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> Request | None:
@@ -131,52 +233,121 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
+        for prefix_id, samples in self._forks.items():
+            if request in samples:  # not forked yet: it holds no blocks
+                samples.remove(request)
+                if not samples:
+                    del self._forks[prefix_id]
+                    self.abort_request(prefix_id)
+                break
         else:
-            self.waiting.remove(request)
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
         self._finish(request, status)
         return request
+
+    def is_protected(self, request: Request) -> bool:
+        """Protected from preemption and admitted first (see the module docstring)."""
+        return (
+            request.num_preemptions >= self.protect_after_preemptions
+            or self.clock() - request.arrival_time >= self.protect_after_wait_s
+        )
+
+    def _admission_key(self, request: Request) -> tuple[bool, int, float]:
+        return (not self.is_protected(request), request.priority, request.arrival_time)
+
+    def _victim_key(self, request: Request) -> tuple[bool, int, float]:
+        return (not self.is_protected(request), request.priority, request.arrival_time)
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        self.waiting.sort(key=self._admission_key)
+        self._preempt_for_priority(out)
+        order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
+        decodes = [r for r in order if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in order if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, n, scheduled):
+            if self._allocate_or_preempt(request, n, scheduled, out):
                 out.chunks.append(self._chunk(request, n))
                 scheduled.add(request.request_id)
                 budget -= n
 
-        bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = bm.find_cached_prefix(
-                request.request_id, request, request.num_tokens, request.cache_salt
-            )
-            num_cached = len(cached) * bm.block_size
-            n = min(request.num_tokens - num_cached, budget)
-            if not bm.allocate(request.request_id, num_cached + n, cached):
+            n = self._admit(request, budget, out)
+            if n == 0:
                 break
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_cached
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens = num_cached
-            self.waiting.popleft()
+            del self.waiting[0]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, n))
             budget -= n
         return out
+
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Give a waiting request its blocks for its next chunk; return the chunk's size in
+        tokens, or 0 (changing nothing) when the blocks are not free."""
+        bm = self.block_manager
+        rid = request.request_id
+        if request.cpu_blocks is not None:  # swapped out: copy back, continue where it stopped
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not bm.allocate(rid, request.num_computed_tokens + n):
+                return 0
+            device = bm.block_table(rid)
+            out.swap_in.extend(zip(request.cpu_blocks, device, strict=False))
+            out.cpu_blocks_to_free.extend(request.cpu_blocks)
+            self.num_swapped_in_blocks += len(request.cpu_blocks)
+            request.cpu_blocks = None
+            return n
+        if bm.block_table(rid):  # a forked sample: it already shares its prompt's blocks
+            start = request.num_computed_tokens
+            n = min(request.num_tokens - start, budget)
+            ok = bm.allocate(rid, start + n, write_from=start, copies=out.copies)
+            return n if ok else 0
+        cached = bm.find_cached_prefix(rid, request, request.num_tokens, request.cache_salt)
+        num_cached = len(cached) * bm.block_size
+        n = min(request.num_tokens - num_cached, budget)
+        if not bm.allocate(rid, num_cached + n, cached):
+            return 0
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached
+        request.num_computed_tokens = num_cached
+        return n
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Preempt running requests of worse priority until the best waiting request fits
+        beside what the remaining running requests need this step."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        bm = self.block_manager
+
+        def wanted(r: Request) -> int:  # blocks for r's next chunk, at most a full budget
+            n = min(r.num_tokens - r.num_computed_tokens, self.max_num_batched_tokens)
+            return bm.blocks_needed(r.request_id, r.num_computed_tokens + n)
+
+        while len(self.running) >= self.max_num_seqs or (
+            wanted(head) + sum(wanted(r) for r in self.running) > bm.num_free_blocks
+        ):
+            victims = [
+                r for r in self.running
+                if r.priority > head.priority and not self.is_protected(r)
+            ]  # fmt: skip
+            if not victims:
+                return
+            self._preempt(max(victims, key=self._victim_key), out)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: Mapping[str, int]
@@ -191,6 +362,8 @@ class Scheduler:
             One update per sampled request still running; finished requests' blocks are freed.
         """
         updates: list[RequestUpdate] = []
+        if self.cpu_pool is not None and output.cpu_blocks_to_free:
+            self.cpu_pool.free(output.cpu_blocks_to_free)
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -199,6 +372,8 @@ class Scheduler:
             self.block_manager.cache_full_blocks(
                 request.request_id, request, request.cache_salt, request.num_computed_tokens
             )
+            if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+                self._fork(request)
             if not chunk.sample:
                 continue
             token = sampled[chunk.request_id]
@@ -218,34 +393,68 @@ class Scheduler:
             token_ids=request.token_ids(start, start + n),
             start_pos=start,
             block_table=list(self.block_manager.block_table(request.request_id)),
-            sample=start + n == request.num_tokens,
+            sample=start + n == request.num_tokens and not request.prefill_only,
             num_output_tokens=len(request.output_token_ids),
             params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            stop_token_ids=request.stop_token_ids,
         )
 
-    def _allocate_or_preempt(self, request: Request, n: int, scheduled: set[str]) -> bool:
-        """Allocate blocks for ``n`` more tokens, preempting the latest arrivals if needed.
+    def _fork(self, prefix: Request) -> None:
+        """The prefix is computed: its samples share its blocks and join the waiting queue."""
+        for r in self._forks.pop(prefix.request_id, []):
+            self.block_manager.fork(prefix.request_id, r.request_id)
+            r.num_computed_tokens = prefix.num_computed_tokens
+            r.num_cached_tokens = prefix.num_cached_tokens
+            self.waiting.append(r)
+        self.waiting.sort(key=self._admission_key)
+        self.running.remove(prefix)
+        self._finish(prefix, RequestStatus.FINISHED_STOPPED)
 
-        Returns False when ``request`` itself had to be preempted.
+    def _allocate_or_preempt(
+        self, request: Request, n: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        """Allocate blocks for ``n`` more tokens, preempting the worst running requests not
+        yet scheduled this step if needed. Returns False when ``request`` itself was preempted.
         """
-        while not self.block_manager.allocate(request.request_id, request.num_computed_tokens + n):
+        start = request.num_computed_tokens
+        while not self.block_manager.allocate(
+            request.request_id, start + n, write_from=start, copies=out.copies
+        ):
             candidates = [r for r in self.running if r.request_id not in scheduled]
-            victim = max(candidates, key=lambda r: r.arrival_time)
-            self._preempt(victim)
+            victim = max(candidates, key=self._victim_key)
+            self._preempt(victim, out)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Swap the request out to the CPU pool if it has room, else drop its KV."""
+        bm = self.block_manager
+        rid = request.request_id
+        n_valid = -(-request.num_computed_tokens // bm.block_size)
+        cpu = self.cpu_pool
+        if cpu is not None and 0 < n_valid <= cpu.num_free:
+            cpu_blocks = cpu.allocate(n_valid)
+            out.swap_out.extend(zip(bm.block_table(rid)[:n_valid], cpu_blocks, strict=True))
+            request.cpu_blocks = cpu_blocks
+            self.num_swapped_out_blocks += n_valid
+        else:
+            self.num_recomputed_tokens += request.num_computed_tokens
+            request.num_computed_tokens = 0
+        bm.free(rid)
         self.running.remove(request)
-        self.block_manager.free(request.request_id)
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.append(request)
+        self.waiting.sort(key=self._admission_key)
         self.num_preemptions += 1
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.block_manager.free(request.request_id)
+        if request.cpu_blocks is not None and self.cpu_pool is not None:
+            self.cpu_pool.free(request.cpu_blocks)
+            request.cpu_blocks = None
         del self.requests[request.request_id]

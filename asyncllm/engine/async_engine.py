@@ -1,10 +1,11 @@
-"""The asyncio front end: streams, the background step loop, cancellation.
+"""The asyncio front end: streams, the background step loop, cancellation, failure.
 
 One background task owns the :class:`LLMEngine`. Calls from other tasks (new requests,
 aborts) go through an inbox that the task applies between steps; each step runs in a single
 worker thread so the event loop stays free while the model computes. Each request has a
-mailbox that holds the not-yet-read delta: a slow reader gets several steps merged into one
-item instead of an unbounded queue.
+:class:`~asyncllm.engine.output_processor.RequestState` that holds its not-yet-read output
+(detokenized, stop strings applied): a slow reader gets several steps merged into one item
+instead of an unbounded queue.
 """
 
 from __future__ import annotations
@@ -13,84 +14,42 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
+import math
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asyncllm.config import EngineConfig
-from asyncllm.core.request import Request
+from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import RequestUpdate
-from asyncllm.engine.detokenizer import IncrementalDetokenizer
-from asyncllm.engine.llm_engine import LLMEngine
-from asyncllm.errors import EngineDeadError, EngineNotRunningError, InvalidRequestError
+from asyncllm.engine.llm_engine import LLMEngine, PromptType
+from asyncllm.engine.output_processor import RequestState, TokenTextCache, merge_outputs
+from asyncllm.errors import (
+    EngineDeadError,
+    EngineNotRunningError,
+    InvalidRequestError,
+    QueueFull,
+)
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("asyncllm")
 
 
-class _Mailbox:
-    """One request's unread output, merged; the engine task writes, the stream reads."""
-
-    __slots__ = (
-        "detokenizer",
-        "error",
-        "event",
-        "finish_reason",
-        "num_generated",
-        "num_prompt_tokens",
-        "text",
-        "token_ids",
-    )
-
-    def __init__(self, detokenizer: IncrementalDetokenizer, num_prompt_tokens: int) -> None:
-        self.detokenizer = detokenizer
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_generated = 0
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.event = asyncio.Event()
-
-    def post(self, token_id: int | None, finish_reason: str | None) -> None:
-        if token_id is not None:
-            self.token_ids.append(token_id)
-            self.text += self.detokenizer.add_tokens([token_id])
-            self.num_generated += 1
-        if finish_reason is not None:
-            self.text += self.detokenizer.flush()
-            self.finish_reason = finish_reason
-        self.event.set()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.event.set()
-
-    def take(self, request_id: str) -> RequestOutput:
-        out = RequestOutput(
-            request_id=request_id,
-            token_ids=self.token_ids,
-            text=self.text,
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generated_tokens=self.num_generated,
-        )
-        self.token_ids = []
-        self.text = ""
-        self.event.clear()
-        return out
-
-
 class AsyncEngine:
     """An LLM engine for asyncio applications.
 
-    Use it as an async context manager; inside, any number of tasks may call :meth:`stream`
-    and :meth:`generate` concurrently and share the model through continuous batching::
+    Use it as an async context manager; inside, any number of tasks may call :meth:`stream`,
+    :meth:`chat` and :meth:`generate` concurrently and share the model through continuous
+    batching::
 
         async with AsyncEngine.from_pretrained("default") as engine:
             async for out in engine.stream("Hello", SamplingParams(max_tokens=32)):
                 print(out.text, end="")
+
+    Failure: if a step raises (a model error, out of memory), every in-flight stream raises
+    :class:`EngineDeadError` (``__cause__``: the step's exception), later calls raise it at
+    once, and :meth:`health` raises it. The engine stays dead; build a new one.
 
     Args:
         engine: the synchronous engine it drives.
@@ -98,15 +57,18 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
-        self._mailboxes: dict[str, _Mailbox] = {}
+        self._states: dict[str, RequestState] = {}
         self._inbox_add: dict[str, Request] = {}
         self._inbox_abort: set[str] = set()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._stepping = False  # a step is running in the worker thread
         self._closing = False
         self._dead: EngineDeadError | None = None
         self._ids = itertools.count()
+        self._token_text = TokenTextCache(engine.tokenizer)
 
     @classmethod
     def from_pretrained(cls, model: str = "default", **config: Any) -> AsyncEngine:
@@ -133,102 +95,198 @@ class AsyncEngine:
         return self._engine.config
 
     async def __aenter__(self) -> AsyncEngine:
+        if self._dead is not None:
+            raise self._dead_error()
         if self._task is not None:
             raise RuntimeError("AsyncEngine is already running")
+        self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-step")
         self._closing = False
         self._task = asyncio.create_task(self._run(), name="asyncllm-engine-loop")
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        """Abort every in-flight request, stop the loop and join its task and thread."""
-        for request_id in list(self._mailboxes):
-            self.abort(request_id)
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        """Stop: abort in-flight requests (``shutdown_mode="abort"``, or whenever the block
+        raised) or let them finish (``"drain"``); then join the loop task and its thread.
+
+        New calls raise :class:`EngineNotRunningError` from here on. Cancelling a drain
+        aborts what is left and still joins.
+        """
+        if self._task is None:
+            return
+        assert self._wakeup is not None
         self._closing = True
-        assert self._wakeup is not None and self._task is not None
+        if self.config.shutdown_mode != "drain" or exc_type is not None:
+            self._abort_all()
         self._wakeup.set()
-        with contextlib.suppress(Exception):
-            await self._task
-        self._task = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        try:
+            await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            self._abort_all()
+            self._wakeup.set()
+            with contextlib.suppress(BaseException):
+                await self._task
+            raise
+        except BaseException:  # the loop re-raised a BaseException; the engine is dead
+            pass
+        finally:
+            self._task = None
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._dead is not None:
+                self._release_core()
+
+    def health(self) -> str:
+        """ "running" (inside ``async with``, loop alive) or "stopped".
+
+        Raises:
+            EngineDeadError: the step loop failed (``__cause__``: its exception).
+        """
+        if self._dead is not None:
+            raise self._dead_error()
+        return "running" if self._task is not None and not self._task.done() else "stopped"
 
     async def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: PromptType,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Generate for one prompt, yielding deltas as they are produced.
+        """Generate for one prompt, yielding outputs as they are produced.
 
-        Leaving the loop early (``break``, ``aclose()``, or cancelling the consuming task)
-        aborts the request and frees its KV blocks before the next step.
+        The request is validated and queued when iteration starts; errors are raised by
+        the first ``__anext__``, before anything is awaited. Leaving the loop early
+        (``break``, ``aclose()``, or cancelling the consuming task) aborts the request and
+        frees its KV blocks before the next step.
 
         Args:
-            prompt: text, or token ids.
-            params: sampling parameters (default ``SamplingParams()``).
+            prompt: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``.
+            params: sampling parameters (default ``SamplingParams()``); its
+                ``output_kind`` says whether items are deltas, cumulative, or one final item.
             request_id: unique among in-flight requests; generated when None.
             priority: lower is served first.
+            cache_salt: requests share prefix-cache blocks only with requests of the same
+                salt (None included); give tenants that must not share cache their own.
+            timeout: seconds from the call; when they pass the request ends with
+                finish_reason "timeout" (what was generated is kept) and its blocks are
+                freed. None: no limit.
 
         Yields:
-            :class:`RequestOutput` deltas; the last has ``finish_reason`` set.
+            :class:`RequestOutput` items; the last has ``finish_reason`` and ``metrics``.
 
         Raises:
-            InvalidRequestError: bad prompt, params or a duplicate request id.
-            EngineNotRunningError: outside ``async with engine``.
-            EngineDeadError: the step loop failed.
+            InvalidRequestError: bad prompt, params, timeout or a duplicate request id.
+            QueueFull: ``EngineConfig.max_waiting`` requests are already waiting.
+            EngineNotRunningError: outside ``async with engine`` (or while it exits).
+            EngineDeadError: the step loop failed (before or during the request).
         """
-        mailbox, request_id = self._submit(prompt, params, request_id, priority)
+        state = self._submit(prompt, params, request_id, priority, cache_salt, timeout)
         finished = False
         try:
             while True:
-                await mailbox.event.wait()
-                if mailbox.error is not None:
-                    raise mailbox.error
-                out = mailbox.take(request_id)
+                await state.event.wait()
+                if state.error is not None:
+                    raise self._dead_error() if self._dead is not None else state.error
+                out = state.take()
+                if out is None:
+                    continue
                 finished = out.finished
-                if out.token_ids or out.text or finished:
-                    yield out
+                yield out
                 if finished:
                     return
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(state.request_id)
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the answer to chat ``messages``, like :meth:`stream`.
+
+        The prompt is the model's chat template applied by transformers
+        (``tokenizer.apply_chat_template``) to ``messages``.
+
+        Args:
+            messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+            add_generation_prompt: end the prompt with the assistant header.
+            chat_template_kwargs: extra template variables / ``apply_chat_template``
+                options (``tools``, ``documents``, ``enable_thinking``...).
+            Other arguments as in :meth:`stream`.
+
+        Raises:
+            InvalidRequestError: malformed messages, no chat template, or a template error;
+                and everything :meth:`stream` raises.
+        """
+        prompt = self._engine.chat_prompt(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        gen = self.stream(
+            prompt,
+            params,
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            timeout=timeout,
+        )
+        try:
+            async for out in gen:
+                yield out
+        finally:
+            await gen.aclose()
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: PromptType,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
     ) -> RequestOutput:
         """Generate for one prompt and return the whole output (see :meth:`stream`)."""
-        token_ids: list[int] = []
-        text: list[str] = []
-        last: RequestOutput | None = None
-        async for last in self.stream(prompt, params, request_id=request_id, priority=priority):
-            token_ids.extend(last.token_ids)
-            text.append(last.text)
-        assert last is not None
-        last.token_ids = token_ids
-        last.text = "".join(text)
-        return last
+        stream = self.stream(
+            prompt,
+            params,
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            timeout=timeout,
+        )
+        kind = params.output_kind if isinstance(params, SamplingParams) else "delta"
+        return await collect(stream, kind)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request from any task of the loop; unknown ids are ignored."""
-        mailbox = self._mailboxes.pop(request_id, None)
-        if mailbox is None:
-            return
-        if self._inbox_add.pop(request_id, None) is None:
-            self._inbox_abort.add(request_id)
-            if self._wakeup is not None:
-                self._wakeup.set()
-        mailbox.post(None, "abort")
+        """Abort a request: its stream ends with finish_reason "abort" and its blocks are
+        freed before the next step. Callable from any task, and from other threads (then
+        applied on the engine's loop soon after). Unknown or finished ids are ignored."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                loop.call_soon_threadsafe(self._finish_early, request_id, "abort")
+                return
+        self._finish_early(request_id, "abort")
 
     def stats(self) -> dict[str, int | float]:
         """Engine counters (see ``LLMEngine.stats``); read between steps."""
@@ -236,36 +294,86 @@ class AsyncEngine:
         s["num_waiting"] += len(self._inbox_add)
         return s
 
+    def _num_waiting(self) -> int:
+        return len(self._inbox_add) + len(self._engine.scheduler.waiting)
+
+    def _dead_error(self) -> EngineDeadError:
+        """A fresh EngineDeadError per raise (one instance raised in many tasks would
+        collect all their tracebacks), with the step's exception as its cause."""
+        assert self._dead is not None
+        err = EngineDeadError(str(self._dead))
+        err.__cause__ = self._dead.__cause__
+        return err
+
+    def _finish_early(
+        self, request_id: str, reason: str, state: RequestState | None = None
+    ) -> None:
+        """End a request from outside a step ("abort", "timeout")."""
+        current = self._states.get(request_id)
+        if current is None or (state is not None and current is not state):
+            return
+        del self._states[request_id]
+        if self._inbox_add.pop(request_id, None) is None:
+            self._inbox_abort.add(request_id)
+            if self._wakeup is not None:
+                self._wakeup.set()
+        current.finish(reason)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._states):
+            self._finish_early(request_id, "abort")
+
     def _submit(
         self,
-        prompt: str | Sequence[int],
+        prompt: PromptType,
         params: SamplingParams | None,
         request_id: str | None,
         priority: int,
-    ) -> tuple[_Mailbox, str]:
+        cache_salt: str | None,
+        timeout: float | None,
+    ) -> RequestState:
         if self._dead is not None:
-            raise self._dead
+            raise self._dead_error()
         if self._task is None or self._closing:
             raise EngineNotRunningError("use `async with engine:` before sending requests")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self._mailboxes:
+        if request_id in self._states:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        if timeout is not None and (
+            not isinstance(timeout, (int, float))
+            or isinstance(timeout, bool)
+            or not 0 < timeout < math.inf
+        ):
+            raise InvalidRequestError(
+                f"timeout must be a positive number of seconds or None, got {timeout!r}"
+            )
+        limit = self.config.max_waiting
+        if limit is not None and self._num_waiting() >= limit:
+            raise QueueFull(
+                f"{self._num_waiting()} requests are waiting (EngineConfig.max_waiting="
+                f"{limit}); try again later"
+            )
         request = self._engine.make_request(
             request_id,
             prompt,
             params if params is not None else SamplingParams(),
             priority=priority,
+            cache_salt=cache_salt,
         )
-        detok = IncrementalDetokenizer(self._engine.tokenizer, request.prompt_token_ids)
-        mailbox = _Mailbox(detok, len(request.prompt_token_ids))
-        self._mailboxes[request_id] = mailbox
+        state = RequestState(request, request.params, self._engine.tokenizer, self._token_text)
+        if timeout is not None:
+            assert self._loop is not None
+            state.timeout_handle = self._loop.call_later(
+                timeout, self._finish_early, request_id, "timeout", state
+            )
+        self._states[request_id] = state
         self._inbox_add[request_id] = request
         assert self._wakeup is not None
         self._wakeup.set()
-        return mailbox, request_id
+        return state
 
     def _drain_inbox(self) -> None:
         for request_id in self._inbox_abort:
@@ -276,13 +384,28 @@ class AsyncEngine:
         self._inbox_add.clear()
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
+        logprobs = getattr(updates, "logprobs", None) or {}
+        for request_id, (first, entries) in (
+            getattr(updates, "prompt_logprobs", None) or {}
+        ).items():
+            state = self._states.get(request_id)
+            if state is not None:
+                state.add_prompt_logprobs(first, entries)
         for u in updates:
-            mailbox = self._mailboxes.get(u.request_id)
-            if mailbox is None:
+            state = self._states.get(u.request_id)
+            if state is None:
                 continue  # aborted by its consumer during the step
-            mailbox.post(u.token_id, u.finish_reason)
-            if u.finish_reason is not None:
-                del self._mailboxes[u.request_id]
+            if state.post(u.token_id, u.finish_reason, logprobs.get(u.request_id)):
+                # A stop string: finish it in the core now, before the next step.
+                self._engine.abort_request(u.request_id, RequestStatus.FINISHED_STOPPED)
+            if state.finished:
+                del self._states[u.request_id]
+
+    def _step(self) -> list[RequestUpdate]:
+        try:
+            return self._engine.step()
+        finally:
+            self._stepping = False
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -296,15 +419,40 @@ class AsyncEngine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                updates = await loop.run_in_executor(self._executor, self._engine.step)
+                self._stepping = True
+                updates = await loop.run_in_executor(self._executor, self._step)
                 self._dispatch(updates)
         except BaseException as exc:
-            dead = EngineDeadError(f"engine loop failed: {exc!r}")
-            dead.__cause__ = exc
-            self._dead = dead
-            for mailbox in self._mailboxes.values():
-                mailbox.fail(dead)
-            self._mailboxes.clear()
+            self._die(exc)
             if not isinstance(exc, Exception):
                 raise
-            logger.exception("asyncllm engine loop failed")
+
+    def _die(self, exc: BaseException) -> None:
+        """Mark the engine dead and end every stream with EngineDeadError."""
+        dead = EngineDeadError(f"engine loop failed: {exc!r}")
+        dead.__cause__ = exc
+        self._dead = dead
+        states = list(self._states.values())
+        self._states.clear()
+        self._inbox_add.clear()
+        self._inbox_abort.clear()
+        for state in states:
+            state.fail(self._dead_error())
+        if not self._stepping:
+            self._release_core()
+        if isinstance(exc, Exception):
+            logger.error("asyncllm engine loop failed", exc_info=exc)
+
+    def _release_core(self) -> None:
+        """After a failure, free what the core still holds (no step may be running)."""
+        try:
+            for request_id in list(self._engine.scheduler.requests):
+                self._engine.abort_request(request_id)
+        except Exception:  # the failure may have left the core inconsistent
+            logger.exception("asyncllm: could not release the requests of a dead engine")
+
+
+async def collect(stream: AsyncIterator[RequestOutput], output_kind: str) -> RequestOutput:
+    """Read a stream to its end and return the whole output (deltas merged)."""
+    items = [out async for out in stream]
+    return merge_outputs(items, output_kind)

@@ -7,23 +7,52 @@ only between steps, so nothing here needs a lock.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import msgspec
 import torch
 
 from asyncllm.config import EngineConfig
-from asyncllm.core.block_manager import BlockManager
-from asyncllm.core.request import Request
+from asyncllm.core.block_manager import BlockManager, BlockPool
+from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import RequestUpdate, Scheduler
 from asyncllm.errors import InvalidRequestError
 from asyncllm.models.loader import LoadedModel, load_model
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.kv_cache import KVCache, default_kv_cache_bytes
 from asyncllm.worker.model_runner import ModelRunner, kv_cache_spec
+from asyncllm.worker.offload import CPUOffloadPool
+from asyncllm.worker.sampler import RunnerOutput, TokenLogprobs
 
 logger = logging.getLogger("asyncllm")
+
+#: A prompt: text, token ids, or vLLM's prompt dicts ``{"prompt": str}`` /
+#: ``{"prompt_token_ids": [int, ...]}``.
+PromptType = str | Sequence[int] | Mapping[str, Any]
+
+
+class StepOutput(list[RequestUpdate]):
+    """What :meth:`LLMEngine.step` returns: the list of :class:`RequestUpdate` s (one per
+    sampled request), plus the logprobs the step computed (plain Python, for the front end).
+
+    Attributes:
+        logprobs: request id -> the sampled token's (logprob, rank, top ids, top logprobs).
+        prompt_logprobs: request id -> (index in the prompt of the first token scored, one
+            entry as above per prompt token scored this step).
+    """
+
+    logprobs: dict[str, TokenLogprobs]
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
+
+    def __init__(self, updates: list[RequestUpdate], out: RunnerOutput | None = None) -> None:
+        super().__init__(updates)
+        self.logprobs = (out.logprobs if out else None) or {}
+        self.prompt_logprobs = (out.prompt_logprobs if out else None) or {}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -86,13 +115,28 @@ class LLMEngine:
             num_blocks * config.block_size,
             self.kv_cache.num_bytes / 2**20,
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
+        cpu_bytes = config.cpu_offload_bytes
+        if cpu_bytes is None:
+            cpu_bytes = self.kv_cache.num_bytes
+        num_cpu_blocks = cpu_bytes // spec.bytes_per_block
+        self.offload: CPUOffloadPool | None = None
+        if config.preemption_mode == "offload" and num_cpu_blocks > 0:
+            self.offload = CPUOffloadPool(self.kv_cache, num_cpu_blocks)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            cpu_pool=BlockPool(num_cpu_blocks) if self.offload else None,
         )
-        self.runner = ModelRunner(loaded.model, self.kv_cache, seed=config.seed)
+        self.runner = ModelRunner(
+            loaded.model,
+            self.kv_cache,
+            seed=config.seed,
+            attention_backend=config.attention_backend,
+        )
         self.num_steps = 0
         self.num_generated_tokens = 0
 
@@ -108,86 +152,218 @@ class LLMEngine:
     def make_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: PromptType,
         params: SamplingParams,
         *,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenize a call into a core request (no engine state is changed).
 
         Args:
             prompt: text (tokenized with the model's tokenizer, special tokens added as
-                transformers does by default) or token ids.
+                transformers does by default), token ids (ints, or anything with
+                ``__index__``: numpy or torch integers), or vLLM's prompt dicts
+                ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
+            params: the request's sampling parameters; a validated copy is kept, so
+                changing the caller's object later does not affect the request.
+            cache_salt: isolates this request's prefix-cache sharing (see ``Request``).
 
         Raises:
-            InvalidRequestError: empty prompt, token ids out of the vocabulary, a prompt of
-                ``max_model_len`` tokens or more, or params that are not SamplingParams.
+            InvalidRequestError: empty prompt or one of the wrong type, token ids out of the
+                vocabulary (prompt, ``stop_token_ids`` or ``logit_bias``), a prompt of
+                ``max_model_len`` tokens or more, or params that are not valid
+                SamplingParams.
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params)}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            token_ids = list(self.tokenizer.encode(prompt))
-        else:
-            token_ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
-                raise InvalidRequestError(
-                    f"prompt token ids must be ints in [0, {self.vocab_size})"
-                )
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty")
+        # A validated snapshot: a caller may have set a field to anything since construction.
+        params = msgspec.structs.replace(params)
+        token_ids = self._prompt_token_ids(prompt)
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                 "and at least one token must be generated"
             )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids or ()),
+            ("logit_bias", params.logit_bias or ()),
+        ):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): "
+                    f"{bad[:5]}"
+                )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        if params.prompt_logprobs is not None:
+            # Every prompt position must be computed to be scored, so the request must not
+            # hit the prefix cache: a salt of its own shares no block (as vLLM skips the
+            # cache for such requests).
+            cache_salt = f"{cache_salt}\x00prompt_logprobs\x00{uuid.uuid4().hex}"
+        stop_ids = frozenset(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        room = self.max_model_len - len(token_ids)
         return Request(
             request_id,
             token_ids,
-            max_tokens=params.max_tokens,
-            stop_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            max_tokens=min(params.max_tokens or room, room),
+            stop_token_ids=stop_ids,
+            min_tokens=params.min_tokens,
             max_model_len=self.max_model_len,
             arrival_time=time.monotonic(),
             priority=priority,
             params=params,
+            cache_salt=cache_salt,
         )
+
+    def _prompt_token_ids(self, prompt: object) -> list[int]:
+        if isinstance(prompt, Mapping):
+            keys = set(prompt) & {"prompt", "prompt_token_ids"}
+            if len(keys) != 1:
+                raise InvalidRequestError(
+                    "a prompt dict must have exactly one of 'prompt' and 'prompt_token_ids'"
+                )
+            prompt = prompt[keys.pop()]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
+            raise InvalidRequestError(
+                f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
+            )
+        try:
+            token_ids = [
+                operator.index(t) if not isinstance(t, bool) else -1
+                for t in prompt  # type: ignore[attr-defined]
+            ]
+        except TypeError:
+            raise InvalidRequestError("prompt token ids must be integers") from None
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        return token_ids
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's chat template (transformers'
+        ``apply_chat_template``).
+
+        Args:
+            messages: OpenAI-style ``[{"role": "user", "content": "..."}, ...]``.
+            add_generation_prompt: end with the template's assistant header.
+            chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking":
+                False}``) and ``apply_chat_template`` options (``tools``, ``documents``).
+
+        Raises:
+            InvalidRequestError: messages that are not a non-empty list of dicts with a
+                str ``role``, a tokenizer without a chat template, or a template that
+                fails on the messages (the template's message is included).
+        """
+        if (
+            isinstance(messages, (str, bytes, Mapping))
+            or not isinstance(messages, Sequence)
+            or not messages
+        ):
+            raise InvalidRequestError("messages must be a non-empty list of dicts")
+        for m in messages:
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                raise InvalidRequestError(f"each message must be a dict with a str 'role': {m!r}")
+            if not isinstance(m.get("content"), (str, list, type(None))):
+                raise InvalidRequestError(f"message content must be a str or a list: {m!r}")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("the model's tokenizer has no chat template")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **dict(chat_template_kwargs or {}),
+            )
+        except Exception as e:  # jinja errors, template-raised exceptions, bad kwargs
+            raise InvalidRequestError(f"the chat template failed on these messages: {e}") from e
+        return list(ids)
 
     def add_request(self, request: Request) -> None:
         """Queue a request made by :meth:`make_request`."""
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort and free a request; False if it was not in the engine."""
-        return self.scheduler.abort_request(request_id) is not None
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> bool:
+        """Finish a request from outside a step (an abort; a stop string the front end
+        matched, with ``FINISHED_STOPPED``) and free its blocks; False if it was not in the
+        engine."""
+        return self.scheduler.abort_request(request_id, status) is not None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds; returns how many were dropped."""
+        return self.block_manager.pool.evict_free_cached()
 
     def has_unfinished(self) -> bool:
         """Requests waiting or running."""
         return self.scheduler.num_unfinished > 0
 
-    def step(self) -> list[RequestUpdate]:
-        """Schedule, run the model once, sample, and apply stop conditions."""
+    def step(self) -> StepOutput:
+        """Schedule, run the model once, sample, and apply stop conditions.
+
+        Returns:
+            one update per sampled request, with the step's logprobs (:class:`StepOutput`).
+        """
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
-        sampled = self.runner.execute(plan)
-        updates = self.scheduler.update_from_output(plan, sampled)
+            return StepOutput([])
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            request = self.scheduler.requests.get(chunk.request_id)
+            if request is not None and request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        if self.offload is not None and (plan.swap_out or plan.swap_in):
+            self.offload.swap(plan.swap_out, plan.swap_in)
+        self.kv_cache.copy_blocks(plan.copies)
+        out = self.runner.execute(plan) if plan.chunks else RunnerOutput({})
+        updates = self.scheduler.update_from_output(plan, out.sampled)
         self.num_steps += 1
         self.num_generated_tokens += len(updates)
-        return updates
+        return StepOutput(updates, out)
 
     def stats(self) -> dict[str, int | float]:
-        """Counters: requests running and waiting, KV blocks free and total, and totals."""
+        """Counters: requests running and waiting; KV blocks free and total; preemptions,
+        blocks swapped out and in, bytes they moved and tokens dropped for recompute; CPU pool
+        blocks free and total; prefix-cache queries and hits (tokens) and hit rate; steps and
+        generated tokens."""
         bm = self.block_manager
+        sched = self.scheduler
+        queries = sched.prefix_cache_queries
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_total_blocks,
             "kv_cache_usage": 1.0 - bm.num_free_blocks / bm.num_total_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
+            "num_preemptions": sched.num_preemptions,
+            "num_swapped_out_blocks": sched.num_swapped_out_blocks,
+            "num_swapped_in_blocks": sched.num_swapped_in_blocks,
+            "swap_bytes": (sched.num_swapped_out_blocks + sched.num_swapped_in_blocks)
+            * self.kv_cache.spec.bytes_per_block,
+            "num_recomputed_tokens": sched.num_recomputed_tokens,
+            "num_free_cpu_blocks": sched.cpu_pool.num_free if sched.cpu_pool else 0,
+            "num_total_cpu_blocks": sched.cpu_pool.num_blocks if sched.cpu_pool else 0,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": sched.prefix_cache_hits,
+            "prefix_cache_hit_rate": sched.prefix_cache_hits / queries if queries else 0.0,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
         }

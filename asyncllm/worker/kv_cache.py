@@ -91,3 +91,14 @@ class KVCache:
     def num_bytes(self) -> int:
         """Bytes held by all K and V tensors."""
         return self.num_blocks * self.spec.bytes_per_block
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer's K and V (copy-on-write); one
+        gather and one scatter per tensor for all pairs."""
+        if not pairs:
+            return
+        device = self.key_caches[0].device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        for cache in self.key_caches + self.value_caches:
+            cache.index_copy_(0, dst, cache.index_select(0, src))

@@ -8,14 +8,28 @@ end of its request).
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-from asyncllm.attention.hf_integration import METADATA_KWARG, AttentionMetadata, register
-from asyncllm.attention.torch_paged import PagedAttentionPlan
+from asyncllm.attention.hf_integration import (
+    METADATA_KWARG,
+    TORCH_BACKEND,
+    TRITON_BACKEND,
+    AttentionBackend,
+    AttentionMetadata,
+    register,
+)
+from asyncllm.attention.triton_paged import interpreter_enabled
 from asyncllm.core.scheduler import SchedulerOutput
-from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.kv_cache import KVCache, KVCacheSpec
-from asyncllm.worker.sampler import Sampler, SamplingBatch
+from asyncllm.worker.sampler import (
+    PromptRows,
+    RunnerOutput,
+    Sampler,
+    prompt_logprobs,
+    sample_chunks,
+)
 
 
 def kv_cache_spec(config: object, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
@@ -31,6 +45,34 @@ def kv_cache_spec(config: object, dtype: torch.dtype, block_size: int) -> KVCach
     )
 
 
+def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
+    """The backend for ``EngineConfig.attention_backend``; "auto" is Triton on CUDA (when
+    installed), torch elsewhere.
+
+    Raises:
+        ValueError: an unknown name, or "triton" without Triton, or on a device other than
+            CUDA unless Triton's CPU interpreter is on (``TRITON_INTERPRET=1`` from the start).
+    """
+    has_triton = importlib.util.find_spec("triton") is not None
+    if requested == "auto":
+        return TRITON_BACKEND if device.type == "cuda" and has_triton else TORCH_BACKEND
+    if requested == "torch":
+        return TORCH_BACKEND
+    if requested != "triton":
+        raise ValueError(
+            f"attention_backend must be 'auto', 'torch' or 'triton', not {requested!r}"
+        )
+    if not has_triton:
+        raise ValueError("attention_backend='triton' needs the triton package")
+    if device.type != "cuda" and not interpreter_enabled():
+        raise ValueError(
+            f"attention_backend='triton' runs on CUDA devices, not {device}; use 'torch' or "
+            "'auto' (or start the process with TRITON_INTERPRET=1 for Triton's slow CPU "
+            "interpreter)"
+        )
+    return TRITON_BACKEND
+
+
 class ModelRunner:
     """Executes plans on one transformers causal LM over one :class:`KVCache`.
 
@@ -39,39 +81,61 @@ class ModelRunner:
             switched to the paged one.
         kv_cache: the engine's KV cache.
         seed: seeds sampling for requests without their own seed.
+        attention_backend: "auto", "torch" or "triton" (:func:`select_attention_backend`).
+
+    Raises:
+        ValueError: an attention backend that cannot run on the model's device.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, *, seed: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        *,
+        seed: int,
+        attention_backend: str = "auto",
+    ) -> None:
         model.set_attn_implementation(register())  # type: ignore[operator]
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
+        self.attention_backend = select_attention_backend(attention_backend, self.device)
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler(seed, self.device)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one step.
 
+        Logits are kept for the sampled rows and, for requests with ``prompt_logprobs``, for
+        the rows of their chunk that score prompt tokens.
+
         Returns:
-            request id -> sampled token id, for each chunk with ``sample`` set.
+            the sampled token of each chunk with ``sample`` set, and the logprobs asked for.
         """
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
+        prompt_rows: list[PromptRows] = []
+        prompt_flat: list[int] = []
         for chunk in plan.chunks:
             table = chunk.block_table
             start = chunk.start_pos
             end = start + len(chunk.token_ids)
+            rows = PromptRows.of_chunk(chunk)
+            if rows is not None:
+                prompt_rows.append(rows)
+                first = len(input_ids)
+                prompt_flat.extend(range(first, first + len(rows.target_ids)))
             input_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if chunk.sample:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
-        attn_plan = PagedAttentionPlan.build(
+        attn_plan = self.attention_backend.build_plan(
             [len(c.token_ids) for c in plan.chunks],
             [c.start_pos + len(c.token_ids) for c in plan.chunks],
             [c.block_table for c in plan.chunks],
@@ -83,15 +147,19 @@ class ModelRunner:
             value_caches=self.kv_cache.value_caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             plan=attn_plan,
+            backend=self.attention_backend,
         )
-        if not sample_rows:
+        if not sample_rows and not prompt_rows:
             self._forward(input_ids, positions, meta, torch.zeros(0, dtype=torch.long))
-            return {}
-        keep = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+            return RunnerOutput({})
+        keep = torch.tensor(sample_rows + prompt_flat, dtype=torch.long, device=dev)
         logits = self._forward(input_ids, positions, meta, keep)
+        n = len(sample_rows)
         sampled = [c for c in plan.chunks if c.sample]
-        tokens = self.sampler(logits, self._sampling_batch(sampled)).tolist()
-        return {c.request_id: t for c, t in zip(sampled, tokens, strict=True)}
+        out = sample_chunks(self.sampler, logits[:n], sampled, dev) if n else RunnerOutput({})
+        if prompt_rows:
+            out.prompt_logprobs = prompt_logprobs(logits[n:], prompt_rows)
+        return out
 
     def _forward(
         self,
@@ -109,18 +177,3 @@ class ModelRunner:
             **{METADATA_KWARG: meta},
         )
         return out.logits[0]  # [len(keep), vocab]
-
-    def _sampling_batch(self, chunks: list) -> SamplingBatch:  # type: ignore[type-arg]
-        params: list[SamplingParams] = [c.params for c in chunks]
-        dev = self.device
-        temps = [p.temperature if not p.greedy else 0.0 for p in params]
-        return SamplingBatch(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            seeds=[p.seed for p in params],
-            token_indices=[c.num_output_tokens for c in chunks],
-            all_greedy=all(t == 0.0 for t in temps),
-            any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-        )

@@ -1,18 +1,35 @@
-"""Token sampling over a whole batch at once.
+"""Token sampling and logprobs over a whole batch at once.
 
-Greedy rows take the argmax. Other rows apply temperature, then top-k and top-p on one
-descending sort of the logits, and draw with the exponential race (Gumbel-max in another
-guise): ``argmax(p_i / q_i)`` with ``q_i ~ Exp(1)`` is a sample from ``p``. The noise ``q`` of a
-seeded request comes from a generator seeded with :func:`derive_seed` of (seed, index of the
-token), so its samples do not depend on what else shares the batch, nor on preemption.
+One call handles every sampled row of a step with batched tensor operations, in vLLM's
+order (see :mod:`asyncllm.sampling_params` for each parameter's definition and source):
+
+1. raw logprobs: ``log_softmax`` of the model's logits, when any row asks for logprobs;
+2. ``logit_bias`` (one ``index_put_``), then the ``min_tokens`` mask (EOS and stop token ids
+   to -inf while fewer than ``min_tokens`` tokens are generated);
+3. penalties: per-row token counts of the output (and a prompt mask for the repetition
+   penalty) are built with one ``index_put_`` each over the flattened ids of the penalized
+   rows, then applied as ``[B, V]`` tensor arithmetic;
+4. greedy rows take the argmax; the others divide by their temperature, apply min-p on the
+   probabilities, then top-k and top-p on one descending sort, and draw with the exponential
+   race (Gumbel-max in another guise): ``argmax(p_i / q_i)`` with ``q_i ~ Exp(1)`` is a sample
+   from ``p``.
+
+The noise ``q`` of a seeded request comes from a generator seeded with :func:`derive_seed` of
+(seed, index of the token), so its samples do not depend on what else shares the batch, nor
+on preemption; that is the one per-row loop. Unseeded rows draw their noise in one call from
+the engine's generator.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from asyncllm.sampling_params import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, the usual odd mixing constant
 _MASK63 = (1 << 63) - 1
@@ -26,16 +43,36 @@ def derive_seed(seed: int, token_index: int) -> int:
     return (x ^ (x >> 29)) & _MASK63
 
 
+def _flat_ids(
+    lists: Sequence[Sequence[int]], rows: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row index, token id)`` int64 pairs of every id of ``lists[i]`` for row ``rows[i]``."""
+    lengths = torch.tensor([len(x) for x in lists], dtype=torch.long)
+    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long)
+    row_idx = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), lengths)
+    return row_idx.to(device), ids.to(device)
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling settings of one step.
+    """Per-row sampling settings of one step (B rows; V = vocabulary size).
 
     Attributes:
         temperatures: ``[B]`` float32; 0 means greedy.
         top_k: ``[B]`` int64; 0 means no limit.
         top_p: ``[B]`` float32 in (0, 1].
+        min_p: ``[B]`` float32 in [0, 1].
         seeds: per row, None or the request's seed.
         token_indices: per row, the index of the token being generated (0 for the first).
+        all_greedy, any_top_k, any_top_p, any_min_p: shortcuts.
+        presence, frequency, repetition: ``[B]`` float32 penalties (0, 0, 1 = off), or None
+            when no row has a penalty.
+        output_ids: ``([N], [N])`` int64 (row, token id) of the penalized rows' generated
+            tokens, or None.
+        prompt_ids: the same for the prompts of rows with a repetition penalty, or None.
+        bias: ``([M], [M], [M])`` (row int64, token id int64, value float32) or None.
+        banned: ``([K], [K])`` (row, token id) set to -inf (``min_tokens``), or None.
+        num_logprobs: per row, None or how many top alternatives to return.
     """
 
     temperatures: torch.Tensor
@@ -46,6 +83,170 @@ class SamplingBatch:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    min_p: torch.Tensor | None = None
+    any_min_p: bool = False
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    output_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    prompt_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    num_logprobs: Sequence[int | None] = ()
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        """The largest ``logprobs`` of any row, or None when no row asks."""
+        asked = [k for k in self.num_logprobs if k is not None]
+        return max(asked) if asked else None
+
+    @classmethod
+    def from_chunks(cls, chunks: Sequence[Any], device: torch.device) -> SamplingBatch:
+        """Build the batch of a step's sampled chunks (``ScheduledChunk`` s, in row order).
+
+        Reads each chunk's ``params`` (:class:`SamplingParams`), ``num_output_tokens``,
+        ``stop_token_ids``, and, for penalized rows, the ``prompt_token_ids`` and
+        ``output_token_ids`` the chunk references. One pass over the requests; token ids are
+        flattened and converted to tensors in one call each.
+        """
+        params: list[SamplingParams] = [c.params for c in chunks]
+        temps = [0.0 if p.greedy else p.temperature for p in params]
+        rows = range(len(chunks))
+        pen = [i for i in rows if params[i].has_penalties]
+        presence = frequency = repetition = None
+        output_ids = prompt_ids = None
+        if pen:
+            presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+            frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+            repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+            presence, frequency, repetition = (
+                t.to(device) for t in (presence, frequency, repetition)
+            )
+            output_ids = _flat_ids([chunks[i].output_token_ids for i in pen], pen, device)
+            rep = [i for i in pen if params[i].repetition_penalty != 1.0]
+            if rep:
+                prompt_ids = _flat_ids([chunks[i].prompt_token_ids for i in rep], rep, device)
+        bias = None
+        biased = [i for i in rows if params[i].logit_bias]
+        if biased:
+            entries = [(i, t, v) for i in biased for t, v in params[i].logit_bias.items()]  # type: ignore[union-attr]
+            b_rows, b_ids, b_vals = zip(*entries, strict=True)
+            bias = (
+                torch.tensor(b_rows, dtype=torch.long, device=device),
+                torch.tensor(b_ids, dtype=torch.long, device=device),
+                torch.tensor(b_vals, dtype=torch.float32, device=device),
+            )
+        banned = None
+        young = [
+            i
+            for i in rows
+            if chunks[i].num_output_tokens < params[i].min_tokens and chunks[i].stop_token_ids
+        ]
+        if young:
+            banned = _flat_ids([sorted(chunks[i].stop_token_ids) for i in young], young, device)
+        return cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            seeds=[p.seed for p in params],
+            token_indices=[c.num_output_tokens for c in chunks],
+            all_greedy=all(t == 0.0 for t in temps),
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
+            presence=presence,
+            frequency=frequency,
+            repetition=repetition,
+            output_ids=output_ids,
+            prompt_ids=prompt_ids,
+            bias=bias,
+            banned=banned,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+@dataclass(frozen=True)
+class LogprobsTensors:
+    """Logprobs of N positions: the chosen token's and the top ``k`` alternatives.
+
+    Attributes:
+        token_logprobs: ``[N]`` float32 logprob of the chosen token.
+        token_ranks: ``[N]`` int64 1-based rank of the chosen token (tokens with a logprob
+            >= its own, as vLLM counts).
+        top_ids: ``[N, k]`` int64 most likely tokens, best first.
+        top_logprobs: ``[N, k]`` float32 their logprobs.
+    """
+
+    token_logprobs: torch.Tensor
+    token_ranks: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    def to_lists(self, num_top: Sequence[int]) -> list[tuple[float, int, list[int], list[float]]]:
+        """Per position ``(logprob, rank, top ids, top logprobs)``, the top lists cut to
+        ``num_top[i]`` entries; one device-to-host copy per tensor."""
+        lp = self.token_logprobs.tolist()
+        rk = self.token_ranks.tolist()
+        ids = self.top_ids.tolist()
+        tlp = self.top_logprobs.tolist()
+        return [(lp[i], rk[i], ids[i][:k], tlp[i][:k]) for i, k in enumerate(num_top)]
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Raw logprobs of ``token_ids`` under ``logits`` and the top ``k`` alternatives.
+
+    Args:
+        logits: ``[N, V]`` raw model logits (any float dtype; computed in float32).
+        token_ids: ``[N]`` int64 chosen token per row.
+        k: alternatives per row (>= 0).
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, token_ids[:, None])
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+    else:
+        top_lp = logprobs.new_empty((logprobs.shape[0], 0))
+        top_ids = token_ids.new_empty((logprobs.shape[0], 0))
+    return LogprobsTensors(chosen[:, 0], ranks, top_ids, top_lp)
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """What the sampler returns for B rows.
+
+    Attributes:
+        token_ids: ``[B]`` int64 sampled tokens.
+        logprobs: raw logprobs of the sampled tokens and ``max_num_logprobs`` alternatives,
+            or None when no row asked.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None = None
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (CTRL), frequency and presence penalties over ``[B, V]`` float32 logits.
+
+    See :mod:`asyncllm.sampling_params` for the definitions. Rows without penalties carry
+    neutral values (1, 0, 0) and no ids, so they come out unchanged.
+    """
+    if batch.output_ids is None or batch.repetition is None:
+        return logits
+    assert batch.frequency is not None and batch.presence is not None
+    counts = torch.zeros_like(logits)
+    rows, ids = batch.output_ids
+    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=logits.dtype), accumulate=True)
+    generated = counts > 0
+    seen = generated
+    if batch.prompt_ids is not None:
+        seen = generated.clone()
+        seen[batch.prompt_ids] = True
+    rep = batch.repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - batch.frequency[:, None] * counts
+    return logits - batch.presence[:, None] * generated.to(logits.dtype)
 
 
 class Sampler:
@@ -62,22 +263,40 @@ class Sampler:
         self._generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample.
 
         Args:
-            logits: ``[B, vocab]`` float (any float dtype; computed in float32).
+            logits: ``[B, vocab]`` raw model logits (any float dtype; computed in float32).
             batch: the rows' settings.
 
         Returns:
-            ``[B]`` int64 token ids.
+            The ``[B]`` int64 token ids and, when any row asks, their raw logprobs.
         """
+        raw = logits
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy
+        if batch.bias is not None:
+            rows, ids, vals = batch.bias
+            logits = logits.index_put((rows, ids), vals, accumulate=True)
+        if batch.banned is not None:
+            logits = logits.index_put(
+                batch.banned, torch.tensor(float("-inf"), device=logits.device)
+            )
+        logits = apply_penalties(logits, batch)
+        tokens = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            tokens = torch.where(batch.temperatures == 0, tokens, self._sample(logits, batch))
+        k = batch.max_num_logprobs
+        lp = compute_logprobs(raw, tokens, k) if k is not None else None
+        return SamplerOutput(tokens, lp)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temps = batch.temperatures.clamp_min(1e-5)[:, None]
         scaled = logits / temps
+        if batch.any_min_p and batch.min_p is not None:
+            probs = scaled.softmax(dim=-1)
+            floor = probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None]
+            scaled = scaled.masked_fill(probs < floor, float("-inf"))
         if batch.any_top_k or batch.any_top_p:
             scaled, order = scaled.sort(dim=-1, descending=True)
             vocab = scaled.shape[-1]
@@ -89,17 +308,114 @@ class Sampler:
                 probs = scaled.softmax(dim=-1)
                 before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
                 scaled = scaled.masked_fill(before >= batch.top_p[:, None], float("-inf"))
-        else:
-            order = None
+            # Back to vocabulary order, so that a row's noise meets the same token ids
+            # whether or not other rows of the batch needed the sort.
+            scaled = torch.empty_like(scaled).scatter_(-1, order, scaled)
         probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        noise = torch.ones_like(probs)
+        random_rows = (batch.temperatures > 0).tolist()
+        unseeded = [
+            r
+            for r, (s, rnd) in enumerate(zip(batch.seeds, random_rows, strict=True))
+            if rnd and s is None
+        ]
+        if unseeded:
+            draw = torch.empty((len(unseeded), probs.shape[-1]), device=probs.device)
+            noise[unseeded] = draw.exponential_(generator=self._generator)
         for row, (seed, index) in enumerate(zip(batch.seeds, batch.token_indices, strict=True)):
-            if seed is None:
-                noise[row].exponential_(generator=self._generator)
-            else:
+            if seed is not None and random_rows[row]:
                 self._row_generator.manual_seed(derive_seed(seed, index))
                 noise[row].exponential_(generator=self._row_generator)
-        choice = (probs / noise).argmax(dim=-1)
-        if order is not None:
-            choice = order.gather(-1, choice[:, None])[:, 0]
-        return torch.where(batch.temperatures == 0, greedy, choice)
+        return (probs / noise).argmax(dim=-1)
+
+
+#: One position's logprobs as plain Python: (logprob, rank, top ids, top logprobs).
+TokenLogprobs = tuple[float, int, list[int], list[float]]
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The logits rows of one chunk that score prompt tokens (``prompt_logprobs``).
+
+    The row of position ``p`` scores prompt token ``p + 1``.
+
+    Attributes:
+        request_id: the request.
+        first_token_index: index in the prompt of the token the first row scores (>= 1).
+        target_ids: the prompt tokens scored, one per row.
+        num_top: alternatives to return per row.
+    """
+
+    request_id: str
+    first_token_index: int
+    target_ids: list[int]
+    num_top: int
+
+    @classmethod
+    def of_chunk(cls, chunk: Any) -> PromptRows | None:
+        """The rows of a ``ScheduledChunk`` whose params ask for prompt logprobs, or None.
+
+        The chunk computes positions ``[start_pos, start_pos + len(token_ids))``; those below
+        the prompt's last position score the next prompt token.
+        """
+        k = getattr(chunk.params, "prompt_logprobs", None)
+        if k is None:
+            return None
+        start = chunk.start_pos
+        stop = min(start + len(chunk.token_ids), len(chunk.prompt_token_ids) - 1)
+        if stop <= start:
+            return None
+        return cls(chunk.request_id, start + 1, chunk.prompt_token_ids[start + 1 : stop + 1], k)
+
+
+@dataclass
+class RunnerOutput:
+    """What one step of the model runner produced, as plain Python.
+
+    Attributes:
+        sampled: request id -> sampled token id, for each chunk with ``sample`` set.
+        logprobs: request id -> the sampled token's :data:`TokenLogprobs`, for sampled
+            requests that ask for logprobs.
+        prompt_logprobs: request id -> (index in the prompt of the first token scored, one
+            :data:`TokenLogprobs` per prompt token scored this step).
+    """
+
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] | None = None
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, rows: Sequence[PromptRows]
+) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    """Score the prompt tokens of ``rows`` (their logits rows stacked in order, ``[N, V]``)
+    in one batched pass."""
+    targets = list(itertools.chain.from_iterable(r.target_ids for r in rows))
+    num_top = [r.num_top for r in rows for _ in r.target_ids]
+    ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    lists = compute_logprobs(logits, ids, max(num_top)).to_lists(num_top)
+    out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+    i = 0
+    for r in rows:
+        out[r.request_id] = (r.first_token_index, lists[i : i + len(r.target_ids)])
+        i += len(r.target_ids)
+    return out
+
+
+def sample_chunks(
+    sampler: Sampler, logits: torch.Tensor, chunks: Sequence[Any], device: torch.device
+) -> RunnerOutput:
+    """Sample the rows of ``chunks`` (the step's chunks with ``sample`` set, ``logits`` their
+    rows in order) and collect the logprobs they ask for."""
+    batch = SamplingBatch.from_chunks(chunks, device)
+    result = sampler(logits, batch)
+    tokens = result.token_ids.tolist()
+    out = RunnerOutput({c.request_id: t for c, t in zip(chunks, tokens, strict=True)})
+    if result.logprobs is not None:
+        lists = result.logprobs.to_lists([k or 0 for k in batch.num_logprobs])
+        out.logprobs = {
+            c.request_id: lists[i]
+            for i, (c, k) in enumerate(zip(chunks, batch.num_logprobs, strict=True))
+            if k is not None
+        }
+    return out

@@ -1,0 +1,89 @@
+"""Pieces shared by the paged attention kernels: reading K/V tiles through a block table."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr,
+    block_table_ptr,
+    pos,
+    pos_mask,
+    kv_head,
+    d,
+    d_mask,
+    stride_b,
+    stride_t,
+    stride_h,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Gather ``[BLOCK_N, BLOCK_D]`` rows of one KV head at context positions ``pos``.
+
+    Position ``p`` lives in block ``block_table[p // BLOCK_SIZE]`` at offset
+    ``p % BLOCK_SIZE``; masked positions read zeros.
+    """
+    block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+    row = block * stride_b + (pos % BLOCK_SIZE) * stride_t + kv_head * stride_h
+    return tl.load(
+        cache_ptr + row[:, None] + d[None, :], mask=pos_mask[:, None] & d_mask[None, :], other=0.0
+    )
+
+
+def dot_options(kernel: object, dtype: torch.dtype) -> tuple[bool, str]:
+    """``(UPCAST, PRECISION)`` constexprs for a kernel's ``tl.dot`` calls on ``dtype`` inputs.
+
+    ``PRECISION`` is "ieee" for float32 (exact products, no TF32). ``UPCAST`` converts bfloat16
+    tiles to float32 before ``tl.dot`` under ``TRITON_INTERPRET=1`` only: the interpreter
+    (Triton 3.9) multiplies bfloat16 operands as raw 16-bit integers.
+    """
+    upcast = dtype == torch.bfloat16 and not isinstance(kernel, JITFunction)
+    return upcast, "ieee" if dtype == torch.float32 or upcast else "tf32"
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def check_paged_inputs(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """Validate the query and caches shared by the attention kernels; returns their sizes.
+
+    Returns:
+        ``(num_heads, num_kv_heads, head_dim, block_size)``.
+
+    Raises:
+        ValueError: shapes, dtypes or layouts the kernels do not support.
+    """
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError(
+            f"query must be [T, H, D] and caches [blocks, block_size, Hkv, D], got "
+            f"{tuple(query.shape)} and {tuple(key_cache.shape)}"
+        )
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_dim = key_cache.shape
+    if value_cache.shape != key_cache.shape or cache_dim != head_dim:
+        raise ValueError(
+            f"query {tuple(query.shape)}, key_cache {tuple(key_cache.shape)} and value_cache "
+            f"{tuple(value_cache.shape)} do not match"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if not (query.dtype == key_cache.dtype == value_cache.dtype):
+        raise ValueError(
+            f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} differ"
+        )
+    if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("head_dim must be the contiguous dimension of the query and caches")
+    return num_heads, num_kv_heads, head_dim, block_size

@@ -1,0 +1,183 @@
+"""The batched sampler on hand-made logits: penalties, bias, min_tokens, min-p, logprobs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from asyncllm import SamplingParams
+from asyncllm.worker.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_penalties,
+    compute_logprobs,
+)
+
+CPU = torch.device("cpu")
+
+
+def _chunk(params, prompt=(1,), output=(), stop=frozenset({4}), rid="r"):
+    return SimpleNamespace(
+        request_id=rid,
+        params=params,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        num_output_tokens=len(output),
+        stop_token_ids=stop,
+    )
+
+
+def _batch(*chunks):
+    return SamplingBatch.from_chunks(list(chunks), CPU)
+
+
+def test_penalties_hand_computed():
+    """l = [2, -1, 0.5, 0, 3]; prompt [1]; output [0, 0, 2]; r = 2, f = 0.5, p = 0.25.
+
+    repetition on {0, 1, 2}:  [2/2, -1*2, 0.5/2, 0, 3]          = [1, -2, 0.25, 0, 3]
+    frequency (c0=2, c2=1):   [1 - 2*0.5, -2, 0.25 - 0.5, 0, 3] = [0, -2, -0.25, 0, 3]
+    presence on {0, 2}:       [0 - 0.25, -2, -0.25 - 0.25, 0, 3]
+    """
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0, 3.0]])
+    batch = _batch(_chunk(params, prompt=[1], output=[0, 0, 2]))
+    out = apply_penalties(logits, batch)
+    assert out.tolist() == [[-0.25, -2.0, -0.5, 0.0, 3.0]]
+
+
+def test_penalties_leave_other_rows_alone_and_change_greedy():
+    logits = torch.tensor([[5.0, 4.0, 0.0, 0.0, 0.0], [5.0, 4.0, 0.0, 0.0, 0.0]])
+    plain = SamplingParams(temperature=0.0)
+    penalized = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    batch = _batch(_chunk(plain, output=[0, 0]), _chunk(penalized, output=[0, 0]))
+    assert apply_penalties(logits, batch)[0].tolist() == logits[0].tolist()
+    tokens = Sampler(0, CPU)(logits, batch).token_ids.tolist()
+    assert tokens == [0, 1]  # 5 - 2*2 = 1 < 4: the penalized row picks token 1
+
+
+def test_repetition_penalty_matches_transformers():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g) * 3
+    seqs = [[1, 5, 7], [2, 2, 9, 40], [49, 0, 3, 3, 3]]
+    rows = []
+    expected = []
+    for i, seq in enumerate(seqs):
+        params = SamplingParams(repetition_penalty=1.3 + 0.2 * i)
+        rows.append(_chunk(params, prompt=seq[:2], output=seq[2:]))
+        proc = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
+        expected.append(proc(torch.tensor([seq]), logits[i : i + 1].clone())[0])
+    out = apply_penalties(logits, _batch(*rows))
+    torch.testing.assert_close(out, torch.stack(expected))
+
+
+def test_logit_bias_forces_and_bans():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 30, generator=g)
+    params = [
+        SamplingParams(temperature=1.0, logit_bias={7: 100}),
+        SamplingParams(temperature=1.0, seed=3, logit_bias={"12": 100.0}),
+        SamplingParams(temperature=0.0, logit_bias={int(logits[2].argmax()): -100}),
+        SamplingParams(temperature=0.0),
+    ]
+    batch = _batch(*(_chunk(p) for p in params))
+    tokens = Sampler(0, CPU)(logits, batch).token_ids.tolist()
+    assert tokens[0] == 7 and tokens[1] == 12
+    assert tokens[2] == int(logits[2].topk(2).indices[1])  # the argmax was banned
+    assert tokens[3] == int(logits[3].argmax())
+
+
+def test_top_k_1_and_temperature_0_are_greedy_whatever_the_seed():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 100, generator=g)
+    params = [
+        SamplingParams(temperature=1.5, top_k=1, seed=1),
+        SamplingParams(temperature=0.7, top_k=1),
+        SamplingParams(temperature=0.0, seed=5),
+        SamplingParams(temperature=0.0, seed=6, top_p=0.3, min_p=0.2),
+        SamplingParams(temperature=1e-6, seed=7),
+        SamplingParams(temperature=0.0),
+    ]
+    batch = _batch(*(_chunk(p) for p in params))
+    for seed in range(3):
+        tokens = Sampler(seed, CPU)(logits, batch).token_ids
+        assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_min_tokens_masks_stop_tokens_until_reached():
+    logits = torch.zeros(2, 10)
+    logits[:, 4] = 10.0  # the stop token is by far the most likely
+    logits[:, 6] = 5.0
+    params = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=10)
+    young = _chunk(params, output=[1, 1], stop=frozenset({4, 9}))  # 2 generated < 3
+    grown = _chunk(params, output=[1, 1, 1], stop=frozenset({4, 9}))  # 3 generated
+    tokens = Sampler(0, CPU)(logits, _batch(young, grown)).token_ids.tolist()
+    assert tokens == [6, 4]
+
+
+def test_min_p_keeps_only_tokens_near_the_top():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(400, 1)
+    params = SamplingParams(temperature=1.0, min_p=0.5)  # keep p >= 0.25: tokens 0 and 1
+    batch = _batch(*(_chunk(params) for _ in range(400)))
+    tokens = Sampler(0, CPU)(logits, batch).token_ids
+    assert set(tokens.tolist()) == {0, 1}
+    assert 0.5 < (tokens == 0).float().mean() < 0.75  # 0.5 / 0.8 = 0.625 renormalised
+
+
+def test_top_p_and_top_k_cut_the_tail():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    logits = probs.log().repeat(300, 1)
+    top_p = _batch(*(_chunk(SamplingParams(top_p=0.6)) for _ in range(300)))
+    top_k = _batch(*(_chunk(SamplingParams(top_k=3)) for _ in range(300)))
+    assert set(Sampler(0, CPU)(logits, top_p).token_ids.tolist()) == {0, 1}
+    assert set(Sampler(0, CPU)(logits, top_k).token_ids.tolist()) == {0, 1, 2}
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 64, generator=g)
+    params = [
+        SamplingParams(temperature=0.9, seed=11, top_p=0.9),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=1.2, seed=12, min_p=0.05, logit_bias={3: 1.0}),
+        SamplingParams(temperature=0.8, top_k=10, presence_penalty=0.5),
+    ]
+    chunks = [_chunk(p, output=[3, 5]) for p in params]
+    together = Sampler(0, CPU)(logits, _batch(*chunks)).token_ids.tolist()
+    for i in (0, 2, 3):  # seeded or greedy rows: the same alone as in the batch
+        alone = Sampler(99, CPU)(logits[i : i + 1], _batch(chunks[i])).token_ids.tolist()
+        assert alone == [together[i]]
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 20, generator=g)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.5),
+        SamplingParams(temperature=2.0, logprobs=0, logit_bias={5: 100}),
+        SamplingParams(temperature=0.0),
+    ]
+    out = Sampler(0, CPU)(logits, _batch(*(_chunk(p, output=[1]) for p in params)))
+    assert out.logprobs is not None
+    ref = torch.log_softmax(logits, dim=-1)
+    tokens = out.token_ids
+    assert tokens[1] == 5
+    torch.testing.assert_close(out.logprobs.token_logprobs, ref.gather(1, tokens[:, None])[:, 0])
+    torch.testing.assert_close(out.logprobs.top_logprobs, ref.topk(3).values)
+    assert out.logprobs.top_ids.tolist() == ref.topk(3).indices.tolist()
+    rank_of_5 = int((ref[1] >= ref[1, 5]).sum())
+    assert out.logprobs.token_ranks[1] == rank_of_5
+
+
+def test_compute_logprobs_zero_alternatives():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    lp = compute_logprobs(logits, torch.tensor([0]), 0)
+    assert lp.top_ids.shape == (1, 0)
+    assert lp.token_ranks.tolist() == [3]
+    assert lp.to_lists([0]) == [
+        (pytest.approx(float(torch.log_softmax(logits, -1)[0, 0])), 3, [], [])
+    ]
