@@ -148,7 +148,7 @@ class LLM:
             (lambda p=p, sp=sp: engine.stream(p, sp), sp.output_kind)
             for p, sp in zip(items, per, strict=True)
         ]
-        return self._call(self._run_all(makers, use_tqdm, "Generating"))
+        return self._call_with_bar(makers, use_tqdm, "Generating")
 
     def chat(
         self,
@@ -186,7 +186,7 @@ class LLM:
             (lambda m=m, sp=sp: engine.chat(m, sp, **kw), sp.output_kind)
             for m, sp in zip(convs, per, strict=True)
         ]
-        return self._call(self._run_all(makers, use_tqdm, "Chatting"))
+        return self._call_with_bar(makers, use_tqdm, "Chatting")
 
     def close(self) -> None:
         """Finish: abort what is in flight, join the engine's task, its thread and the
@@ -219,6 +219,22 @@ class LLM:
                 raise InvalidRequestError(f"params must be SamplingParams, got {type(p)}")
         return list(params)
 
+    def _call_with_bar(
+        self,
+        makers: Sequence[tuple[Callable[[], AsyncIterator[RequestOutput]], str]],
+        use_tqdm: bool,
+        desc: str,
+    ) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        # Made in the calling thread (a notebook displays the widget in the running cell);
+        # updated from the loop thread.
+        bar = tqdm(total=len(makers), desc=desc, unit="req", disable=not use_tqdm)
+        try:
+            return self._call(self._run_all(makers, bar))
+        finally:
+            bar.close()
+
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the facade's loop and wait; Ctrl-C cancels it (aborting its
         requests) before re-raising."""
@@ -239,13 +255,9 @@ class LLM:
     async def _run_all(
         self,
         makers: Sequence[tuple[Callable[[], AsyncIterator[RequestOutput]], str]],
-        use_tqdm: bool,
-        desc: str,
+        bar: Any,
     ) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
-
         results: list[RequestOutput | None] = [None] * len(makers)
-        bar = tqdm(total=len(makers), desc=desc, unit="req", disable=not use_tqdm)
         start = time.monotonic()
         generated = 0
 
@@ -272,6 +284,4 @@ class LLM:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        finally:
-            bar.close()
         return [r for r in results if r is not None]

@@ -270,6 +270,22 @@ async def test_stop_token_ids_and_min_tokens_with_stop_strings(tiny_llama_dir, m
         assert out.text == "The quick brown " and out.stop_reason == "fox"
 
 
+async def test_skip_special_tokens_and_unbounded_max_tokens(tiny_llama_dir, make_engine):
+    engine = make_engine(tiny_llama_dir, max_model_len=24, **SMALL)
+    ids = _script(engine, "<|im_start|>assistant hello<|im_end|> bye")
+    assert ids[0] == engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    prompt = _prompts()[2]  # 12 tokens: room for 12 more
+    async with engine:
+        skip = await engine.generate(prompt, SamplingParams(max_tokens=None, ignore_eos=True))
+        keep = await engine.generate(
+            prompt,
+            SamplingParams(max_tokens=len(ids), ignore_eos=True, skip_special_tokens=False),
+        )
+    assert skip.finish_reason == "length" and len(skip.token_ids) == 24 - 12
+    assert skip.text.startswith("assistant hello bye")
+    assert keep.text == "<|im_start|>assistant hello<|im_end|> bye"
+
+
 async def test_emoji_and_cjk_streams_never_split_characters(tiny_llama_dir, make_engine):
     text = "你好，世界！🤖👍🏽 数据科学 🎉🇯🇵 漢字とかな ok 😀"
     engine = make_engine(tiny_llama_dir, max_num_seqs=16, **SMALL)
@@ -676,3 +692,11 @@ def test_llm_facade_generates_in_scripts_and_inside_a_running_loop(tiny_llama_di
     assert not _engine_threads()
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("x")
+
+
+def test_llm_facade_retries_past_a_bounded_queue(tiny_llama_dir):
+    prompts = _prompts()
+    with LLM(str(tiny_llama_dir), max_num_seqs=1, max_waiting=1, **SMALL) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)
+        check_pool_whole(llm.engine)

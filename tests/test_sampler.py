@@ -14,6 +14,7 @@ from asyncllm.worker.sampler import (
     SamplingBatch,
     apply_penalties,
     compute_logprobs,
+    top_k_top_p,
 )
 
 CPU = torch.device("cpu")
@@ -181,3 +182,34 @@ def test_compute_logprobs_zero_alternatives():
     assert lp.to_lists([0]) == [
         (pytest.approx(float(torch.log_softmax(logits, -1)[0, 0])), 3, [], [])
     ]
+
+
+def _top_k_top_p_by_full_sort(scaled, top_k, top_p):
+    """The textbook version: sort every row, cut top-k, renormalise, cut top-p."""
+    out = scaled.clone()
+    vocab = scaled.shape[-1]
+    for r in range(scaled.shape[0]):
+        vals = scaled[r].sort(descending=True).values
+        k = int(top_k[r]) or vocab
+        probs = vals.masked_fill(torch.arange(vocab) >= k, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs
+        keep = torch.arange(vocab) < k
+        if top_p[r] < 1:
+            keep &= before < top_p[r]
+        out[r][scaled[r] < vals[int(keep.sum()) - 1]] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_k_top_p_on_candidates_equals_a_full_sort(seed):
+    """Peaked rows are decided among the candidates; flat ones fall back to a full sort."""
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = 12, 3000
+    scale = torch.tensor([8.0, 3.0, 1.0, 0.05] * 3)[:, None]
+    scaled = torch.randn(rows, vocab, generator=g) * scale
+    top_k = torch.tensor([0, 0, 0, 0, 5, 300, 2999, 3000, 0, 1, 40, 0])
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.9, 1.0, 0.8, 0.99, 0.3, 1.0, 0.7, 0.9, 0.999])
+    got = top_k_top_p(scaled, top_k, top_p)
+    want = _top_k_top_p_by_full_sort(scaled, top_k, top_p)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[~got.isinf()], scaled[~got.isinf()])

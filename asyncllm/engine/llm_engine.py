@@ -282,6 +282,10 @@ class LLMEngine:
                 raise InvalidRequestError(f"each message must be a dict with a str 'role': {m!r}")
             if not isinstance(m.get("content"), (str, list, type(None))):
                 raise InvalidRequestError(f"message content must be a str or a list: {m!r}")
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidRequestError("add_generation_prompt must be a bool")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise InvalidRequestError("chat_template_kwargs must be a dict or None")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("the model's tokenizer has no chat template")
         try:

@@ -10,14 +10,15 @@ order (see :mod:`asyncllm.sampling_params` for each parameter's definition and s
    penalty) are built with one ``index_put_`` each over the flattened ids of the penalized
    rows, then applied as ``[B, V]`` tensor arithmetic;
 4. greedy rows take the argmax; the others divide by their temperature, apply min-p on the
-   probabilities, then top-k and top-p on one descending sort, and draw with the exponential
-   race (Gumbel-max in another guise): ``argmax(p_i / q_i)`` with ``q_i ~ Exp(1)`` is a sample
-   from ``p``.
+   probabilities, then top-k and top-p (:func:`top_k_top_p`: a cut-off logit per row found
+   among its best few hundred logits, a full sort only for rows too flat to decide there),
+   and draw with the exponential race (Gumbel-max in another guise): ``argmax(p_i / q_i)``
+   with ``q_i = -log U_i ~ Exp(1)`` is a sample from ``p``.
 
-The noise ``q`` of a seeded request comes from a generator seeded with :func:`derive_seed` of
-(seed, index of the token), so its samples do not depend on what else shares the batch, nor
-on preemption; that is the one per-row loop. Unseeded rows draw their noise in one call from
-the engine's generator.
+The noise ``U`` of a seeded request comes from a generator seeded with :func:`derive_seed` of
+(seed, index of the token), drawn over the whole vocabulary in token-id order, so its samples
+do not depend on what else shares the batch, nor on preemption; that is the one per-row loop.
+Unseeded rows draw their noise in one call from the engine's generator.
 """
 
 from __future__ import annotations
@@ -285,48 +286,93 @@ class Sampler:
         logits = apply_penalties(logits, batch)
         tokens = logits.argmax(dim=-1)
         if not batch.all_greedy:
-            tokens = torch.where(batch.temperatures == 0, tokens, self._sample(logits, batch))
+            rows = [r for r, t in enumerate(batch.temperatures.tolist()) if t > 0]
+            tokens[rows] = self._sample(logits[rows], batch, rows)
         k = batch.max_num_logprobs
         lp = compute_logprobs(raw, tokens, k) if k is not None else None
         return SamplerOutput(tokens, lp)
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        temps = batch.temperatures.clamp_min(1e-5)[:, None]
-        scaled = logits / temps
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
+        """Draw for the non-greedy ``rows`` (``logits`` holds just those rows)."""
+        dev = logits.device
+        scaled = logits / batch.temperatures[rows].clamp_min(1e-5)[:, None]
         if batch.any_min_p and batch.min_p is not None:
             probs = scaled.softmax(dim=-1)
-            floor = probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None]
+            floor = probs.amax(dim=-1, keepdim=True) * batch.min_p[rows][:, None]
             scaled = scaled.masked_fill(probs < floor, float("-inf"))
         if batch.any_top_k or batch.any_top_p:
-            scaled, order = scaled.sort(dim=-1, descending=True)
-            vocab = scaled.shape[-1]
-            if batch.any_top_k:
-                k = torch.where(batch.top_k > 0, batch.top_k, vocab)
-                rank = torch.arange(vocab, device=logits.device)[None, :]
-                scaled = scaled.masked_fill(rank >= k[:, None], float("-inf"))
-            if batch.any_top_p:
-                probs = scaled.softmax(dim=-1)
-                before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-                scaled = scaled.masked_fill(before >= batch.top_p[:, None], float("-inf"))
-            # Back to vocabulary order, so that a row's noise meets the same token ids
-            # whether or not other rows of the batch needed the sort.
-            scaled = torch.empty_like(scaled).scatter_(-1, order, scaled)
+            scaled = top_k_top_p(scaled, batch.top_k[rows], batch.top_p[rows])
         probs = scaled.softmax(dim=-1)
-        noise = torch.ones_like(probs)
-        random_rows = (batch.temperatures > 0).tolist()
-        unseeded = [
-            r
-            for r, (s, rnd) in enumerate(zip(batch.seeds, random_rows, strict=True))
-            if rnd and s is None
-        ]
+        # Exponential race noise q = -log(U), U uniform in [tiny, 1): one vocabulary-order
+        # draw per row, so a seeded row meets the same noise whatever shares its batch.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if batch.seeds[r] is None]
         if unseeded:
-            draw = torch.empty((len(unseeded), probs.shape[-1]), device=probs.device)
-            noise[unseeded] = draw.exponential_(generator=self._generator)
-        for row, (seed, index) in enumerate(zip(batch.seeds, batch.token_indices, strict=True)):
-            if seed is not None and random_rows[row]:
-                self._row_generator.manual_seed(derive_seed(seed, index))
-                noise[row].exponential_(generator=self._row_generator)
+            draw = torch.empty((len(unseeded), probs.shape[-1]), device=dev)
+            noise[unseeded] = draw.uniform_(generator=self._generator)
+        for i, r in enumerate(rows):
+            seed = batch.seeds[r]
+            if seed is not None:
+                self._row_generator.manual_seed(derive_seed(seed, batch.token_indices[r]))
+                noise[i].uniform_(generator=self._row_generator)
+        noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
         return (probs / noise).argmax(dim=-1)
+
+
+#: Candidates :func:`top_k_top_p` examines before falling back to a full sort of a row.
+TOP_CANDIDATES = 256
+
+
+def _keep_counts(
+    vals: torch.Tensor, k: torch.Tensor, p: torch.Tensor, lse: torch.Tensor
+) -> torch.Tensor:
+    """How many of each row's best tokens top-k then top-p keep.
+
+    Args:
+        vals: ``[R, C]`` the row's C largest logits, descending.
+        k: ``[R]`` top-k (the vocabulary size when off).
+        p: ``[R]`` top-p (1 when off).
+        lse: ``[R]`` log of the normaliser of the top-k set (its logsumexp).
+    """
+    cols = vals.shape[-1]
+    in_k = torch.arange(cols, device=vals.device)[None, :] < k[:, None]
+    probs = (vals - lse[:, None]).exp().masked_fill(~in_k, 0.0)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    by_p = ((before < p[:, None]) & in_k).sum(dim=-1)
+    return torch.where(p < 1.0, by_p, k.clamp_max(cols))
+
+
+def top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits outside each row's top-k, then outside its top-p nucleus of the
+    renormalised top-k distribution (vLLM's order). Ties with the last kept logit are kept.
+
+    Works on the rows' :data:`TOP_CANDIDATES` best logits (one ``topk``); only rows whose
+    nucleus is not decided among them (flat distributions) are fully sorted.
+
+    Args:
+        scaled: ``[R, V]`` float32 temperature-scaled logits.
+        top_k: ``[R]`` int64, 0 = off.
+        top_p: ``[R]`` float32 in (0, 1], 1 = off.
+    """
+    vocab = scaled.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp_max(vocab)
+    finite_k = [x for x in k.tolist() if x < vocab]
+    cap = min(vocab, max([TOP_CANDIDATES, *finite_k]))
+    vals = scaled.topk(cap, dim=-1).values
+    # k <= cap: the top-k set is among the candidates; otherwise k is the whole vocabulary.
+    in_k = torch.arange(cap, device=scaled.device)[None, :] < k[:, None]
+    lse = torch.where(
+        k <= cap, vals.masked_fill(~in_k, float("-inf")).logsumexp(-1), scaled.logsumexp(-1)
+    )
+    keep = _keep_counts(vals, k, top_p, lse)
+    cutoff = vals.gather(-1, (keep - 1)[:, None])
+    undecided = ((k > cap) & (top_p < 1.0) & (keep == cap)).nonzero()[:, 0]
+    if len(undecided):
+        full = scaled[undecided].sort(dim=-1, descending=True).values
+        n = _keep_counts(full, k[undecided], top_p[undecided], lse[undecided])
+        cutoff[undecided] = full.gather(-1, (n - 1)[:, None])
+    active = (k < vocab) | (top_p < 1.0)
+    return scaled.masked_fill(active[:, None] & (scaled < cutoff), float("-inf"))
 
 
 #: One position's logprobs as plain Python: (logprob, rank, top ids, top logprobs).
