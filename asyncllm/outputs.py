@@ -84,11 +84,15 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``: one entry per prompt token
             (None for the first), on the first item of a stream (every item when
             "cumulative").
+        index: which of the request's ``n`` parallel samples this item belongs to.
         prompt_token_ids: the prompt's token ids, on the last item.
         metrics: timings and counts, on the last item.
+        samples: from ``generate()`` with ``n > 1``: all n outputs in index order (this
+            output is ``samples[0]``); None otherwise.
     """
 
     request_id: str
+    index: int = 0
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
@@ -101,6 +105,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_token_ids: list[int] | None = None
     metrics: RequestMetrics | None = None
+    samples: list[RequestOutput] | None = None
 
     @property
     def finished(self) -> bool:

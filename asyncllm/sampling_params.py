@@ -1,7 +1,7 @@
 """Per-request sampling parameters.
 
-Fields, names and defaults follow vLLM's ``SamplingParams`` (which follows the OpenAI API);
-``n`` (parallel samples) is not here yet. Every field is checked on construction (and on
+Fields, names and defaults follow vLLM's ``SamplingParams`` (which follows the OpenAI API).
+Every field is checked on construction (and on
 ``msgspec`` decoding); an invalid value raises
 :class:`~asyncllm.errors.InvalidRequestError` (a ``ValueError``) whose message starts with the
 field's name and states the allowed range. Token ids are checked against the model's
@@ -47,6 +47,8 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 #: The range of a ``logit_bias`` value (OpenAI's).
 MAX_LOGIT_BIAS = 100.0
 OUTPUT_KINDS = ("delta", "cumulative", "final")
+#: The most parallel samples one request may ask for.
+MAX_N = 256
 
 OutputKind = Literal["delta", "cumulative", "final"]
 
@@ -95,6 +97,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """How to sample one request's tokens, when to stop, and what to return.
 
     Attributes:
+        n: parallel samples of the prompt, sharing its KV blocks (``stream()`` tags each
+            item with its sample ``index``). Sample ``i`` samples as a separate request with
+            ``seed + i`` (mod 2**64, within the seed range) would. Range [1, 256].
         max_tokens: the most tokens to generate, >= 1; None: until ``max_model_len``.
         min_tokens: EOS and ``stop_token_ids`` cannot be sampled, and stop strings are not
             matched, until this many tokens are generated. Range [0, max_tokens].
@@ -146,6 +151,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             names the field.
     """
 
+    n: int = 1
     max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -167,6 +173,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     output_kind: OutputKind = "delta"
 
     def __post_init__(self) -> None:
+        _int("n", self.n, 1, MAX_N)
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, 1)
         _int("min_tokens", self.min_tokens, 0, self.max_tokens)
@@ -228,6 +235,15 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             tid = _token_id("logit_bias", k)
             out[tid] = _float(f"logit_bias[{k!r}]", v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         return out or None
+
+    def sample_params(self, index: int) -> SamplingParams:
+        """The parameters of parallel sample ``index``: ``n=1`` and the derived seed."""
+        seed = self.seed
+        if seed is not None:
+            seed += index
+            if seed > 2**64 - 1:
+                seed -= 2**64
+        return msgspec.structs.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -186,3 +186,64 @@ async def test_different_cache_salts_share_no_block(tiny_llama_dir, make_engine)
 
 def _last_id(core):
     return max(core.scheduler.requests, key=lambda r: core.scheduler.requests[r].arrival_time)
+
+
+async def test_parallel_samples_equal_separate_seeded_runs(tiny_llama_dir, make_engine):
+    """n=4 with a seed: each sample equals a separate n=1 run with seed + index, while the
+    samples share the prompt's blocks (the forked partial block is copied on write)."""
+    prompt = _prompts(13, [[]])[0]  # 13 tokens: 3 full blocks and a partial one
+    params = SamplingParams(n=4, max_tokens=10, temperature=1.0, top_k=50, seed=1234)
+    engine = make_engine(tiny_llama_dir, block_size=BS, kv_cache_bytes=2**20)
+    async with engine:
+        together = await engine.generate(prompt, params)
+        stats = engine.stats()
+        alone = [
+            await engine.generate(prompt, SamplingParams(max_tokens=10, top_k=50, seed=1234 + i))
+            for i in range(4)
+        ]
+        streamed = {}
+        bm = engine._engine.block_manager
+        tables = None
+        async for out in engine.stream(prompt, params, request_id="par"):
+            assert out.request_id == "par"
+            streamed.setdefault(out.index, []).extend(out.token_ids)
+            if tables is None:  # all four have sampled their first token by now
+                tables = [list(bm.block_table(f"par#{i}")) for i in range(4)]
+    assert [s.index for s in together.samples] == [0, 1, 2, 3]
+    assert [s.token_ids for s in together.samples] == [a.token_ids for a in alone]
+    assert together.token_ids == together.samples[0].token_ids
+    assert [streamed[i] for i in range(4)] == [a.token_ids for a in alone]
+    assert len({tuple(a.token_ids) for a in alone}) > 1  # the seeds differ
+    assert stats["num_generated_tokens"] == 40
+    # The three full prompt blocks are shared; each sample has its own fourth block.
+    assert all(t[:3] == tables[0][:3] for t in tables)
+    assert len({t[3] for t in tables}) == 4
+
+
+async def test_parallel_samples_abort_and_cancel(tiny_llama_dir, make_engine):
+    prompt = _prompts(30, [[]])[0]
+    params = SamplingParams(n=3, max_tokens=50, ignore_eos=True)
+    engine = make_engine(tiny_llama_dir, block_size=BS, kv_cache_bytes=2**20)
+    async with engine:
+        seen = set()
+        async for out in engine.stream(prompt, params, request_id="a"):
+            seen.add(out.index)
+            if len(seen) == 3:
+                break  # leaving the loop aborts all three samples
+        task = asyncio.create_task(engine.generate(prompt, params, request_id="b"))
+        await asyncio.sleep(0.05)
+        engine.abort("b")
+        out = await task
+        assert {s.finish_reason for s in (out.samples or [out])} == {"abort"}
+        greedy = await engine.generate(prompt, SamplingParams(n=2, max_tokens=5, temperature=0))
+        assert greedy.samples[0].token_ids == greedy.samples[1].token_ids
+
+
+async def test_reset_prefix_cache_forgets_unused_blocks(tiny_llama_dir, make_engine):
+    prompt = _prompts(40, [[1]])[0]
+    engine = make_engine(tiny_llama_dir, block_size=BS, kv_cache_bytes=2**20)
+    async with engine:
+        await engine.generate(prompt, GREEDY)
+        assert await engine.reset_prefix_cache() >= 10
+        again = await engine.generate(prompt, GREEDY)
+    assert again.num_cached_tokens == 0

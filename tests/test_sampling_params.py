@@ -24,6 +24,7 @@ def _outside(lo: float, hi: float, lo_open: bool = False) -> st.SearchStrategy[o
 
 
 INVALID: dict[str, st.SearchStrategy[object]] = {
+    "n": st.one_of(st.integers(max_value=0), st.integers(min_value=257), NOT_INTS),
     "max_tokens": st.one_of(st.integers(max_value=0), NOT_INTS.filter(lambda v: v is not None)),
     "min_tokens": st.one_of(st.integers(max_value=-1), st.integers(min_value=17), NOT_INTS),
     "temperature": _outside(0.0, 100.0),
@@ -98,6 +99,7 @@ def test_invalid_value_names_the_field(field, data):
 VALID = st.fixed_dictionaries(
     {},
     optional={
+        "n": st.integers(1, 256),
         "max_tokens": st.one_of(st.none(), st.integers(16, 10**6)),
         "min_tokens": st.integers(0, 16),
         "temperature": st.floats(0, 100),

@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
+
 from asyncllm.config import EngineConfig
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import RequestUpdate
@@ -59,7 +61,11 @@ class AsyncEngine:
         self._engine = engine
         self._states: dict[str, RequestState] = {}
         self._inbox_add: dict[str, Request] = {}
+        # Parallel sampling (n > 1): caller's id -> its samples' core ids, and back.
+        self._groups: dict[str, list[str]] = {}
+        self._group_of: dict[str, str] = {}
         self._inbox_abort: set[str] = set()
+        self._cache_resets: list[asyncio.Future[int]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -179,6 +185,8 @@ class AsyncEngine:
 
         Yields:
             :class:`RequestOutput` items; the last has ``finish_reason`` and ``metrics``.
+            With ``params.n > 1`` the samples' items interleave, each tagged with its
+            ``index``, and each sample ends with its own last item.
 
         Raises:
             InvalidRequestError: bad prompt, params, timeout or a duplicate request id.
@@ -186,23 +194,31 @@ class AsyncEngine:
             EngineNotRunningError: outside ``async with engine`` (or while it exits).
             EngineDeadError: the step loop failed (before or during the request).
         """
-        state = self._submit(prompt, params, request_id, priority, cache_salt, timeout)
-        finished = False
+        states = self._submit(prompt, params, request_id, priority, cache_salt, timeout)
+        event = states[0].event
+        for state in states[1:]:  # one wake-up for all samples
+            state.event = event
+        pending = list(states)
         try:
-            while True:
-                await state.event.wait()
-                if state.error is not None:
-                    raise self._dead_error() if self._dead is not None else state.error
-                out = state.take()
-                if out is None:
-                    continue
-                finished = out.finished
-                yield out
-                if finished:
-                    return
+            while pending:
+                await event.wait()
+                outs = []
+                for state in pending:  # take every sample's news before yielding any
+                    if state.error is not None:
+                        raise self._dead_error() if self._dead is not None else state.error
+                    out = state.take()
+                    if out is not None:
+                        outs.append((state, out))
+                for state, out in outs:
+                    if out.finished:
+                        pending.remove(state)
+                    yield out
         finally:
-            if not finished:
+            for state in pending:
                 self.abort(state.request_id)
+            if len(states) > 1:
+                for child in self._groups.pop(states[0].output_id, ()):
+                    self._group_of.pop(child, None)
 
     async def chat(
         self,
@@ -261,7 +277,8 @@ class AsyncEngine:
         cache_salt: str | None = None,
         timeout: float | None = None,
     ) -> RequestOutput:
-        """Generate for one prompt and return the whole output (see :meth:`stream`)."""
+        """Generate for one prompt and return the whole output (see :meth:`stream`); with
+        ``params.n > 1``, sample 0's output whose ``samples`` lists all n in index order."""
         stream = self.stream(
             prompt,
             params,
@@ -276,7 +293,8 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort" and its blocks are
         freed before the next step. Callable from any task, and from other threads (then
-        applied on the engine's loop soon after). Unknown or finished ids are ignored."""
+        applied on the engine's loop soon after). Unknown or finished ids are ignored; the id
+        of a request with ``n > 1`` aborts all its samples."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
@@ -287,6 +305,17 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(self._finish_early, request_id, "abort")
                 return
         self._finish_early(request_id, "abort")
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every prefix-cache block that no request holds (applied between steps);
+        returns how many blocks were dropped. Blocks in use keep their hashes."""
+        if self._task is None or self._task.done():
+            return self._engine.reset_prefix_cache()
+        assert self._loop is not None and self._wakeup is not None
+        done: asyncio.Future[int] = self._loop.create_future()
+        self._cache_resets.append(done)
+        self._wakeup.set()
+        return await done
 
     def stats(self) -> dict[str, int | float]:
         """Engine counters (see ``LLMEngine.stats``); read between steps."""
@@ -309,6 +338,8 @@ class AsyncEngine:
         self, request_id: str, reason: str, state: RequestState | None = None
     ) -> None:
         """End a request from outside a step ("abort", "timeout")."""
+        for child in self._groups.get(request_id, ()):
+            self._finish_early(child, reason)
         current = self._states.get(request_id)
         if current is None or (state is not None and current is not state):
             return
@@ -331,7 +362,7 @@ class AsyncEngine:
         priority: int,
         cache_salt: str | None,
         timeout: float | None,
-    ) -> RequestState:
+    ) -> list[RequestState]:
         if self._dead is not None:
             raise self._dead_error()
         if self._task is None or self._closing:
@@ -340,7 +371,7 @@ class AsyncEngine:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self._states:
+        if request_id in self._states or request_id in self._groups:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if timeout is not None and (
             not isinstance(timeout, (int, float))
@@ -356,31 +387,54 @@ class AsyncEngine:
                 f"{self._num_waiting()} requests are waiting (EngineConfig.max_waiting="
                 f"{limit}); try again later"
             )
-        request = self._engine.make_request(
+        requests = self._engine.make_requests(
             request_id,
             prompt,
             params if params is not None else SamplingParams(),
             priority=priority,
             cache_salt=cache_salt,
         )
-        state = RequestState(request, request.params, self._engine.tokenizer, self._token_text)
-        if timeout is not None:
-            assert self._loop is not None
-            state.timeout_handle = self._loop.call_later(
-                timeout, self._finish_early, request_id, "timeout", state
-            )
-        self._states[request_id] = state
-        self._inbox_add[request_id] = request
+        if len(requests) > 1:
+            ids = [r.request_id for r in requests]
+            if any(i in self._states for i in ids):
+                raise InvalidRequestError(f"duplicate request id among {ids}")
+            self._groups[request_id] = ids
+            self._group_of.update(dict.fromkeys(ids, request_id))
+        states = []
+        for i, request in enumerate(requests):
+            state = RequestState(
+                request, request.params, self._engine.tokenizer, self._token_text,
+                output_id=request_id, index=i,
+            )  # fmt: skip
+            if timeout is not None:
+                assert self._loop is not None
+                state.timeout_handle = self._loop.call_later(
+                    timeout, self._finish_early, request.request_id, "timeout", state
+                )
+            self._states[request.request_id] = state
+            self._inbox_add[request.request_id] = request
+            states.append(state)
         assert self._wakeup is not None
         self._wakeup.set()
-        return state
+        return states
 
     def _drain_inbox(self) -> None:
+        for done in self._cache_resets:
+            if not done.done():
+                done.set_result(self._engine.reset_prefix_cache())
+        self._cache_resets.clear()
         for request_id in self._inbox_abort:
             self._engine.abort_request(request_id)
         self._inbox_abort.clear()
+        groups: dict[str, list[Request]] = {}
         for request in self._inbox_add.values():
-            self._engine.add_request(request)
+            group = self._group_of.get(request.request_id)
+            if group is None:
+                self._engine.add_request(request)
+            else:
+                groups.setdefault(group, []).append(request)
+        for samples in groups.values():
+            self._engine.add_parallel_requests(samples)
         self._inbox_add.clear()
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
@@ -438,6 +492,10 @@ class AsyncEngine:
         self._inbox_abort.clear()
         for state in states:
             state.fail(self._dead_error())
+        for done in self._cache_resets:
+            if not done.done():
+                done.set_exception(self._dead_error())
+        self._cache_resets.clear()
         if not self._stepping:
             self._release_core()
         if isinstance(exc, Exception):
@@ -453,6 +511,13 @@ class AsyncEngine:
 
 
 async def collect(stream: AsyncIterator[RequestOutput], output_kind: str) -> RequestOutput:
-    """Read a stream to its end and return the whole output (deltas merged)."""
-    items = [out async for out in stream]
-    return merge_outputs(items, output_kind)
+    """Read a stream to its end and return the whole output (deltas merged); with several
+    parallel samples, sample 0's output with all of them in ``samples``."""
+    by_index: dict[int, list[RequestOutput]] = {}
+    async for out in stream:
+        by_index.setdefault(out.index, []).append(out)
+    merged = [merge_outputs(by_index[i], output_kind) for i in sorted(by_index)]
+    if len(merged) == 1:
+        return merged[0]
+    first = msgspec.structs.replace(merged[0], samples=merged)
+    return first

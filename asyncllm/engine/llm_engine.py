@@ -300,9 +300,43 @@ class LLMEngine:
             raise InvalidRequestError(f"the chat template failed on these messages: {e}") from e
         return list(ids)
 
+    def make_requests(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[Request]:
+        """The core requests of one call: one, or one per parallel sample when
+        ``params.n > 1`` (ids ``"{request_id}#{i}"``, params from
+        :meth:`SamplingParams.sample_params`). Validates as :meth:`make_request` does."""
+        if not isinstance(params, SamplingParams) or params.n == 1:
+            return [self.make_request(request_id, prompt, params, priority=priority,
+                                      cache_salt=cache_salt)]  # fmt: skip
+        first = self.make_request(
+            f"{request_id}#0", prompt, params.sample_params(0), priority=priority,
+            cache_salt=cache_salt,
+        )  # fmt: skip
+        samples = [first]
+        for i in range(1, params.n):
+            r = self.make_request(
+                f"{request_id}#{i}", first.prompt_token_ids, params.sample_params(i),
+                priority=priority, cache_salt=cache_salt,
+            )  # fmt: skip
+            r.arrival_time = first.arrival_time
+            samples.append(r)
+        return samples
+
     def add_request(self, request: Request) -> None:
         """Queue a request made by :meth:`make_request`."""
         self.scheduler.add_request(request)
+
+    def add_parallel_requests(self, samples: Sequence[Request]) -> None:
+        """Queue the samples of one call made by :meth:`make_requests` so that they share
+        the prompt's KV blocks."""
+        self.scheduler.add_parallel_requests(samples)
 
     def abort_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED

@@ -59,6 +59,9 @@ class RequestState:
         params: its validated sampling parameters.
         tokenizer: the model's tokenizer.
         token_text: the engine's :class:`TokenTextCache`.
+        output_id: the request id its outputs carry (the caller's id; a parallel sample's
+            core request id differs); default: the core request's id.
+        index: the parallel sample it is.
 
     The engine task calls :meth:`post` with each step's token (and :meth:`finish` or
     :meth:`fail` from outside a step); the stream awaits :attr:`event` and calls
@@ -71,9 +74,14 @@ class RequestState:
         params: SamplingParams,
         tokenizer: Any,
         token_text: TokenTextCache,
+        *,
+        output_id: str | None = None,
+        index: int = 0,
     ) -> None:
         self.request = request
         self.request_id = request.request_id
+        self.output_id = output_id or request.request_id
+        self.index = index
         self.params = params
         self.kind = params.output_kind
         self.detokenizer = IncrementalDetokenizer(
@@ -224,7 +232,8 @@ class RequestState:
             token_ids = list(self._token_ids)
             logprobs = list(self._logprobs) if self._logprobs is not None else None
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=self.output_id,
+            index=self.index,
             token_ids=token_ids,
             text=text,
             finish_reason=self.finish_reason,
