@@ -1,4 +1,6 @@
-"""Command line: ``python -m asyncllm generate "What is the capital of France?"``."""
+"""Command line: ``python -m asyncllm generate "What is the capital of France?"``,
+``python -m asyncllm bench`` (the benchmark harness, :mod:`asyncllm.bench`), and
+``python -m asyncllm serve`` (the OpenAI-compatible server, :mod:`asyncllm.server`)."""
 
 from __future__ import annotations
 
@@ -73,6 +75,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    sub.add_parser(
+        "bench",
+        help="the standard workloads against asyncllm and its peers (see docs/benchmarks.md)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (python -m asyncllm serve --help)",
+        add_help=False,
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from asyncllm.bench.runner import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        try:
+            from asyncllm.server import main as serve_main
+        except ImportError as e:
+            hint = "install the server extra: pip install 'asyncllm[server]'"
+            print(f"error: {e}; {hint}", file=sys.stderr)
+            return 2
+        return serve_main(argv[1:])
     args = parser.parse_args(argv)
     try:
         return _generate(args)

@@ -1,0 +1,156 @@
+"""An OpenAI-compatible HTTP server over :class:`~asyncllm.AsyncEngine`.
+
+Install the ``server`` extra (starlette, uvicorn, prometheus-client):
+``pip install 'asyncllm[server]'``. Then, from the command line::
+
+    python -m asyncllm serve --model default --host 127.0.0.1 --port 8000
+
+or in code, as any ASGI app (its lifespan starts and stops the engine)::
+
+    app = create_app(AsyncEngine.from_pretrained("default"), served_model_name="smollm2")
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Any OpenAI client works against it::
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.chat.completions.create(model="default", messages=[...], stream=True)
+
+Endpoints:
+
+- ``GET /v1/models``, ``GET /v1/models/{id}``: the one served model (its ``id`` is
+  ``--served-model-name``, default the ``--model`` value; also ``max_model_len``).
+- ``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids or a list
+  of token-id lists (one choice per prompt and sample, index = prompt x n + sample).
+  ``max_tokens`` defaults to 16. ``echo`` prepends the prompt; ``logprobs`` (0-20) returns
+  OpenAI's legacy logprobs object. ``suffix``, and ``echo`` with ``logprobs``, answer 400.
+- ``POST /v1/chat/completions``: ``messages`` are rendered by the model's chat template
+  (text content parts are joined; the "developer" role is sent as "system");
+  ``max_completion_tokens`` (or ``max_tokens``) defaults to the rest of ``max_model_len``;
+  ``logprobs`` with ``top_logprobs`` (0-20). ``tools`` and a ``response_format`` other than
+  text answer 400. ``chat_template_kwargs`` and ``add_generation_prompt`` go to the
+  template.
+- ``GET /health``: 200 ``{"status": "running"}``; 503 once the engine has failed.
+- ``GET /metrics``: Prometheus text format (see Metrics).
+
+Both generation endpoints take ``model`` (must equal the served name, else 404
+``model_not_found``; may be left out), ``temperature`` (default 1), ``top_p``, ``n``
+(parallel samples sharing the prompt's KV blocks; at most 128 choices per request),
+``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``user``
+(ignored), ``stream`` and ``stream_options.include_usage``; and, as vLLM does (with the
+``openai`` client: ``extra_body``), ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens``, plus the engine's ``priority`` (lower is served first) and
+``cache_salt``. Other fields are ignored. Each maps to the
+:class:`~asyncllm.SamplingParams` field of the same name and range.
+
+Responses: ``finish_reason`` is "stop" (EOS, a stop string or token; ``stop_reason`` names
+which) or "length". ``usage`` has ``prompt_tokens`` (once per prompt), ``completion_tokens``
+(all choices), ``total_tokens`` and ``prompt_tokens_details.cached_tokens`` (prompt tokens
+served from the prefix cache).
+
+Streaming (``stream: true``): server-sent events ``data: {chunk}``, ended by
+``data: [DONE]``. Chat streams start with one chunk per choice whose delta is
+``{"role": "assistant", "content": ""}``; a choice's last chunk carries its
+``finish_reason``. ``usage`` is sent, as OpenAI does, only with
+``stream_options: {"include_usage": true}``: then in a last chunk with empty ``choices``
+(every other chunk has ``"usage": null``). The status and headers are sent when the first
+output is ready, so a request that fails validation still gets its status code. If the
+engine fails mid-stream, a last event ``data: {"error": {...}}`` is sent.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
+``invalid_request_error`` for malformed JSON, a field of the wrong type or out of range
+(``param`` names it), an empty or too long prompt, token ids outside the vocabulary; 404
+for an unknown model or route; 429 ``rate_limit_exceeded`` when
+``EngineConfig.max_waiting`` requests already wait; 503 ``server_error`` once the engine
+has failed (``EngineDeadError``) or while it is not running.
+
+Client disconnects: a client that goes away (closing a stream, or timing out on a
+non-streamed request) aborts its engine requests, and their KV blocks are free before the
+next step; ``asyncllm:request_success_total{finished_reason="abort"}`` counts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from asyncllm.server.app import OpenAIServer, create_app
+
+__all__ = ["OpenAIServer", "add_serve_arguments", "create_app", "main", "serve"]
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``serve`` subcommand's options."""
+    parser.add_argument("--model", default="default", help='"default", an HF directory or a .gguf')
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: the --model value)",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--max-waiting", type=int, default=None, help="past it: HTTP 429")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    parser.add_argument("--device", default=None, help='"auto", "cpu", "cuda" or "cuda:N"')
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--log-level", default="info")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~asyncllm.EngineConfig` fields the options set."""
+    config: dict[str, Any] = {}
+    for name in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "block_size",
+        "kv_cache_bytes",
+        "max_waiting",
+        "dtype",
+        "device",
+    ):
+        value = getattr(args, name, None)
+        if value is not None:
+            config[name] = value
+    if getattr(args, "no_prefix_caching", False):
+        config["enable_prefix_caching"] = False
+    return config
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model and serve it with uvicorn until interrupted; returns the exit code."""
+    import uvicorn
+
+    from asyncllm import AsyncEngine
+
+    engine = AsyncEngine.from_pretrained(args.model, **engine_config_from_args(args))
+    app = create_app(engine, args.served_model_name or args.model)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m asyncllm serve [options]``; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncllm serve", description="An OpenAI-compatible HTTP server."
+    )
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return serve(args)
+    except ValueError as e:  # our typed errors: bad model path, bad engine settings
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,336 @@
+"""The OpenAI request bodies the server accepts, their mapping to :class:`SamplingParams`,
+and the JSON objects it answers with.
+
+Bodies are decoded with msgspec into the structs below. Fields follow OpenAI's API reference
+(``/v1/completions``, ``/v1/chat/completions``); unknown fields are ignored (as vLLM does).
+The extra sampling fields vLLM accepts (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens``) and the engine's ``priority`` and ``cache_salt`` are accepted too;
+with the ``openai`` client pass them in ``extra_body``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.outputs import PositionLogprobs
+from asyncllm.sampling_params import SamplingParams
+
+#: The most choices one request may ask for (``n`` times the number of prompts).
+MAX_CHOICES = 128
+#: OpenAI's ``logprobs`` limit on /v1/completions is 5; the engine allows up to 20.
+MAX_COMPLETION_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error JSON ``{"error": {"message", "type", "param",
+    "code"}}`` with an HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` (and empty
+    ``choices``) before ``data: [DONE]``."""
+
+    include_usage: bool | None = False
+
+
+class _RequestBase(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters and the engine's request options.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+
+
+class CompletionRequest(_RequestBase, kw_only=True):
+    """A ``/v1/completions`` body. ``prompt``: a string, a list of strings (one choice per
+    prompt and sample), token ids, or a list of token-id lists."""
+
+    prompt: str | list[Any]
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_RequestBase, kw_only=True):
+    """A ``/v1/chat/completions`` body. ``max_completion_tokens`` wins over the older
+    ``max_tokens``; ``logprobs`` is a bool and ``top_logprobs`` the number of alternatives.
+    ``chat_template_kwargs`` and ``add_generation_prompt`` are passed to the chat
+    template (vLLM's extensions)."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+
+
+_PARAM_AT = re.compile(r"at `\$\.([A-Za-z_]+)")
+_PARAM_MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
+
+
+def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode a JSON body into ``kind``; malformed JSON or a field of the wrong type raises
+    :class:`APIError` (400) naming the field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _PARAM_AT.search(msg) or _PARAM_MISSING.search(msg)
+        raise APIError(msg, param=m.group(1) if m else None) from None
+    except msgspec.DecodeError as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+
+
+_SP_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+def _sampling_error(e: ValueError, rename: Mapping[str, str]) -> APIError:
+    """An InvalidRequestError from SamplingParams names its field first."""
+    msg = str(e)
+    head = re.match(r"[A-Za-z_]+", msg)
+    param = head.group(0) if head and head.group(0) in _SP_FIELDS else None
+    if param is not None:
+        param = rename.get(param, param)
+    return APIError(msg, param=param)
+
+
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    *,
+    n: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    rename: Mapping[str, str] | None = None,
+) -> SamplingParams:
+    """The request's :class:`SamplingParams` (OpenAI's defaults where a field is absent:
+    temperature 1, top_p 1, no penalties).
+
+    Args:
+        n: samples per prompt (the engine's parallel sampling).
+        max_tokens: already resolved (the endpoint's default applied).
+        logprobs: alternatives per token, or None.
+        rename: SamplingParams field -> the request's name for it, for error ``param``.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stop": req.stop,
+        "seed": req.seed,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "logit_bias": req.logit_bias,
+        "logprobs": logprobs,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "min_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos,
+        "stop_token_ids": req.stop_token_ids,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    kwargs = {k: v for k, v in fields.items() if v is not None}
+    kwargs["max_tokens"] = max_tokens  # None means "until max_model_len"
+    if n != 1:
+        if "n" not in _SP_FIELDS:
+            raise APIError("n > 1 is not supported by this engine", param="n")
+        kwargs["n"] = n
+    try:
+        return SamplingParams(**kwargs, output_kind="delta")
+    except (InvalidRequestError, ValueError, TypeError) as e:
+        raise _sampling_error(ValueError(str(e)), rename or {}) from None
+
+
+def check_common(req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> int:
+    """Check ``n`` (>= 1, at most :data:`MAX_CHOICES` choices in all); returns it."""
+    n = 1 if req.n is None else req.n
+    if n < 1:
+        raise APIError(f"n must be >= 1, got {n}", param="n")
+    if n * num_prompts > MAX_CHOICES:
+        raise APIError(
+            f"n x the number of prompts must be <= {MAX_CHOICES}, got {n * num_prompts}",
+            param="n",
+        )
+    return n
+
+
+def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """``prompt`` as a list of prompts: strings or token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt must not be empty", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)]
+    if all(
+        isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        for p in prompt
+    ):
+        return [list(p) for p in prompt]
+    raise APIError(
+        "prompt must be a string, a list of strings, a list of token ids, or a list of "
+        "token-id lists",
+        param="prompt",
+    )
+
+
+def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages as the chat template expects them: text parts joined into one
+    string, the "developer" role as "system"."""
+    if not messages:
+        raise APIError("messages must not be empty", param="messages")
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("role") == "developer":
+            m["role"] = "system"
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, Mapping) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                    raise APIError(
+                        f"only text content parts are supported, got {kind!r}",
+                        param="messages",
+                    )
+                texts.append(str(part.get("text", "")))
+            m["content"] = "".join(texts)
+        out.append(m)
+    return out
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's ``usage`` object (``prompt_tokens_details.cached_tokens``: prompt tokens
+    served from the prefix cache)."""
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def _ranked(position: PositionLogprobs, k: int) -> list[tuple[int, Any]]:
+    return sorted(position.items(), key=lambda kv: kv[1].rank)[:k]
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[PositionLogprobs], top: int
+) -> list[dict[str, Any]]:
+    """``choices[].logprobs.content`` entries for generated tokens."""
+    content = []
+    for tid, pos in zip(token_ids, logprobs, strict=False):
+        chosen = pos[tid]
+        content.append(
+            {
+                "token": chosen.decoded_token,
+                "logprob": chosen.logprob,
+                "bytes": list(chosen.decoded_token.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token,
+                        "logprob": lp.logprob,
+                        "bytes": list(lp.decoded_token.encode("utf-8")),
+                    }
+                    for _, lp in _ranked(pos, top)
+                ],
+            }
+        )
+    return content
+
+
+def completion_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[PositionLogprobs], top: int, offset: int
+) -> tuple[dict[str, Any], int]:
+    """The legacy ``choices[].logprobs`` object (``tokens``, ``token_logprobs``,
+    ``top_logprobs``, ``text_offset``) and the text offset after these tokens."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for tid, pos in zip(token_ids, logprobs, strict=False):
+        chosen = pos[tid]
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(chosen.logprob)
+        alternatives = {lp.decoded_token: lp.logprob for _, lp in _ranked(pos, top)}
+        alternatives.setdefault(chosen.decoded_token, chosen.logprob)
+        tops.append(alternatives)
+        offsets.append(offset)
+        offset += len(chosen.decoded_token)
+    return (
+        {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        },
+        offset,
+    )

@@ -1,0 +1,460 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client over loopback.
+
+Each server runs uvicorn in a background thread on 127.0.0.1 (a socket bound to port 0),
+serving a tiny random Llama; after the module its engine must hold no request and have every
+KV block free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from asyncllm import AsyncEngine
+from asyncllm.server import create_app
+from tests.conftest import check_pool_whole
+
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "Say something."}]
+
+
+@contextlib.contextmanager
+def serving(app: Any, *, timeout: float = 20.0) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on 127.0.0.1 (a free port) in a thread; yields its
+    base URL and stops the server (lifespan included) on exit."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+def idle(engine: AsyncEngine) -> bool:
+    s = engine.stats()
+    return (
+        s["num_running"] == 0
+        and s["num_waiting"] == 0
+        and s["num_free_blocks"] == s["num_total_blocks"]
+    )
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    """A sample's value from /metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir: Any) -> Iterator[tuple[str, AsyncEngine]]:
+    engine = AsyncEngine.from_pretrained(str(tiny_llama_dir), max_num_seqs=8)
+    with serving(create_app(engine, MODEL)) as base:
+        yield base, engine
+    check_pool_whole(engine)
+
+
+@pytest.fixture
+def client(served: tuple[str, AsyncEngine]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def test_models_and_health(served: tuple[str, AsyncEngine], client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    r = httpx.get(f"{served[0]}/health")
+    assert r.status_code == 200 and r.json() == {"status": "running"}
+
+
+def test_completion_stream_matches_whole(
+    served: tuple[str, AsyncEngine], client: openai.OpenAI
+) -> None:
+    kw: dict[str, Any] = dict(
+        model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    whole = client.completions.create(**kw)
+    prompt_tokens = len(served[1].tokenizer.encode("The quick brown fox"))
+    assert whole.object == "text_completion" and whole.model == MODEL
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 6)
+    assert whole.usage.total_tokens == prompt_tokens + 6
+
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 6 and last.usage.prompt_tokens == prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # without include_usage no chunk carries usage
+    plain = list(client.completions.create(**kw, stream=True))
+    assert all(c.usage is None for c in plain)
+    assert "".join(c.choices[0].text for c in plain) == text
+
+
+def test_chat_stream_matches_whole(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(
+        model=MODEL, messages=CHAT, max_completion_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 6
+
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump()["prompt_tokens"] == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_parameters_reach_the_engine(
+    served: tuple[str, AsyncEngine], client: openai.OpenAI
+) -> None:
+    """seed, logit_bias, stop, penalties and logprobs are applied."""
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=5,
+        temperature=1.0,
+        top_p=0.9,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    again = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=5, temperature=1.0, top_p=0.9, seed=7,
+        presence_penalty=0.5, frequency_penalty=0.5,
+    )  # fmt: skip
+    assert out.choices[0].message.content == again.choices[0].message.content
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob for e in content)
+
+    # logit_bias +100 on one token forces it
+    forced = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logit_bias={"42": 100},
+        logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp = forced.choices[0].logprobs
+    tok = forced.choices[0].text
+    assert lp is not None and lp.tokens == [served[1].tokenizer.decode([42])] * 3
+    assert "".join(lp.tokens) == tok
+    assert len(lp.token_logprobs) == 3 and len(lp.text_offset) == 3
+
+    # a stop string cuts the text and is reported
+    free = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    stop = free.text[len(free.text) // 2 :][:3]
+    if stop.strip():
+        cut = client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=8, temperature=0, stop=[stop],
+            extra_body={"ignore_eos": True},
+        ).choices[0]  # fmt: skip
+        assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop)]
+
+
+def test_n_and_batched_prompts(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=1.0, seed=3, n=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in whole.choices}
+
+    batch = client.completions.create(
+        model=MODEL, prompt=["One", "Two two"], n=2, max_tokens=3, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text  # greedy: samples agree
+    assert batch.usage is not None and batch.usage.completion_tokens == 12
+
+
+def test_errors_use_openai_shape(served: tuple[str, AsyncEngine], client: openai.OpenAI) -> None:
+    base, engine = served
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
+    assert nf.value.body["code"] == "model_not_found"  # type: ignore[index]
+    cases: list[tuple[dict[str, Any], str | None]] = [
+        ({"top_p": 2.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"prompt": "word " * 300}, None),  # longer than max_model_len
+        ({"prompt": []}, "prompt"),
+        ({"extra_body": {"stop_token_ids": [10**9]}}, None),  # outside the vocabulary
+    ]
+    for override, param in cases:
+        kw: dict[str, Any] = {"model": MODEL, "prompt": "x", "max_tokens": 2, **override}
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.completions.create(**kw, stream=stream)
+            body = bad.value.body
+            assert isinstance(body, dict) and body["type"] == "invalid_request_error"
+            assert body["param"] == param and body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=CHAT, top_logprobs=30, logprobs=True)
+    assert bad.value.body["param"] == "top_logprobs"  # type: ignore[index]
+
+    # raw HTTP: malformed JSON, wrong types, unknown routes
+    for body_bytes, param in (
+        (b"{not json", None),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": "3"}', "max_tokens"),
+        (b'{"model": "tiny"}', "prompt"),
+    ):
+        r = httpx.post(f"{base}/v1/completions", content=body_bytes)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    r = httpx.get(f"{base}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+    # a full waiting queue answers 429
+    engine.config.max_waiting = 0
+    try:
+        with pytest.raises(openai.RateLimitError) as limited:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert limited.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
+    finally:
+        engine.config.max_waiting = 1024
+    wait_for(lambda: idle(engine))
+
+
+def test_client_disconnect_aborts(served: tuple[str, AsyncEngine], client: openai.OpenAI) -> None:
+    base, engine = served
+    aborted = metric(base, "asyncllm:request_success_total", finished_reason="abort")
+    generated = engine.stats()["num_generated_tokens"]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=200, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got == 2:
+            break
+    stream.close()  # the client goes away mid-stream
+    wait_for(lambda: idle(engine))
+    assert engine.stats()["num_generated_tokens"] - generated < 200
+    wait_for(
+        lambda: metric(base, "asyncllm:request_success_total", finished_reason="abort") > aborted
+    )
+
+    # a non-streaming request whose client times out is aborted too
+    generated = engine.stats()["num_generated_tokens"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            f"{base}/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True},
+            timeout=0.15,
+        )
+    wait_for(lambda: idle(engine))
+    assert engine.stats()["num_generated_tokens"] - generated < 200
+
+
+def test_concurrent_clients(served: tuple[str, AsyncEngine]) -> None:
+    base, engine = served
+
+    async def main() -> list[int]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60
+        )
+
+        async def one(i: int) -> int:
+            kw: dict[str, Any] = dict(
+                model=MODEL, messages=[{"role": "user", "content": f"Number {i}"}],
+                max_tokens=5 + i % 3, temperature=0.8, seed=i,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            if i % 2:
+                text = ""
+                async for chunk in await client.chat.completions.create(**kw, stream=True):
+                    if chunk.choices:
+                        text += chunk.choices[0].delta.content or ""
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        assert chunk.choices[0].finish_reason == "length"
+            else:
+                out = await client.chat.completions.create(**kw)
+                assert out.usage is not None and out.usage.completion_tokens == 5 + i % 3
+            return i
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(12)))
+        finally:
+            await client.close()
+
+    steps_before = engine.stats()["num_steps"]
+    assert asyncio.run(main()) == list(range(12))
+    # 12 requests of 5-7 tokens in far fewer steps than 12 x 7: they were batched
+    assert engine.stats()["num_steps"] - steps_before < 60
+    wait_for(lambda: idle(engine))
+
+
+def test_metrics(served: tuple[str, AsyncEngine], client: openai.OpenAI) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base, _ = served
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, temperature=0)
+    r = httpx.get(f"{base}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name, kind in {
+        "asyncllm:time_to_first_token_seconds": "histogram",
+        "asyncllm:inter_token_latency_seconds": "histogram",
+        "asyncllm:request_queue_time_seconds": "histogram",
+        "asyncllm:e2e_request_latency_seconds": "histogram",
+        "asyncllm:num_requests_running": "gauge",
+        "asyncllm:num_requests_waiting": "gauge",
+        "asyncllm:kv_cache_usage_perc": "gauge",
+        "asyncllm:prefix_cache_queries": "counter",
+        "asyncllm:prefix_cache_hits": "counter",
+        "asyncllm:prefix_cache_hit_rate": "gauge",
+        "asyncllm:num_preemptions": "counter",
+        "asyncllm:generation_tokens": "counter",
+        "asyncllm:request_success": "counter",
+    }.items():
+        assert families[name].type == kind, name
+    assert metric(base, "asyncllm:time_to_first_token_seconds_count", model_name=MODEL) >= 1
+    assert metric(base, "asyncllm:inter_token_latency_seconds_count") >= 3
+    assert metric(base, "asyncllm:prefix_cache_queries_total") > 0
+    assert metric(base, "asyncllm:request_success_total", finished_reason="length") >= 1
+    assert 0.0 <= metric(base, "asyncllm:kv_cache_usage_perc") <= 1.0
+
+
+def test_engine_failure_answers_503(tiny_llama_dir: Any) -> None:
+    """A dead engine: streams in flight end with an error event; later calls get 503."""
+    engine = AsyncEngine.from_pretrained(str(tiny_llama_dir), max_num_seqs=4)
+    with serving(create_app(engine, MODEL)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        core = engine._engine
+        real_step = core.step
+        calls = 0
+
+        def failing_step() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 3:
+                raise RuntimeError("simulated device failure")
+            return real_step()
+
+        core.step = failing_step  # type: ignore[method-assign]
+        stream = client.completions.create(
+            model=MODEL, prompt="x", max_tokens=50, stream=True, extra_body={"ignore_eos": True}
+        )
+        with pytest.raises(openai.APIError) as died:
+            for _ in stream:
+                pass
+        assert "engine" in str(died.value.message)
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert unavailable.value.status_code == 503
+        r = httpx.get(f"{base}/health")
+        assert r.status_code == 503 and json.loads(r.text)["error"]["type"] == "server_error"
+    check_pool_whole(engine)
+
+
+def test_serve_command(tiny_llama_dir: Any) -> None:
+    """``python -m asyncllm serve`` on 127.0.0.1 with port 0 (the OS picks a free one);
+    SIGINT stops it cleanly."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncllm", "serve", "--model", str(tiny_llama_dir),
+         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "0",
+         "--max-num-seqs", "4"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        deadline = time.monotonic() + 90
+        base = None
+        while base is None:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+            base = m.group(1) if m else None
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=30)
+        text = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=4, stream=True
+            )
+            if c.choices
+        )
+        assert isinstance(text, str)
+        assert httpx.get(f"{base}/health").status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
