@@ -103,11 +103,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
         positive("seed", self.seed, 0)
+        if self.seed > 2**63 - 1:
+            raise ValueError(f"EngineConfig.seed must be <= 2**63 - 1, got {self.seed}")
         for name in ("kv_cache_bytes", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 positive(name, getattr(self, name))
         if self.max_waiting is not None:
-            positive("max_waiting", self.max_waiting, 0)
+            positive("max_waiting", self.max_waiting, 1)
         if self.shutdown_mode not in ("abort", "drain"):
             raise ValueError(
                 f"EngineConfig.shutdown_mode must be 'abort' or 'drain', got {self.shutdown_mode!r}"

@@ -34,5 +34,6 @@ class EngineNotRunningError(AsyncLLMError, RuntimeError):
 
 
 class QueueFull(AsyncLLMError, RuntimeError):
-    """The waiting queue holds ``EngineConfig.max_waiting`` requests; try again later (an
-    HTTP server would answer 503 / 429). Raised when the request is submitted."""
+    """The waiting queue holds ``EngineConfig.max_waiting`` requests (parallel samples count
+    one each); try again later (the server answers 429). Raised when the request is
+    submitted."""

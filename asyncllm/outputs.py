@@ -41,7 +41,7 @@ class RequestMetrics(msgspec.Struct, kw_only=True):
         num_prompt_tokens: tokens in the prompt.
         num_cached_tokens: prompt tokens served from the prefix cache (not computed).
         num_generated_tokens: tokens generated.
-        num_preemptions: times the request was preempted and recomputed.
+        num_preemptions: times the request was preempted (swapped out or recomputed).
     """
 
     arrival_time: float
@@ -66,7 +66,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     Attributes:
         request_id: the request's id.
         token_ids: generated token ids (a matched stop string's tokens included).
-        text: their text: never ends inside a multi-byte character, never ends with text
+        text: their text: an item never ends inside a multi-byte character (a request that
+            stops mid-character ends with U+FFFD, as ``decode`` renders it), never ends with text
             that could still become a stop string, and leaves out the matched stop string
             (and a stop token's text) unless ``include_stop_str_in_output``.
         finish_reason: None while running, then "stop" (EOS, a stop token or a stop string),

@@ -47,6 +47,8 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 #: The range of a ``logit_bias`` value (OpenAI's).
 MAX_LOGIT_BIAS = 100.0
 OUTPUT_KINDS = ("delta", "cumulative", "final")
+#: The largest top_k (values above the vocabulary mean "all tokens" like 0).
+MAX_TOP_K = 2**31 - 1
 #: The most parallel samples one request may ask for.
 MAX_N = 256
 
@@ -108,8 +110,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             Range [0, 100].
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p
             (nucleus sampling, Holtzman et al., ICLR 2020). Range (0, 1].
-        top_k: keep only the k most likely tokens; 0 or -1: all. Range >= -1 (-1 is
-            stored as 0).
+        top_k: keep only the k most likely tokens; 0 or -1: all. Range [-1, 2**31 - 1]
+            (-1 is stored as 0).
         min_p: keep tokens whose probability is at least ``min_p`` times the most likely
             token's, after temperature (Nguyen et al., 2024, "Turning Up the Heat: Min-p
             Sampling"). Range [0, 1]; 0 is off.
@@ -179,7 +181,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _int("min_tokens", self.min_tokens, 0, self.max_tokens)
         self.temperature = _float("temperature", self.temperature, 0.0, 100.0)
         self.top_p = _float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _int("top_k", self.top_k, -1)
+        _int("top_k", self.top_k, -1, MAX_TOP_K)
         if self.top_k == -1:
             self.top_k = 0
         self.min_p = _float("min_p", self.min_p, 0.0, 1.0)

@@ -164,7 +164,7 @@ def test_parallel_samples_fork_and_copy_on_write():
     sched.add_parallel_requests(samples)
     plan = sched.schedule()
     assert [(c.request_id, len(c.token_ids), c.sample) for c in plan.chunks] == [
-        ("s0#prefix", 5, False)
+        ("s0\x1fprefix", 5, False)
     ]
     prefix_blocks = plan.chunks[0].block_table
     sched.update_from_output(plan, {})
@@ -197,6 +197,6 @@ def test_aborting_every_unforked_sample_aborts_the_prefix():
     sched.add_parallel_requests(samples)
     sched.update_from_output(sched.schedule(), {})  # 2 of the 9 prefix tokens
     sched.abort_request("s0")
-    assert "s0#prefix" in sched.requests
+    assert "s0\x1fprefix" in sched.requests
     sched.abort_request("s1")
     assert not sched.requests and bm.num_free_blocks == 20

@@ -173,3 +173,24 @@ async def test_low_priority_finishes_under_sustained_high_priority_load(
         assert low.done() and (await low).finish_reason == "length"
         assert any(not h.done() for h in highs)  # the high-priority load was still on
         await asyncio.gather(*highs)
+
+
+@pytest.mark.parametrize("mode", ["offload", "recompute"])
+async def test_waiting_parallel_samples_release_blocks_for_the_head(
+    mode, tiny_llama_dir, make_engine
+):
+    """Forked samples waiting for a slot hold the prompt's blocks; a preempted request at the
+    head of the queue must still be readmitted (no deadlock, no spinning)."""
+    engine = make_engine(
+        tiny_llama_dir, block_size=16, kv_cache_bytes=17 * 16 * 512, max_num_seqs=2,
+        preemption_mode=mode,
+    )  # fmt: skip
+    async with engine:
+        x = engine.generate(list(range(1000, 1100)), SamplingParams(max_tokens=100,
+                            ignore_eos=True, temperature=0))  # fmt: skip
+        y = engine.generate(list(range(2000, 2150)), SamplingParams(n=2, max_tokens=20,
+                            ignore_eos=True))  # fmt: skip
+        outs = await asyncio.wait_for(asyncio.gather(x, y), timeout=60)
+        assert engine.stats()["num_preemptions"] > 0
+    assert len(outs[0].token_ids) == 100
+    assert [len(s.token_ids) for s in outs[1].samples] == [20, 20]

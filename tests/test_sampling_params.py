@@ -29,7 +29,7 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
     "min_tokens": st.one_of(st.integers(max_value=-1), st.integers(min_value=17), NOT_INTS),
     "temperature": _outside(0.0, 100.0),
     "top_p": _outside(0.0, 1.0, lo_open=True),
-    "top_k": st.one_of(st.integers(max_value=-2), NOT_INTS),
+    "top_k": st.one_of(st.integers(max_value=-2), st.integers(min_value=2**31), NOT_INTS),
     "min_p": _outside(0.0, 1.0),
     "presence_penalty": _outside(-2.0, 2.0),
     "frequency_penalty": _outside(-2.0, 2.0),

@@ -40,7 +40,8 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None 
     """
     h = hashlib.sha256()
     if parent is None:
-        h.update(b"root" if salt is None else b"salt:" + salt.encode())
+        # surrogatepass: any Python str is a valid salt, lone surrogates included.
+        h.update(b"root" if salt is None else b"salt:" + salt.encode("utf-8", "surrogatepass"))
     else:
         h.update(parent)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))

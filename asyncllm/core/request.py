@@ -11,6 +11,10 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
+SAMPLE_ID_SEP = "\x1f"
+"""Joins a caller's request id and a parallel sample's index (or "prefix") into the id of a
+core request; callers' ids may not contain it, so internal ids never collide with theirs."""
+
 
 class RequestStatus(enum.Enum):
     """Where a request is in its life."""

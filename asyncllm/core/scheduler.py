@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.core.block_manager import BlockManager, BlockPool
-from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +206,7 @@ class Scheduler:
                 self.add_request(r)
             return
         ids = [r.request_id for r in samples]
-        prefix_id = f"{first.request_id}#prefix"
+        prefix_id = f"{first.request_id}{SAMPLE_ID_SEP}prefix"
         if len(set(ids)) != len(ids) or any(i in self.requests for i in [*ids, prefix_id]):
             raise ValueError(f"duplicate request id among {ids}")
         prefix = Request(
@@ -286,6 +286,8 @@ class Scheduler:
             request = self.waiting[0]
             n = self._admit(request, budget, out)
             if n == 0:
+                if self._release_waiting_blocks(request):
+                    continue
                 break
             del self.waiting[0]
             request.status = RequestStatus.RUNNING
@@ -325,6 +327,24 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
         return n
+
+    def _release_waiting_blocks(self, head: Request) -> bool:
+        """Drop the blocks a waiting forked sample holds (the worst one first), so that the
+        head of the queue can be admitted; the sample recomputes later. False: none held."""
+        bm = self.block_manager
+        holders = [r for r in self.waiting if r is not head and bm.block_table(r.request_id)]
+        if not holders:
+            return False
+        victim = max(holders, key=self._victim_key)
+        bm.free(victim.request_id)
+        self.num_recomputed_tokens += victim.num_computed_tokens
+        victim.num_computed_tokens = 0
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting: queued, plus parallel samples waiting for their prefix."""
+        return len(self.waiting) + sum(len(s) for s in self._forks.values())
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempt running requests of worse priority until the best waiting request fits

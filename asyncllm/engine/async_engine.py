@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from asyncllm.config import EngineConfig
-from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
 from asyncllm.core.scheduler import RequestUpdate
 from asyncllm.engine.llm_engine import LLMEngine, PromptType
 from asyncllm.engine.output_processor import RequestState, TokenTextCache, merge_outputs
@@ -36,6 +36,9 @@ from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("asyncllm")
+
+#: Seconds the loop waits before planning again after a step found nothing to schedule.
+IDLE_RETRY_S = 0.05
 
 
 class AsyncEngine:
@@ -324,7 +327,7 @@ class AsyncEngine:
         return s
 
     def _num_waiting(self) -> int:
-        return len(self._inbox_add) + len(self._engine.scheduler.waiting)
+        return len(self._inbox_add) + self._engine.scheduler.num_waiting
 
     def _dead_error(self) -> EngineDeadError:
         """A fresh EngineDeadError per raise (one instance raised in many tasks would
@@ -367,10 +370,21 @@ class AsyncEngine:
             raise self._dead_error()
         if self._task is None or self._closing:
             raise EngineNotRunningError("use `async with engine:` before sending requests")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise EngineNotRunningError(
+                "an AsyncEngine serves the event loop that entered it; call it from that loop "
+                "(from another thread: asyncio.run_coroutine_threadsafe, or the LLM facade)"
+            )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+        elif not isinstance(request_id, str) or not request_id or SAMPLE_ID_SEP in request_id:
+            raise InvalidRequestError(
+                f"request_id must be a non-empty str without {SAMPLE_ID_SEP!r}, got {request_id!r}"
+            )
         if request_id in self._states or request_id in self._groups:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if timeout is not None and (
@@ -381,12 +395,6 @@ class AsyncEngine:
             raise InvalidRequestError(
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
-        limit = self.config.max_waiting
-        if limit is not None and self._num_waiting() >= limit:
-            raise QueueFull(
-                f"{self._num_waiting()} requests are waiting (EngineConfig.max_waiting="
-                f"{limit}); try again later"
-            )
         requests = self._engine.make_requests(
             request_id,
             prompt,
@@ -394,6 +402,12 @@ class AsyncEngine:
             priority=priority,
             cache_salt=cache_salt,
         )
+        limit = self.config.max_waiting
+        if limit is not None and self._num_waiting() + len(requests) > limit:
+            raise QueueFull(
+                f"{self._num_waiting()} requests are waiting and this one adds "
+                f"{len(requests)} (EngineConfig.max_waiting={limit}); try again later"
+            )
         if len(requests) > 1:
             ids = [r.request_id for r in requests]
             if any(i in self._states for i in ids):
@@ -476,6 +490,11 @@ class AsyncEngine:
                 self._stepping = True
                 updates = await loop.run_in_executor(self._executor, self._step)
                 self._dispatch(updates)
+                if getattr(updates, "idle", False):
+                    # Nothing was schedulable: do not spin; wait for news, re-plan soon.
+                    self._wakeup.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), IDLE_RETRY_S)
         except BaseException as exc:
             self._die(exc)
             if not isinstance(exc, Exception):

@@ -19,7 +19,7 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.core.block_manager import BlockManager, BlockPool
-from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
 from asyncllm.core.scheduler import RequestUpdate, Scheduler
 from asyncllm.errors import InvalidRequestError
 from asyncllm.models.loader import LoadedModel, load_model
@@ -47,6 +47,8 @@ class StepOutput(list[RequestUpdate]):
     """
 
     logprobs: dict[str, TokenLogprobs]
+    #: True when nothing could be scheduled (requests wait for blocks or protection).
+    idle = False
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
 
     def __init__(self, updates: list[RequestUpdate], out: RunnerOutput | None = None) -> None:
@@ -59,6 +61,8 @@ def resolve_device(device: str) -> torch.device:
     """ "auto" -> CUDA when available, else CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device={device!r} but torch has no CUDA device here")
     return torch.device(device)
 
 
@@ -232,7 +236,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            return list(self.tokenizer.encode(prompt))
+            try:
+                return list(self.tokenizer.encode(prompt))
+            except (TypeError, ValueError) as e:  # e.g. a lone surrogate
+                raise InvalidRequestError(f"prompt cannot be tokenized: {e}") from e
         if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
             raise InvalidRequestError(
                 f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
@@ -310,19 +317,21 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> list[Request]:
         """The core requests of one call: one, or one per parallel sample when
-        ``params.n > 1`` (ids ``"{request_id}#{i}"``, params from
+        ``params.n > 1`` (ids ``request_id + SAMPLE_ID_SEP + str(i)``, params from
         :meth:`SamplingParams.sample_params`). Validates as :meth:`make_request` does."""
+        if isinstance(params, SamplingParams):
+            params = msgspec.structs.replace(params)  # re-validates, n included
         if not isinstance(params, SamplingParams) or params.n == 1:
             return [self.make_request(request_id, prompt, params, priority=priority,
                                       cache_salt=cache_salt)]  # fmt: skip
         first = self.make_request(
-            f"{request_id}#0", prompt, params.sample_params(0), priority=priority,
+            f"{request_id}{SAMPLE_ID_SEP}0", prompt, params.sample_params(0), priority=priority,
             cache_salt=cache_salt,
         )  # fmt: skip
         samples = [first]
         for i in range(1, params.n):
             r = self.make_request(
-                f"{request_id}#{i}", first.prompt_token_ids, params.sample_params(i),
+                f"{request_id}{SAMPLE_ID_SEP}{i}", first.prompt_token_ids, params.sample_params(i),
                 priority=priority, cache_salt=cache_salt,
             )  # fmt: skip
             r.arrival_time = first.arrival_time
@@ -335,8 +344,13 @@ class LLMEngine:
 
     def add_parallel_requests(self, samples: Sequence[Request]) -> None:
         """Queue the samples of one call made by :meth:`make_requests` so that they share
-        the prompt's KV blocks."""
-        self.scheduler.add_parallel_requests(samples)
+        the prompt's KV blocks. Samples that score their prompt (``prompt_logprobs``) each
+        compute it, as separate requests."""
+        if samples[0].params.prompt_logprobs is not None:
+            for r in samples:
+                self.scheduler.add_request(r)
+        else:
+            self.scheduler.add_parallel_requests(samples)
 
     def abort_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -362,7 +376,9 @@ class LLMEngine:
         """
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return StepOutput([])
+            idle = StepOutput([])
+            idle.idle = True
+            return idle
         now = time.monotonic()
         for chunk in plan.chunks:
             request = self.scheduler.requests.get(chunk.request_id)
@@ -387,7 +403,7 @@ class LLMEngine:
         queries = sched.prefix_cache_queries
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": self.scheduler.num_waiting,
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_total_blocks,
             "kv_cache_usage": 1.0 - bm.num_free_blocks / bm.num_total_blocks,

@@ -36,6 +36,10 @@ _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, the usual odd mixing const
 _MASK63 = (1 << 63) - 1
 
 
+_MIN_TOP_P = 1e-30  # the smallest top_p kept distinct from 0 in float32 (keeps the top token)
+_MAX_LOGIT = 1e30  # penalized logits are clamped to this magnitude
+
+
 def derive_seed(seed: int, token_index: int) -> int:
     """The generator seed for a request's ``token_index``-th generated token (63-bit)."""
     x = (seed * _GOLDEN + (token_index + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
@@ -148,7 +152,10 @@ class SamplingBatch:
         return cls(
             temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            # float32 rounds a valid top_p below ~1e-45 to 0, which would mask every token.
+            top_p=torch.tensor(
+                [max(p.top_p, _MIN_TOP_P) for p in params], dtype=torch.float32, device=device
+            ),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             seeds=[p.seed for p in params],
             token_indices=[c.num_output_tokens for c in chunks],
@@ -284,6 +291,9 @@ class Sampler:
                 batch.banned, torch.tensor(float("-inf"), device=logits.device)
             )
         logits = apply_penalties(logits, batch)
+        if batch.repetition is not None:
+            # An extreme (still valid) penalty can overflow to +-inf; keep softmax finite.
+            logits = logits.clamp(-_MAX_LOGIT, _MAX_LOGIT)
         tokens = logits.argmax(dim=-1)
         if not batch.all_greedy:
             rows = [r for r, t in enumerate(batch.temperatures.tolist()) if t > 0]
