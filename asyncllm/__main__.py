@@ -26,7 +26,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = AsyncEngine.from_pretrained(args.model, max_num_seqs=1)
+    engine = AsyncEngine.from_pretrained(
+        args.model,
+        max_num_seqs=1,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_bytes,
+    )
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     tokenizer = engine.tokenizer
     if args.raw or not getattr(tokenizer, "chat_template", None):
@@ -75,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--max-model-len", type=int, default=None, help="tokens (model's default)")
+    gen.add_argument(
+        "--kv-cache-bytes", type=int, default=None, help="KV cache size (20%% of free memory)"
+    )
     sub.add_parser(
         "bench",
         help="the standard workloads against asyncllm and its peers (see docs/benchmarks.md)",
