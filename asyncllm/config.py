@@ -37,9 +37,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             before (full blocks only, matched by a chained SHA-256 of their tokens).
         num_threads: torch intra-op threads on CPU; None: one per core minus one for the
             event loop, at least 1 (see docs/tuning.md for the measurement behind it).
-        attention_backend: "auto" (the Triton kernels of docs/kernels.md on CUDA, the torch
-            path on CPU), "torch" or "triton"; "triton" on a CPU raises ValueError when the
-            engine is built unless ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests).
+        attention_backend: "auto" (the Triton kernels of docs/kernels.md on CUDA; on CPU the
+            torch path with the C++ decode kernel of ``asyncllm.attention.cpu_paged`` where
+            it builds, docs/benchmarks.md), "torch" (the plain torch path) or "triton";
+            "triton" on a CPU raises ValueError when the engine is built unless
+            ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests).
         max_waiting: the most requests waiting to be scheduled (submitted, not yet
             running); past it ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at
             once instead of queueing. None: unbounded.

@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from asyncllm import EngineConfig, SamplingParams
-from asyncllm.attention import torch_paged, triton_paged
+from asyncllm.attention import cpu_paged, torch_paged, triton_paged
 from asyncllm.worker.model_runner import select_attention_backend
 
 INTERPRETED = not isinstance(tl.zeros, JITFunction)
@@ -257,7 +257,10 @@ def test_plan_rejects_bad_layout():
 
 def test_backend_selection(monkeypatch):
     cpu = torch.device("cpu")
-    assert select_attention_backend("auto", cpu).name == "torch"
+    # On CPU "auto" is the C++ decode kernel where it builds (asyncllm.attention.cpu_paged).
+    assert select_attention_backend("auto", cpu).name == (
+        "cpu" if cpu_paged.available() else "torch"
+    )
     assert select_attention_backend("auto", torch.device("cuda")).name == "triton"
     assert select_attention_backend("torch", torch.device("cuda")).name == "torch"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -12,6 +12,7 @@ import importlib.util
 
 import torch
 
+from asyncllm.attention import cpu_paged
 from asyncllm.attention.hf_integration import (
     METADATA_KWARG,
     TORCH_BACKEND,
@@ -22,6 +23,7 @@ from asyncllm.attention.hf_integration import (
 )
 from asyncllm.attention.triton_paged import interpreter_enabled
 from asyncllm.core.scheduler import SchedulerOutput
+from asyncllm.worker.cpu_linear import pack_linears
 from asyncllm.worker.kv_cache import KVCache, KVCacheSpec
 from asyncllm.worker.sampler import (
     PromptRows,
@@ -47,7 +49,8 @@ def kv_cache_spec(config: object, dtype: torch.dtype, block_size: int) -> KVCach
 
 def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
     """The backend for ``EngineConfig.attention_backend``; "auto" is Triton on CUDA (when
-    installed), torch elsewhere.
+    installed), on CPU the torch path with the C++ decode kernel of
+    :mod:`asyncllm.attention.cpu_paged` ("cpu", when it builds), torch elsewhere.
 
     Raises:
         ValueError: an unknown name, or "triton" without Triton, or on a device other than
@@ -55,7 +58,11 @@ def select_attention_backend(requested: str, device: torch.device) -> AttentionB
     """
     has_triton = importlib.util.find_spec("triton") is not None
     if requested == "auto":
-        return TRITON_BACKEND if device.type == "cuda" and has_triton else TORCH_BACKEND
+        if device.type == "cuda" and has_triton:
+            return TRITON_BACKEND
+        if device.type == "cpu" and cpu_paged.available():
+            return cpu_paged.CPU_BACKEND
+        return TORCH_BACKEND
     if requested == "torch":
         return TORCH_BACKEND
     if requested != "triton":
@@ -96,6 +103,9 @@ class ModelRunner:
         attention_backend: str = "auto",
     ) -> None:
         model.set_attn_implementation(register())  # type: ignore[operator]
+        # float32 on CPU: oneDNN-prepacked linears (docs/benchmarks.md; off with
+        # ASYNCLLM_CPU_PACKED_LINEAR=0). Idempotent: engines may share a model.
+        self.num_packed_linears = pack_linears(model)
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device

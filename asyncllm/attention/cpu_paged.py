@@ -1,0 +1,290 @@
+"""A C++ decode attention over the paged cache, for CPUs (the "cpu" attention backend).
+
+The torch path (:mod:`asyncllm.attention.torch_paged`) gathers every decoding sequence's K
+and V blocks into new tensors, then runs ``scaled_dot_product_attention`` on them: each
+layer writes and reads the whole context twice more than attention needs. At W1's batch of
+64 that is most of the attention time; at W2's 570-token contexts it rivals the weights.
+This module's kernel reads K and V in place through the block tables instead, once, in
+float32, with an online softmax over one block (16 positions) at a time, for the ``G``
+query heads that share a KV head together (vLLM's CPU backend does the same in its own C++).
+Chunks of more than one token (prefill) still go through the torch path.
+
+The kernel is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (g++ and
+ninja; 30-60 s, once per machine: the build is kept in asyncllm's cache directory, keyed by
+the source, flags, torch and Python, and later processes import it in milliseconds). Where
+it cannot be built, or with ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``, the engine keeps the torch
+path, with one log line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import pathlib
+import platform
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncllm.attention.hf_integration import AttentionBackend
+from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
+
+logger = logging.getLogger("asyncllm")
+
+ENV_SWITCH = "ASYNCLLM_CPU_ATTENTION_KERNEL"
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// out[b, h*G + g, :] = softmax(q . K^T * scale) V over positions [0, lens[b]) of sequence b,
+// read through its block table. q: [B, H, D] (rows may be strided), caches [N, bs, Hkv, D]
+// contiguous float32, tables [B, M] int64, lens [B] int64, out [B, H, D] contiguous.
+void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& tables,
+                  const at::Tensor& lens, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
+  const int64_t G = H / Hkv, M = tables.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const float* Q = q.data_ptr<float>();
+  const float* K = key_cache.data_ptr<float>();
+  const float* V = value_cache.data_ptr<float>();
+  const int64_t* T = tables.data_ptr<int64_t>();
+  const int64_t* L = lens.data_ptr<int64_t>();
+  float* O = out.data_ptr<float>();
+  const int64_t tok = Hkv * D, blk = bs * tok;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qv(G * D), acc(G * D), m(G), l(G), s(G * bs);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hkv, h = i % Hkv;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = Q + b * qs0 + (h * G + g) * qs1;
+        for (int64_t d = 0; d < D; ++d) qv[g * D + d] = src[d * qs2] * sc;
+        m[g] = -1e30f;  // finite: exp(m - max) is 0 on the first block
+        l[g] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const int64_t len = L[b];
+      for (int64_t j = 0; j * bs < len; ++j) {
+        const int64_t n = std::min(bs, len - j * bs);
+        const float* kb = K + T[b * M + j] * blk + h * D;
+        const float* vb = V + T[b * M + j] * blk + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qv.data() + g * D;
+          float* sg = s.data() + g * bs;
+          float mx = m[g];
+          for (int64_t t = 0; t < n; ++t) {
+            const float* k = kb + t * tok;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+            sg[t] = dot;
+            mx = std::max(mx, dot);
+          }
+          const float c = std::exp(m[g] - mx);
+          float sum = l[g] * c;
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] *= c;
+          for (int64_t t = 0; t < n; ++t) {
+            const float e = std::exp(sg[t] - mx);
+            sum += e;
+            const float* v = vb + t * tok;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += e * v[d];
+          }
+          m[g] = mx;
+          l[g] = sum;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* dst = O + (b * H + h * G + g) * D;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+}
+"""
+
+NAME = "asyncllm_cpu_paged"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+
+_lock = threading.Lock()
+_module: Any = None
+_failed: str | None = None
+
+
+def enabled() -> bool:
+    """Not switched off with ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def build_dir() -> pathlib.Path:
+    """Where the kernel is built: asyncllm's cache, keyed by the source, the flags, torch and
+    Python (a change of any rebuilds it)."""
+    from asyncllm.models.loader import cache_dir
+
+    key = hashlib.sha256(
+        "\0".join([_SOURCE, *CFLAGS, torch.__version__, sys.version, platform.machine()]).encode()
+    ).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"cpu_paged-{key}"
+
+
+def load() -> Any:
+    """The compiled extension, building it on first use; None where it cannot be built
+    (the reason is logged once and kept in :func:`failure`)."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        try:
+            _module = _import_built() or _build()
+        except Exception as e:  # no compiler, no ninja, no headers...
+            lines = str(e).strip().splitlines()
+            _failed = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+            logger.warning("asyncllm: CPU attention kernel unavailable, using torch (%s)", _failed)
+    return _module
+
+
+def _import_built() -> Any:
+    """The already built extension (a plain import, milliseconds), or None."""
+    so = build_dir() / f"{NAME}.so"
+    if not so.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(NAME, so)
+    if spec is None or spec.loader is None:
+        return None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _build() -> Any:
+    from torch.utils.cpp_extension import load_inline
+
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    logger.info("asyncllm: building the CPU attention kernel once (about a minute) in %s", d)
+    return load_inline(
+        name=NAME,
+        cpp_sources=[_SOURCE],
+        functions=["paged_decode"],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(d),
+        verbose=False,
+    )
+
+
+def failure() -> str | None:
+    """Why the kernel could not be built, or None."""
+    return _failed
+
+
+def available() -> bool:
+    """The kernel is enabled and builds (building it now if needed)."""
+    return enabled() and load() is not None
+
+
+@dataclass(frozen=True)
+class CpuPagedPlan:
+    """The torch plan (prefill chunks) plus the decodes' block tables and lengths."""
+
+    base: PagedAttentionPlan
+    prefill_only: PagedAttentionPlan
+    dec_lens: torch.Tensor | None  # [Bd] int64 context lengths of the decodes
+
+    @staticmethod
+    def build(
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> CpuPagedPlan:
+        base = PagedAttentionPlan.build(query_lens, seq_lens, block_tables, block_size, device)
+        lens = [s for q, s in zip(query_lens, seq_lens, strict=True) if q == 1]
+        dec_lens = torch.tensor(lens, dtype=torch.long, device=device) if lens else None
+        return CpuPagedPlan(
+            base, PagedAttentionPlan(base.num_tokens, None, base.prefills), dec_lens
+        )
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``[Bd, H, D]`` attention of one query token per sequence over its paged context.
+
+    Raises:
+        RuntimeError: the kernel is not available.
+    """
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failed}")
+    out = torch.empty(query.shape, dtype=torch.float32)
+    mod.paged_decode(query, key_cache, value_cache, block_tables, lens, float(scale), out)
+    return out
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: CpuPagedPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Like :func:`~asyncllm.attention.torch_paged.paged_attention`; decodes of float32
+    caches on CPU go through the kernel, everything else through the torch path."""
+    d = plan.base.decodes
+    if (
+        d is None
+        or plan.dec_lens is None
+        or key_cache.dtype != torch.float32
+        or query.dtype != torch.float32
+        or key_cache.device.type != "cpu"
+        or not key_cache.is_contiguous()
+        or not value_cache.is_contiguous()
+    ):
+        return paged_attention(query, key_cache, value_cache, plan.base, scale)
+    q = query if d.identity else query[d.rows]
+    o = decode_attention(q, key_cache, value_cache, d.block_tables, plan.dec_lens, scale)
+    if d.identity:
+        return o
+    out = paged_attention(query, key_cache, value_cache, plan.prefill_only, scale)
+    out[d.rows] = o
+    return out
+
+
+CPU_BACKEND = AttentionBackend("cpu", CpuPagedPlan.build, write_kv_cache, paged_attention_cpu)
+"""The torch path with decodes through the C++ kernel ("auto" on CPU when it builds)."""
+
+__all__ = [
+    "CPU_BACKEND",
+    "CpuPagedPlan",
+    "available",
+    "decode_attention",
+    "enabled",
+    "failure",
+    "load",
+    "paged_attention_cpu",
+    "write_kv_cache",
+]

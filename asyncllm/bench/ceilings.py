@@ -1,0 +1,132 @@
+"""The machine and its ceilings, measured by the harness where it runs.
+
+- copy bandwidth: ``dst.copy_(src)`` of a 256 MiB float32 tensor (8x the L3 of most
+  machines), bytes read + written per second, best of several;
+- matmul FLOP/s: float32 ``[m, k] @ [k, n]`` with m = k = n = 1024 (a large GEMM: the peak
+  the BLAS reaches), best of several;
+- the same at the model's shapes at batch 64 is not used as the ceiling (it is what the engine
+  reaches, not what the machine can do).
+
+The floors derived from them (``floors``): a decode step cannot take less than the weights'
+bytes over the copy bandwidth, nor less than 2 x parameters x tokens over the FLOP/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import time
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    """Cores, processor, SIMD flags, memory, Python and torch versions."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", "x86_64", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    mem_gib = None
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    return {
+        "cores": os.cpu_count(),
+        "processor": model,
+        "simd": simd,
+        "memory_gib": mem_gib,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def copy_bandwidth(threads: int, mib: int = 256, reps: int = 7) -> float:
+    """Best copy bandwidth (bytes read + written per second) with ``threads`` torch threads."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(mib * 2**20 // 4)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t)
+        return 2 * src.numel() * 4 / best
+    finally:
+        torch.set_num_threads(prev)
+
+
+def matmul_flops(threads: int, size: int = 1024, reps: int = 5) -> float:
+    """Best float32 GEMM FLOP/s (``size``-cubed) with ``threads`` torch threads."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size)
+        b = torch.randn(size, size)
+        out = torch.empty(size, size)
+        torch.mm(a, b, out=out)
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            for _ in range(4):
+                torch.mm(a, b, out=out)
+            best = min(best, (time.perf_counter() - t) / 4)
+        return 2 * size**3 / best
+    finally:
+        torch.set_num_threads(prev)
+
+
+def measure(threads: list[int], mib: int = 256) -> dict[str, dict[str, float]]:
+    """``{str(threads): {"copy_gbs": ..., "matmul_gflops": ...}}`` (``mib``: the copied
+    tensor's size; tests pass a small one)."""
+    size = 1024 if mib >= 64 else 256
+    return {
+        str(t): {
+            "copy_gbs": copy_bandwidth(t, mib) / 1e9,
+            "matmul_gflops": matmul_flops(t, size) / 1e9,
+        }
+        for t in threads
+    }
+
+
+def best_of(samples: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per thread count, the best copy bandwidth and FLOP/s over several measurements (the
+    ceiling is what the machine reached; noise only ever lowers it)."""
+    out: dict[str, dict[str, float]] = {}
+    for s in samples:
+        for t, v in s.items():
+            cur = out.setdefault(t, {"copy_gbs": 0.0, "matmul_gflops": 0.0})
+            cur["copy_gbs"] = max(cur["copy_gbs"], v["copy_gbs"])
+            cur["matmul_gflops"] = max(cur["matmul_gflops"], v["matmul_gflops"])
+    return out
+
+
+def floors(
+    ceiling: dict[str, float], weight_bytes: int, num_params: int, tokens: int
+) -> dict[str, float]:
+    """Lower bounds (s) of one forward over ``tokens`` tokens (decode: one per sequence).
+
+    Returns:
+        ``bandwidth_s`` (weights bytes / copy bandwidth), ``compute_s`` (2 x params x tokens
+        / FLOP/s) and ``floor_s``, the larger.
+    """
+    bw = weight_bytes / (ceiling["copy_gbs"] * 1e9)
+    fl = 2 * num_params * tokens / (ceiling["matmul_gflops"] * 1e9)
+    return {"bandwidth_s": bw, "compute_s": fl, "floor_s": max(bw, fl)}

@@ -1,0 +1,193 @@
+"""The standard workloads (../shared/bench/WORKLOADS.md) as request lists, plus W6.
+
+A workload is a list of requests ``[prompt token ids, max_tokens, arrival seconds]``; every
+request is greedy and ignores EOS, so it generates exactly ``max_tokens`` tokens. Prompt
+token ids come from ``prompts.json`` (a copy of ../shared/bench/prompts.json ships with the
+package: the exact ids the peers' published figures were measured with).
+
+| id | requests | prompt | new tokens |
+|----|----------|--------|------------|
+| W1 | 64 at once | W1's chat-templated "Write a short story about a robot number {i}." | 128 |
+| W2 | 32 at once | W2's 528 shared prompt tokens + a distinct question | 32 (cache on, off) |
+| W3 | 1 | W1's prompt 0 | 128 |
+| W4 | Poisson arrivals at ``rate`` per second for ``duration`` s | W1's, cycled | 64 |
+| W5 | as W1 | as W1, KV cache sized to 25% of the batch's peak tokens | 128 |
+| W6 | 64 at once | W1's | 16 + (37 i mod 241) for request i |
+| C4, C16 | 4 / 16 at once | W1's first | 128 (the concurrency sweep with W3 = 1 and W1 = 64) |
+
+``quick=True`` shrinks each one to run in seconds (fewer requests and tokens); quick figures
+are smoke checks, not comparable to full ones.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+PROMPTS_FILE = pathlib.Path(__file__).with_name("prompts.json")
+SHARED_PROMPTS = pathlib.Path("../shared/bench/prompts.json")
+
+ALL = ("W1", "W2", "W3", "W4", "W5", "W6", "C4", "C16")
+DEFAULT = ALL
+
+
+@dataclass
+class Workload:
+    """One workload: its requests and how to run it.
+
+    Attributes:
+        name: "W1".."W6", "C4", "C16".
+        requests: ``[ids, max_tokens, arrival_s]`` per request.
+        variants: run once per variant: "on" / "off" is the prefix cache (W2); "" otherwise.
+        kv_fraction: for W5, the KV cache as a fraction of the batch's peak tokens.
+        description: one line for the report.
+        params: figures that define it (rate, duration...), reported with the results.
+    """
+
+    name: str
+    requests: list[list[Any]]
+    description: str
+    variants: tuple[str, ...] = ("",)
+    kv_fraction: float | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_tokens(self) -> int:
+        """Prompt plus generated tokens of all requests: the batch's KV need at its peak."""
+        return sum(len(r[0]) + r[1] for r in self.requests)
+
+    @property
+    def online(self) -> bool:
+        """Requests arrive over time (not all at once)."""
+        return any(r[2] > 0 for r in self.requests)
+
+    def warmup(self) -> list[list[Any]]:
+        """The uncounted warm-up: the same prompts at once, 8 new tokens each (at most 64
+        requests, and no more than 4096 prompt tokens beyond the first request)."""
+        out: list[list[Any]] = []
+        total = 0
+        for ids, m, _ in self.requests[:64]:
+            if out and total + len(ids) > 4096:
+                break
+            out.append([ids, min(m, 8), 0.0])
+            total += len(ids)
+        return out
+
+
+def load_prompts(path: str | pathlib.Path | None = None) -> dict[str, Any]:
+    """prompts.json: ``path``, else the packaged copy.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    p = pathlib.Path(path) if path else PROMPTS_FILE
+    return json.loads(p.read_text())  # type: ignore[no-any-return]
+
+
+def shared_copy_differs(data: dict[str, Any]) -> bool:
+    """True when ../shared/bench/prompts.json exists and holds other token ids."""
+    if not SHARED_PROMPTS.is_file():
+        return False
+    other = json.loads(SHARED_PROMPTS.read_text())
+    return any(other.get(k, {}).get("ids") != data[k]["ids"] for k in ("W1", "W2", "W3"))
+
+
+def poisson_arrivals(rate: float, duration: float, seed: int = 0) -> list[float]:
+    """Arrival offsets (s) of a Poisson process of ``rate`` per second over ``duration``."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            return out
+        out.append(t)
+
+
+def w6_lengths(n: int, quick: bool = False) -> list[int]:
+    """W6's max_tokens: 16 + (37 i mod 241) (quick: 8 + (37 i mod 61))."""
+    if quick:
+        return [8 + (37 * i) % 61 for i in range(n)]
+    return [16 + (37 * i) % 241 for i in range(n)]
+
+
+def build(
+    names: tuple[str, ...] | list[str],
+    data: dict[str, Any],
+    *,
+    quick: bool = False,
+    w4_rate: float = 1.0,
+    w4_duration: float = 60.0,
+    seed: int = 0,
+) -> list[Workload]:
+    """The named workloads, in the order given."""
+    w1 = data["W1"]["ids"]
+    w2 = data["W2"]["ids"]
+    w3 = data["W3"]["ids"][0]
+    n1, new1 = (16, 32) if quick else (len(w1), int(data["W1"]["new"]))
+    n2, new2 = (8, 16) if quick else (len(w2), int(data["W2"]["new"]))
+    new3 = 32 if quick else int(data["W3"]["new"])
+    duration = min(w4_duration, 15.0) if quick else w4_duration
+    rate = min(w4_rate, 1.0) if quick else w4_rate
+    out: list[Workload] = []
+    for name in names:
+        if name == "W1":
+            reqs = [[w1[i], new1, 0.0] for i in range(n1)]
+            out.append(Workload("W1", reqs, f"offline throughput: {n1} at once, {new1} tokens"))
+        elif name == "W2":
+            reqs = [[w2[i], new2, 0.0] for i in range(n2)]
+            out.append(
+                Workload(
+                    "W2",
+                    reqs,
+                    f"shared system prompt: {n2} at once, "
+                    f"{data['W2']['common_prefix_tokens']} shared tokens, {new2} tokens",
+                    variants=("on", "off"),
+                )
+            )
+        elif name == "W3":
+            out.append(Workload("W3", [[w3, new3, 0.0]], f"single stream: {new3} tokens"))
+        elif name == "W4":
+            arrivals = poisson_arrivals(rate, duration, seed)
+            reqs = [[w1[i % len(w1)], 16 if quick else 64, t] for i, t in enumerate(arrivals)]
+            out.append(
+                Workload(
+                    "W4",
+                    reqs,
+                    f"online: Poisson {rate:g} req/s for {duration:g} s ({len(reqs)} requests), "
+                    f"{reqs[0][1] if reqs else 0} tokens",
+                    params={"rate": rate, "duration_s": duration, "seed": seed},
+                )
+            )
+        elif name == "W5":
+            reqs = [[w1[i], new1, 0.0] for i in range(n1)]
+            out.append(
+                Workload(
+                    "W5",
+                    reqs,
+                    "preemption pressure: W1 with the KV cache for 25% of its peak",
+                    kv_fraction=0.25,
+                )
+            )
+        elif name == "W6":
+            n = n1
+            lens = w6_lengths(n, quick)
+            reqs = [[w1[i], lens[i], 0.0] for i in range(n)]
+            out.append(
+                Workload(
+                    "W6",
+                    reqs,
+                    f"mixed lengths: {n} at once, {min(lens)}..{max(lens)} tokens "
+                    f"(sum {sum(lens)})",
+                )
+            )
+        elif name in ("C4", "C16"):
+            k = int(name[1:])
+            k = max(1, k // 4) if quick else k
+            reqs = [[w1[i], new1, 0.0] for i in range(k)]
+            out.append(Workload(name, reqs, f"concurrency sweep: {k} at once, {new1} tokens"))
+        else:
+            raise ValueError(f"unknown workload {name!r}; choose from {ALL}")
+    return out

@@ -1,0 +1,99 @@
+"""Prepacked oneDNN linear layers for float32 inference on x86 CPUs.
+
+On CPU, ``nn.Linear`` runs through MKL's sgemm on the weight as stored. oneDNN (bundled with
+torch as ``mkldnn``) can reorder a weight once into its blocked layout and multiply it with
+any number of rows afterwards; on the default model that is 1.2-1.7x faster at the shapes
+decoding uses (measured on a 2-core AVX-512 machine, one thread: the LM head at 64 rows 35
+ms instead of 60 ms, a whole decode step at batch 64 ~30% less matmul time, at batch 1 ~15%).
+:func:`pack_linears` swaps each ``nn.Linear`` of a model for a :class:`PackedLinear` holding
+only the reordered weight (no second copy), so transformers' modeling code runs unchanged.
+
+The reordered weight is the same numbers; results differ from MKL's in the last bits (another
+summation order), as MKL's own results differ between batch sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("asyncllm")
+
+#: Rows the weights are reordered for (oneDNN's hint; any row count works).
+PACK_HINT_ROWS = 64
+
+ENV_DISABLE = "ASYNCLLM_CPU_PACKED_LINEAR"
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` reordered for oneDNN (float32, CPU, inference only).
+
+    Args:
+        linear: the layer to replace; its weight is reordered (and not kept unless
+            ``keep_weight``: a weight tied to the input embeddings stays shared).
+        keep_weight: keep ``linear.weight`` as :attr:`weight` (tied weights).
+    """
+
+    def __init__(self, linear: nn.Linear, *, keep_weight: bool = False) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        w = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_HINT_ROWS)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self._weight = linear.weight if keep_weight else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The plain weight (a dense copy is made when it was not kept)."""
+        if self._weight is not None:
+            return self._weight
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+            return nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+def packing_supported(model: nn.Module) -> bool:
+    """Float32 weights on CPU, oneDNN available, and not ``ASYNCLLM_CPU_PACKED_LINEAR=0``."""
+    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu" or p.dtype != torch.float32:
+        return False
+    return bool(torch.backends.mkldnn.is_available())
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`; returns how many.
+
+    A linear whose weight is tied to the input embeddings keeps it (shared). Does nothing,
+    and returns 0, where :func:`packing_supported` is False or oneDNN refuses the reorder.
+    """
+    if not packing_supported(model):
+        return 0
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = emb.weight if emb is not None and hasattr(emb, "weight") else None
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    n = 0
+    try:
+        for parent, name, child in targets:
+            keep = tied is not None and child.weight is tied
+            setattr(parent, name, PackedLinear(child, keep_weight=keep))
+            n += 1
+    except RuntimeError as e:  # a torch build whose oneDNN cannot reorder: leave the rest
+        logger.warning("oneDNN weight packing failed after %d layers: %s", n, e)
+    return n

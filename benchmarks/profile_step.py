@@ -1,0 +1,86 @@
+"""Profile asyncllm's decode step at a given batch (torch.profiler), and A/B two settings.
+
+    python benchmarks/profile_step.py [--batch 64] [--threads 1] [--steps 10]
+    python benchmarks/profile_step.py --ab packed     # oneDNN-packed linears vs plain nn.Linear
+    python benchmarks/profile_step.py --ab attention  # the C++ decode attention vs the torch path
+
+W1's prompts (64 chat-templated "Write a short story about a robot number {i}."), greedy,
+128 tokens, on the default model. The prompts are prefilled first; the profile then covers
+decode steps only, where every request of the batch computes one token. ``--ab`` builds two
+engines on two copies of the model, one with the optimization switched off
+(``ASYNCLLM_CPU_PACKED_LINEAR=0`` or ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``), and alternates
+their steps (the ratio of medians is robust to other load on the machine).
+This is the script behind the step-time notes of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from asyncllm import SamplingParams
+from asyncllm.bench.workloads import load_prompts
+from asyncllm.config import EngineConfig
+from asyncllm.engine.llm_engine import LLMEngine
+
+
+def engine_at_batch(batch: int, threads: int) -> LLMEngine:
+    """An engine with ``batch`` W1 requests whose prompts are already computed."""
+    eng = LLMEngine.from_config(
+        EngineConfig(max_model_len=1024, kv_cache_bytes=2**30, num_threads=threads)
+    )
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(load_prompts()["W1"]["ids"][:batch]):
+        eng.add_request(eng.make_request(f"r{i}", ids, params))
+    while any(
+        r.num_computed_tokens < len(r.prompt_token_ids) for r in eng.scheduler.requests.values()
+    ):
+        eng.step()
+    for _ in range(2):
+        eng.step()
+    return eng
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--ab", choices=["packed", "attention"], default=None)
+    args = ap.parse_args()
+    if args.ab:
+        var = {"packed": "ASYNCLLM_CPU_PACKED_LINEAR", "attention": "ASYNCLLM_CPU_ATTENTION_KERNEL"}
+        engines = {}
+        for name, flag in (("on", "1"), ("off", "0")):
+            os.environ[var[args.ab]] = flag
+            engines[name] = engine_at_batch(args.batch, args.threads)
+        os.environ.pop(var[args.ab])
+        times: dict[str, list[float]] = {k: [] for k in engines}
+        for i in range(2 * args.steps):
+            for name in list(engines)[:: 1 if i % 2 else -1]:
+                t = time.perf_counter()
+                engines[name].step()
+                times[name].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for k, v in med.items():
+            print(f"{k}: {v * 1e3:.1f} ms per decode step at batch {args.batch}")
+        print(f"{args.ab} on / off: {med['on'] / med['off']:.3f}")
+        return
+    eng = engine_at_batch(args.batch, args.threads)
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        eng.step()
+    step = (time.perf_counter() - t) / args.steps
+    print(f"batch {args.batch}, {args.threads} thread(s): {step * 1e3:.1f} ms per decode step")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            eng.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The CPU fast paths: the C++ paged decode attention and the oneDNN-packed linears, each
+against the plain torch computation it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from asyncllm.attention import cpu_paged, torch_paged
+from asyncllm.worker import cpu_linear
+
+pytestmark = pytest.mark.skipif(
+    not cpu_paged.available(), reason=f"CPU attention kernel unavailable: {cpu_paged.failure()}"
+)
+
+
+def _random_step(query_lens, seq_lens, bs, hkv, group, dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-s // bs) for s in seq_lens)
+    n_blocks = need + 7
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    tables, k = [], 0
+    for s in seq_lens:
+        n = -(-s // bs)
+        tables.append(perm[k : k + n])
+        k += n
+    kc = torch.randn(n_blocks, bs, hkv, dim, generator=g)
+    vc = torch.randn(n_blocks, bs, hkv, dim, generator=g)
+    heads = hkv * group
+    # transformers hands the rows over as a transposed view of [1, H, T, D].
+    q = torch.randn(heads, sum(query_lens), dim, generator=g).transpose(0, 1)
+    return q, kc, vc, tables
+
+
+@pytest.mark.parametrize(
+    ("hkv", "group", "dim", "bs"),
+    [(3, 3, 64, 16), (2, 4, 16, 16), (4, 1, 80, 32), (1, 8, 128, 16)],
+)
+def test_decode_kernel_matches_torch(hkv, group, dim, bs):
+    seq_lens = [1, 15, 16, 17, 100, 3 * bs, 250]
+    query_lens = [1] * len(seq_lens)
+    q, kc, vc, tables = _random_step(query_lens, seq_lens, bs, hkv, group, dim)
+    ref = torch_paged.paged_attention(
+        q, kc, vc, torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs), 0.1
+    )
+    plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs)
+    out = cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.1)
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_mixed_step_keeps_prefills_on_torch():
+    # Decodes, a fresh prefill, a chunk over a cached prefix, in one step.
+    query_lens = [1, 37, 1, 9, 1]
+    seq_lens = [70, 37, 1, 9 + 40, 16]
+    q, kc, vc, tables = _random_step(query_lens, seq_lens, 16, 3, 3, 64, seed=1)
+    ref = torch_paged.paged_attention(
+        q, kc, vc, torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 16), 0.125
+    )
+    plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 16)
+    out = cpu_paged.CPU_BACKEND.attend(q, kc, vc, plan, 0.125)
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_other_dtypes_fall_back_to_torch():
+    query_lens, seq_lens = [1, 1], [20, 5]
+    q, kc, vc, tables = _random_step(query_lens, seq_lens, 16, 2, 2, 16, seed=2)
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    ref = torch_paged.paged_attention(
+        q, kc, vc, torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 16), 0.25
+    )
+    plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 16)
+    assert torch.equal(cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.25), ref)
+
+
+def test_switch_and_build_dir(monkeypatch):
+    monkeypatch.setenv(cpu_paged.ENV_SWITCH, "0")
+    assert not cpu_paged.available()
+    monkeypatch.setenv(cpu_paged.ENV_SWITCH, "1")
+    assert cpu_paged.available()
+    assert (cpu_paged.build_dir() / f"{cpu_paged.NAME}.so").is_file()
+
+
+def test_packed_linear_matches_linear():
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 80, bias=True)
+    packed = cpu_linear.PackedLinear(lin)
+    for shape in [(1, 48), (3, 48), (1, 70, 48)]:
+        x = torch.randn(*shape)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.weight, lin.weight.detach())  # rebuilt from the packing
+
+
+def test_pack_linears_keeps_tied_weights(tiny_llama_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tie them
+    ids = torch.tensor([[1, 5, 9, 300, 42]])
+    with torch.inference_mode():
+        ref = model(ids).logits
+    n_linear = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    assert cpu_linear.pack_linears(model) == n_linear
+    assert cpu_linear.pack_linears(model) == 0  # idempotent
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, ref, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv(cpu_linear.ENV_DISABLE, "0")
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    assert cpu_linear.pack_linears(fresh) == 0
