@@ -28,8 +28,9 @@ from asyncllm.config import EngineConfig
 from asyncllm.engine.llm_engine import LLMEngine
 
 
-def engine_at_batch(batch: int, threads: int) -> LLMEngine:
-    """An engine with ``batch`` W1 requests whose prompts are already computed."""
+def engine_at_batch(batch: int, threads: int, context: int = 0) -> LLMEngine:
+    """An engine with ``batch`` W1 requests whose prompts are computed and which decoded
+    until their contexts hold ``context`` tokens (at least 2 decode steps)."""
     eng = LLMEngine.from_config(
         EngineConfig(max_model_len=1024, kv_cache_bytes=2**30, num_threads=threads)
     )
@@ -40,7 +41,8 @@ def engine_at_batch(batch: int, threads: int) -> LLMEngine:
         r.num_computed_tokens < len(r.prompt_token_ids) for r in eng.scheduler.requests.values()
     ):
         eng.step()
-    for _ in range(2):
+    steps = max(2, context - max(len(r.prompt_token_ids) for r in eng.scheduler.running))
+    for _ in range(steps):
         eng.step()
     return eng
 
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--context", type=int, default=0, help="decode until contexts hold this")
     ap.add_argument("--ab", choices=["packed", "attention"], default=None)
     args = ap.parse_args()
     if args.ab:
@@ -57,7 +60,7 @@ def main() -> None:
         engines = {}
         for name, flag in (("on", "1"), ("off", "0")):
             os.environ[var[args.ab]] = flag
-            engines[name] = engine_at_batch(args.batch, args.threads)
+            engines[name] = engine_at_batch(args.batch, args.threads, args.context)
         os.environ.pop(var[args.ab])
         times: dict[str, list[float]] = {k: [] for k in engines}
         for i in range(2 * args.steps):
@@ -70,7 +73,7 @@ def main() -> None:
             print(f"{k}: {v * 1e3:.1f} ms per decode step at batch {args.batch}")
         print(f"{args.ab} on / off: {med['on'] / med['off']:.3f}")
         return
-    eng = engine_at_batch(args.batch, args.threads)
+    eng = engine_at_batch(args.batch, args.threads, args.context)
     t = time.perf_counter()
     for _ in range(args.steps):
         eng.step()

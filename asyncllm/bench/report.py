@@ -643,7 +643,7 @@ def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
             ("posting", mean["post"]),
             ("handoff", max(mean["other"], 0)),
         ]
-        fig, ax = plt.subplots(figsize=(9, 2.6))
+        fig, ax = plt.subplots(figsize=(9, 3.0))
         left = 0.0
         for i, (name, v) in enumerate(parts):
             ax.barh([0], [v * 1e3], left=left, color=f"C{i}", label=f"{name} {v * 1e3:.1f} ms")
@@ -656,9 +656,9 @@ def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
             label=f"forward floor {b['floor']['floor_s'] * 1e3:.0f} ms",
         )
         ax.set_yticks([])
-        ax.set_xlabel("ms per step")
-        ax.set_title(f"W1 step at batch {b['batch']} ({b['threads']} torch thread(s))")
-        ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+        ax.set_title(f"W1 step at batch {b['batch']} ({b['threads']} torch thread(s)), ms per step")
+        ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+        ax.set_ylim(-0.6, 0.6)
         paths.append(_save(fig, img / "w1_step_breakdown.png"))
     return paths
 

@@ -198,20 +198,28 @@ async def drive_async(
 
 class AsyncllmWorker:
     """asyncllm's AsyncEngine in this process; the model is loaded once and shared by the
-    engine configurations the specs ask for (one KV cache alive at a time)."""
+    engine configurations the specs ask for (one KV cache alive at a time). Each engine is
+    built on its own compute thread, as ``LLMEngine.from_config`` does (the thread that
+    loaded the model has exited by then)."""
 
     name = "asyncllm"
 
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
+        from asyncllm.engine.llm_engine import new_compute_thread
         from asyncllm.models.loader import load_model
 
-        torch.set_num_threads(args.threads)
+        def load() -> Any:
+            torch.set_num_threads(args.threads)
+            return load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
+
         self.threads = args.threads
+        loader = new_compute_thread()
         t = time.perf_counter()
-        self.loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
+        self.loaded = loader.submit(load).result()
         self.load_s = time.perf_counter() - t
+        loader.shutdown(wait=True)
         self.base = json.loads(args.config or "{}")
         self._engines: dict[str, Any] = {}
 
@@ -224,14 +232,14 @@ class AsyncllmWorker:
             "engine": self.name,
             "version": asyncllm.__version__,
             "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
+            "threads": self.threads,
             "load_s": self.load_s,
             "rss_mb": rss_mb(),
         }
 
     def engine(self, overrides: dict[str, Any]) -> Any:
         from asyncllm import AsyncEngine, EngineConfig
-        from asyncllm.engine.llm_engine import LLMEngine
+        from asyncllm.engine.llm_engine import LLMEngine, new_compute_thread
 
         cfg = {**self.base, **overrides}
         key = json.dumps(cfg, sort_keys=True)
@@ -239,7 +247,9 @@ class AsyncllmWorker:
             self._engines.clear()  # one KV cache at a time
             gc.collect()
             config = EngineConfig(model=str(self.loaded.model_dir), **cfg)
-            self._engines[key] = AsyncEngine(LLMEngine(config, self.loaded))
+            compute = new_compute_thread()
+            core = compute.submit(LLMEngine, config, self.loaded, compute).result()
+            self._engines[key] = AsyncEngine(core)
         return self._engines[key]
 
     def settings(self, engine: Any) -> dict[str, Any]:

@@ -16,7 +16,6 @@ import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -72,7 +71,6 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._stepping = False  # a step is running in the worker thread
         self._closing = False
         self._dead: EngineDeadError | None = None
@@ -110,7 +108,6 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine is already running")
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-step")
         self._closing = False
         self._task = asyncio.create_task(self._run(), name="asyncllm-engine-loop")
         return self
@@ -141,9 +138,7 @@ class AsyncEngine:
             pass
         finally:
             self._task = None
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            self._engine.stop_compute_thread()  # joins a step a cancelled task left running
             if self._dead is not None:
                 self._release_core()
 
@@ -488,7 +483,7 @@ class AsyncEngine:
                     await self._wakeup.wait()
                     continue
                 self._stepping = True
-                updates = await loop.run_in_executor(self._executor, self._step)
+                updates = await loop.run_in_executor(self._engine.compute_thread, self._step)
                 self._dispatch(updates)
                 if getattr(updates, "idle", False):
                     # Nothing was schedulable: do not spin; wait for news, re-plan soon.
