@@ -35,8 +35,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             the device KV cache; 0: no pool (always recompute). Pinned memory on CUDA.
         enable_prefix_caching: share the KV blocks of prompt prefixes that were computed
             before (full blocks only, matched by a chained SHA-256 of their tokens).
-        num_threads: torch intra-op threads on CPU; None: one per core minus one for the
-            event loop, at least 1 (see docs/tuning.md for the measurement behind it).
+        num_threads: torch intra-op threads on CPU; None: one per core the process may run
+            on (see docs/tuning.md for the measurement behind it, and when 1 is safer).
         attention_backend: "auto" (the Triton kernels of docs/kernels.md on CUDA; on CPU the
             torch path with the C++ decode kernel of ``asyncllm.attention.cpu_paged`` where
             it builds, docs/benchmarks.md), "torch" (the plain torch path) or "triton";

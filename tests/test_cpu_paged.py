@@ -49,6 +49,23 @@ def test_decode_kernel_matches_torch(hkv, group, dim, bs):
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 
 
+def test_decode_kernel_splits_heads_when_sequences_are_fewer_than_threads():
+    # One work item per KV head instead of per sequence (the W3 shape with 2 threads).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seq_lens in ([250], [7, 33]):
+            query_lens = [1] * len(seq_lens)
+            q, kc, vc, tables = _random_step(query_lens, seq_lens, 16, 3, 3, 64, seed=1)
+            plan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 16)
+            ref = torch_paged.paged_attention(q, kc, vc, plan, 0.1)
+            cplan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 16)
+            out = cpu_paged.paged_attention_cpu(q, kc, vc, cplan, 0.1)
+            torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_mixed_step_keeps_prefills_on_torch():
     # Decodes, a fresh prefill, a chunk over a cached prefix, in one step.
     query_lens = [1, 37, 1, 9, 1]

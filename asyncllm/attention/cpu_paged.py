@@ -46,13 +46,15 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
-// out[b, h*G + g, :] = softmax(q . K^T * scale) V over positions [0, lens[b]) of sequence b,
-// read through its block table. q: [B, H, D] (rows may be strided), caches [N, bs, Hkv, D]
-// contiguous float32, tables [B, M] int64, lens [B] int64, out [B, H, D] contiguous.
-void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
-                  const at::Tensor& value_cache, const at::Tensor& tables,
-                  const at::Tensor& lens, double scale, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+// out[b, hq, :] = softmax(q[b, hq] . K^T * scale) V over positions [0, lens[b]) of sequence b,
+// read through its block table; KV head hq / G serves query head hq. q: [B, H, D] (rows may be
+// strided), caches [N, bs, Hkv, D] contiguous float32, tables [B, M] int64, lens [B] int64,
+// out [B, H, D] contiguous. DC > 0 fixes D at compile time (unrolled loops); 0 reads it.
+template <int64_t DC>
+static void decode(const at::Tensor& q, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& tables,
+                   const at::Tensor& lens, float sc, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = DC > 0 ? DC : q.size(2);
   const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
   const int64_t G = H / Hkv, M = tables.size(1);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
@@ -63,63 +65,96 @@ void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t* L = lens.data_ptr<int64_t>();
   float* O = out.data_ptr<float>();
   const int64_t tok = Hkv * D, blk = bs * tok;
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv(G * D), acc(G * D), m(G), l(G), s(G * bs);
+  // A work item is a sequence with all its KV heads (each block's rows are read whole and
+  // in order) or, with fewer sequences than threads, one KV head of one sequence.
+  const int64_t per = B >= at::get_num_threads() ? Hkv : 1;
+  at::parallel_for(0, B * (Hkv / per), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qv_(H * D), acc_(H * D), s_(H * bs), m(H), l(H);
+    float* __restrict qv = qv_.data();
+    float* __restrict acc = acc_.data();
+    float* __restrict s = s_.data();
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hkv, h = i % Hkv;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* src = Q + b * qs0 + (h * G + g) * qs1;
-        for (int64_t d = 0; d < D; ++d) qv[g * D + d] = src[d * qs2] * sc;
-        m[g] = -1e30f;  // finite: exp(m - max) is 0 on the first block
-        l[g] = 0.f;
+      const int64_t b = i / (Hkv / per), h0 = (i % (Hkv / per)) * per, h1 = h0 + per;
+      for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
+        const float* src = Q + b * qs0 + hq * qs1;
+        for (int64_t d = 0; d < D; ++d) qv[hq * D + d] = src[d * qs2] * sc;
+        for (int64_t d = 0; d < D; ++d) acc[hq * D + d] = 0.f;
+        m[hq] = -1e30f;  // finite: exp(m - max) is 0 on the first block
+        l[hq] = 0.f;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t len = L[b];
       for (int64_t j = 0; j * bs < len; ++j) {
         const int64_t n = std::min(bs, len - j * bs);
-        const float* kb = K + T[b * M + j] * blk + h * D;
-        const float* vb = V + T[b * M + j] * blk + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qv.data() + g * D;
-          float* sg = s.data() + g * bs;
-          float mx = m[g];
-          for (int64_t t = 0; t < n; ++t) {
-            const float* k = kb + t * tok;
-            float dot = 0.f;
+        const float* kb = K + T[b * M + j] * blk;
+        const float* vb = V + T[b * M + j] * blk;
+        // Prefetch the next block one row per row computed: its address is data-dependent
+        // (the block table), so the hardware prefetcher cannot run ahead of a block boundary.
+        const bool more = (j + 1) * bs < len;
+        const float* kn = more ? K + T[b * M + j + 1] * blk : kb;
+        const float* vn = more ? V + T[b * M + j + 1] * blk : vb;
+        for (int64_t t = 0; t < n; ++t) {
+          if (more)
+            for (int64_t x = h0 * D; x < h1 * D; x += 16) __builtin_prefetch(kn + t * tok + x);
+          for (int64_t h = h0; h < h1; ++h) {
+            const float* k = kb + t * tok + h * D;
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qg = qv + (h * G + g) * D;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
-            sg[t] = dot;
-            mx = std::max(mx, dot);
+              for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+              s[(h * G + g) * bs + t] = dot;
+            }
           }
-          const float c = std::exp(m[g] - mx);
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] *= c;
+        }
+        for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
+          float* sg = s + hq * bs;
+          float mx = m[hq];
+          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+          const float c = std::exp(m[hq] - mx);
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < n; ++t) {
             sg[t] = std::exp(sg[t] - mx);  // vectorized (libmvec) under -ffast-math
             sum += sg[t];
           }
-          sum += l[g] * c;
-          for (int64_t t = 0; t < n; ++t) {
-            const float e = sg[t];
-            const float* v = vb + t * tok;
+          l[hq] = l[hq] * c + sum;
+          m[hq] = mx;
+          float* ag = acc + hq * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += e * v[d];
+          for (int64_t d = 0; d < D; ++d) ag[d] *= c;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          if (more)
+            for (int64_t x = h0 * D; x < h1 * D; x += 16) __builtin_prefetch(vn + t * tok + x);
+          for (int64_t h = h0; h < h1; ++h) {
+            const float* v = vb + t * tok + h * D;
+            for (int64_t g = 0; g < G; ++g) {
+              const float e = s[(h * G + g) * bs + t];
+              float* ag = acc + (h * G + g) * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) ag[d] += e * v[d];
+            }
           }
-          m[g] = mx;
-          l[g] = sum;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* dst = O + (b * H + h * G + g) * D;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[g * D + d] * inv;
+      for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
+        float* dst = O + (b * H + hq) * D;
+        const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[hq * D + d] * inv;
       }
     }
   });
+}
+
+void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& tables,
+                  const at::Tensor& lens, double scale, at::Tensor& out) {
+  const float sc = static_cast<float>(scale);
+  switch (q.size(2)) {
+    case 64: return decode<64>(q, key_cache, value_cache, tables, lens, sc, out);
+    case 128: return decode<128>(q, key_cache, value_cache, tables, lens, sc, out);
+    default: return decode<0>(q, key_cache, value_cache, tables, lens, sc, out);
+  }
 }
 """
 

@@ -620,8 +620,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--compare-threads",
         default=None,
-        help="other thread counts for asyncllm under --compare-workloads (default: 2 when the "
-        "engine default differs; 'none' to skip)",
+        help="other thread counts for asyncllm under --compare-workloads (default: 1, or 2 "
+        "where the engine default is 1; 'none' to skip)",
     )
     ap.add_argument("--compare-workloads", default="W1,W3,W4")
     ap.add_argument("--w4-rate", type=float, default=1.0, help="W4 arrivals per second")
@@ -683,7 +683,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
             return 2
     args.threads = args.threads or default_num_threads()
     if args.compare_threads is None:
-        args.compare_threads = [] if args.threads == 2 or args.quick else [2]
+        args.compare_threads = [] if args.quick else [1 if args.threads > 1 else 2]
     else:
         args.compare_threads = [
             int(x) for x in parse_list(args.compare_threads, [str(i) for i in range(1, 257)])

@@ -75,8 +75,10 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def default_num_threads() -> int:
-    """Torch intra-op threads on CPU: one core is left to the event loop, at least one."""
-    return max(1, (os.cpu_count() or 1) - 1)
+    """Torch intra-op threads on CPU: one per core this process may run on (docs/tuning.md)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def new_compute_thread() -> ThreadPoolExecutor:
