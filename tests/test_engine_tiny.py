@@ -229,3 +229,28 @@ def test_unknown_model_path_is_a_typed_error(tmp_path):
 
     with pytest.raises(ModelNotFoundError, match=str(tmp_path / "nope")):
         AsyncEngine.from_pretrained(str(tmp_path / "nope"))
+
+
+async def test_all_torch_work_runs_on_the_compute_thread(tiny_llama_dir, make_engine):
+    # libgomp slows every step once a second thread owns an OpenMP team (docs/tuning.md):
+    # loading, the KV cache and every step, async or called directly, use one thread.
+    import threading
+
+    engine = make_engine(tiny_llama_dir, max_model_len=64, kv_cache_bytes=2**20)
+    core = engine._engine
+    threads: set[str] = set()
+    real = core.runner.execute
+
+    def execute(plan):
+        threads.add(threading.current_thread().name)
+        return real(plan)
+
+    core.runner.execute = execute
+    async with engine:
+        await engine.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True))
+    # The sync engine, driven from this (the main) thread.
+    core.add_request(core.make_request("direct", "hello", SamplingParams(max_tokens=2)))
+    while core.has_unfinished():
+        core.step()
+    core.stop_compute_thread()
+    assert len(threads) == 1 and threads.pop().startswith("asyncllm-step")

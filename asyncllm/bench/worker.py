@@ -207,7 +207,7 @@ class AsyncllmWorker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from asyncllm.engine.llm_engine import new_compute_thread
+        from asyncllm.engine.llm_engine import ComputeThread
         from asyncllm.models.loader import load_model
 
         def load() -> Any:
@@ -215,7 +215,7 @@ class AsyncllmWorker:
             return load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
 
         self.threads = args.threads
-        loader = new_compute_thread()
+        loader = ComputeThread()
         t = time.perf_counter()
         self.loaded = loader.submit(load).result()
         self.load_s = time.perf_counter() - t
@@ -239,7 +239,7 @@ class AsyncllmWorker:
 
     def engine(self, overrides: dict[str, Any]) -> Any:
         from asyncllm import AsyncEngine, EngineConfig
-        from asyncllm.engine.llm_engine import LLMEngine, new_compute_thread
+        from asyncllm.engine.llm_engine import ComputeThread, LLMEngine
 
         cfg = {**self.base, **overrides}
         key = json.dumps(cfg, sort_keys=True)
@@ -247,7 +247,7 @@ class AsyncllmWorker:
             self._engines.clear()  # one KV cache at a time
             gc.collect()
             config = EngineConfig(model=str(self.loaded.model_dir), **cfg)
-            compute = new_compute_thread()
+            compute = ComputeThread()
             core = compute.submit(LLMEngine, config, self.loaded, compute).result()
             self._engines[key] = AsyncEngine(core)
         return self._engines[key]

@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -31,6 +32,8 @@ from asyncllm.worker.offload import CPUOffloadPool
 from asyncllm.worker.sampler import RunnerOutput, TokenLogprobs
 
 logger = logging.getLogger("asyncllm")
+
+_T = TypeVar("_T")
 
 #: A prompt: text, token ids, or vLLM's prompt dicts ``{"prompt": str}`` /
 #: ``{"prompt_token_ids": [int, ...]}``.
@@ -81,9 +84,25 @@ def default_num_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def new_compute_thread() -> ThreadPoolExecutor:
-    """A single-thread executor for an engine's torch work."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-step")
+class ComputeThread(ThreadPoolExecutor):
+    """A single-thread executor for all of an engine's torch work (see
+    :meth:`LLMEngine.from_config` for why one thread)."""
+
+    def __init__(self) -> None:
+        self.ident: int | None = None
+        super().__init__(
+            max_workers=1, thread_name_prefix="asyncllm-step", initializer=self._record
+        )
+
+    def _record(self) -> None:
+        self.ident = threading.get_ident()
+
+    def call(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` on the compute thread: directly when called there, else submitted and
+        waited for (exceptions propagate)."""
+        if threading.get_ident() == self.ident:
+            return fn()
+        return self.submit(fn).result()
 
 
 class LLMEngine:
@@ -105,7 +124,7 @@ class LLMEngine:
         self,
         config: EngineConfig,
         loaded: LoadedModel,
-        compute_thread: ThreadPoolExecutor | None = None,
+        compute_thread: ComputeThread | None = None,
     ) -> None:
         self._compute_thread = compute_thread
         self.config = config
@@ -162,10 +181,10 @@ class LLMEngine:
         self.num_generated_tokens = 0
 
     @property
-    def compute_thread(self) -> ThreadPoolExecutor:
-        """The single-thread executor that runs :meth:`step` for the async front end."""
+    def compute_thread(self) -> ComputeThread:
+        """The thread that runs :meth:`step` (and the async front end's steps)."""
         if self._compute_thread is None:
-            self._compute_thread = new_compute_thread()
+            self._compute_thread = ComputeThread()
         return self._compute_thread
 
     def stop_compute_thread(self) -> None:
@@ -186,7 +205,7 @@ class LLMEngine:
         hundreds of small ones, slows by a third (2 cores, 2 threads: 38 ms -> 52 ms per step).
         """
         device = resolve_device(config.device)
-        compute_thread = new_compute_thread()
+        compute_thread = ComputeThread()
 
         def build() -> LLMEngine:
             if device.type == "cpu":
@@ -417,11 +436,15 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> StepOutput:
-        """Schedule, run the model once, sample, and apply stop conditions.
+        """Schedule, run the model once, sample, and apply stop conditions, on the engine's
+        compute thread (the caller's thread waits when it is another one).
 
         Returns:
             one update per sampled request, with the step's logprobs (:class:`StepOutput`).
         """
+        return self.compute_thread.call(self._step)
+
+    def _step(self) -> StepOutput:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             idle = StepOutput([])
