@@ -248,9 +248,27 @@ async def test_all_torch_work_runs_on_the_compute_thread(tiny_llama_dir, make_en
     core.runner.execute = execute
     async with engine:
         await engine.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="AsyncEngine drives"):
+            core.step()  # its outputs would never reach the streams
     # The sync engine, driven from this (the main) thread.
     core.add_request(core.make_request("direct", "hello", SamplingParams(max_tokens=2)))
     while core.has_unfinished():
         core.step()
     core.stop_compute_thread()
     assert len(threads) == 1 and threads.pop().startswith("asyncllm-step")
+
+
+async def test_a_dropped_engine_leaves_no_thread(tiny_llama_dir):
+    import gc
+    import threading
+
+    from asyncllm import AsyncEngine
+
+    def engine_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("asyncllm")]
+
+    engine = AsyncEngine.from_pretrained(str(tiny_llama_dir), max_model_len=64)
+    assert engine_threads()  # loaded on its compute thread, never entered
+    del engine
+    gc.collect()
+    await wait_until(lambda: not engine_threads())

@@ -681,7 +681,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-    args.threads = args.threads or default_num_threads()
+    args.threads = default_num_threads() if args.threads is None else args.threads
     if args.compare_threads is None:
         args.compare_threads = [] if args.quick else [1 if args.threads > 1 else 2]
     else:
@@ -692,15 +692,28 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     args.compare_workloads = parse_list(args.compare_workloads, ALL)
     args.hf_cb_workloads = parse_list(args.hf_cb_workloads, ALL)
     if args.quick:
-        args.repeats = args.repeats or 1
+        args.repeats = 1 if args.repeats is None else args.repeats
         args.peers = args.peers if args.peers is not None else "hf"
-    args.repeats = args.repeats or 3
+    args.repeats = 3 if args.repeats is None else args.repeats
     args.peers = parse_list(args.peers, PEERS)
     names = parse_list(args.workloads, ALL)
 
+    from asyncllm.errors import ModelNotFoundError
     from asyncllm.models.loader import resolve_model_dir
 
-    model_dir = str(resolve_model_dir(args.model))
+    if not names:
+        raise SystemExit("--workloads names no workload")
+    for flag, value in (("--threads", args.threads), ("--repeats", args.repeats)):
+        if value < 1:
+            raise SystemExit(f"{flag} must be at least 1, got {value}")
+    try:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {args.out}: cannot make that directory ({e})") from None
+    try:
+        model_dir = str(resolve_model_dir(args.model))
+    except ModelNotFoundError as e:
+        raise SystemExit(f"--model: {e}") from None
     data = load_prompts(args.prompts)
     if shared_copy_differs(data):
         log("warning: ../shared/bench/prompts.json differs from the packaged copy")

@@ -109,6 +109,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._closing = False
+        self._engine.driven_by_async = True
         self._task = asyncio.create_task(self._run(), name="asyncllm-engine-loop")
         return self
 
@@ -139,6 +140,7 @@ class AsyncEngine:
         finally:
             self._task = None
             self._engine.stop_compute_thread()  # joins a step a cancelled task left running
+            self._engine.driven_by_async = False
             if self._dead is not None:
                 self._release_core()
 

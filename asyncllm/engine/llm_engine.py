@@ -86,16 +86,13 @@ def default_num_threads() -> int:
 
 class ComputeThread(ThreadPoolExecutor):
     """A single-thread executor for all of an engine's torch work (see
-    :meth:`LLMEngine.from_config` for why one thread)."""
+    :meth:`LLMEngine.from_config` for why one thread). Its thread starts at once and ends
+    when the executor is shut down or garbage-collected."""
 
     def __init__(self) -> None:
-        self.ident: int | None = None
-        super().__init__(
-            max_workers=1, thread_name_prefix="asyncllm-step", initializer=self._record
-        )
-
-    def _record(self) -> None:
-        self.ident = threading.get_ident()
+        super().__init__(max_workers=1, thread_name_prefix="asyncllm-step")
+        # A plain function, not a bound method: the thread must not keep the executor alive.
+        self.ident: int = self.submit(threading.get_ident).result()
 
     def call(self, fn: Callable[[], _T]) -> _T:
         """``fn()`` on the compute thread: directly when called there, else submitted and
@@ -127,6 +124,8 @@ class LLMEngine:
         compute_thread: ComputeThread | None = None,
     ) -> None:
         self._compute_thread = compute_thread
+        #: Set by :class:`AsyncEngine` while it runs; :meth:`step` then refuses other callers.
+        self.driven_by_async = False
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -441,7 +440,13 @@ class LLMEngine:
 
         Returns:
             one update per sampled request, with the step's logprobs (:class:`StepOutput`).
+
+        Raises:
+            RuntimeError: an :class:`AsyncEngine` drives this engine and the call does not
+                come from its step (the outputs would not reach its streams).
         """
+        if self.driven_by_async and threading.get_ident() != self.compute_thread.ident:
+            raise RuntimeError("an AsyncEngine drives this engine; use its API, not step()")
         return self.compute_thread.call(self._step)
 
     def _step(self) -> StepOutput:
