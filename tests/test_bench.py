@@ -132,3 +132,23 @@ def test_model_figures(tiny_llama_dir):
     assert f["num_params"] == sum(p.numel() for p in m.parameters())
     assert f["bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K+V, layers, KV heads, head_dim, fp32
     assert f["weight_bytes"] == 4 * f["num_params"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--threads", "0"], "--threads must be at least 1"),
+        (["--repeats", "-1"], "--repeats must be at least 1"),
+        (["--workloads", ","], "names no workload"),
+        (["--model", "/nonexistent/model"], "--model:"),
+        (["--out", "FILE"], "cannot make that directory"),
+    ],
+)
+def test_bench_rejects_bad_arguments_clearly(args, message, tmp_path):
+    from asyncllm.__main__ import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    args = [str(afile) if a == "FILE" else a for a in args]
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "--quick", "--no-plots", *args])
