@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncllm.engine.detokenizer import IncrementalDetokenizer
+from asyncllm.engine.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, token_bytes
 
 FFFD = "\ufffd"
 
@@ -167,6 +167,18 @@ def ends_mid_char_somewhere(tok, ids: Sequence[int]) -> bool:
 
 
 PROMPT = "You are a helpful assistant. Please answer the question."
+
+_PROPERTY_SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+_CHUNKS = st.lists(st.integers(min_value=1, max_value=3), max_size=60)
+_PROPERTY_SETTINGS_SMALL = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 # ---------------------------------------------------------------------------- examples
@@ -335,13 +347,118 @@ def test_byte_fallback_invalid_utf8_known_difference(sp):
     assert det.text == "猫" + FFFD * 3 + " ok"
 
 
-def test_prompt_ending_mid_character_matches_slicing(tok):
-    """Documented exception (a): the stream equals the slicing, which loses the character."""
-    ids = enc(tok, "Hi 🤖 there")
+def _byte_ids(tok, hexes: str) -> list[int]:
+    """The ids of single bytes: ``<0xNN>`` tokens, or byte-level BPE's one-byte tokens."""
+    out = []
+    for b in bytes.fromhex(hexes):
+        tid = tok.convert_tokens_to_ids(f"<0x{b:02X}>")
+        if tid is None or tid == tok.unk_token_id:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            tid = tok.convert_tokens_to_ids(bytes_to_unicode()[b])
+        assert token_bytes(tok, tid) == bytes([b])
+        out.append(tid)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 100])
+def test_prompt_ending_mid_character_issue_example(tok, chunk):
+    """The character the output completes belongs to the output: "🤖abc", not "bc"."""
+    prompt = enc(tok, "Hello world ") + _byte_ids(tok, "F09F")
+    gen = _byte_ids(tok, "A496") + tok.convert_tokens_to_ids(list("abc"))
+    assert dec(tok, prompt + gen) == "Hello world 🤖abc"
+    deltas, flushed, det = stream(tok, prompt, gen, [chunk] * 5)
+    assert all(FFFD not in d for d in deltas)
+    assert det.text == "🤖abc" and flushed == ""
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 100])
+def test_prompt_ending_mid_character(tok, chunk):
+    """Every cut inside a character (byte-level: also inside the token "ĠðŁ") gives the text
+    from that character on."""
+    text = "Hi 猫 🤖 there"
+    ids = enc(tok, text)
     cuts = [k for k in range(1, len(ids)) if dec(tok, ids[:k]).endswith(FFFD)]
-    assert cuts
+    assert len(cuts) >= 4  # inside 猫 and inside 🤖, for every tokenizer
     for k in cuts:
-        check_stream(tok, ids[:k], ids[k:])
+        prompt_text = dec(tok, ids[:k]).rstrip(FFFD)  # its complete characters
+        expected = text[len(prompt_text) :]
+        assert expected[0] in "猫🤖"
+        deltas, flushed, det = stream(tok, ids[:k], ids[k:], [chunk] * len(ids))
+        assert all(FFFD not in d for d in deltas)
+        assert det.text == expected, k
+        assert flushed == ""
+
+
+def test_prompt_ending_mid_character_byte_level_mid_token(smollm2):
+    # "ĠðŁ" holds the space and the first two bytes of the emoji: the space is the prompt's.
+    ids = enc(smollm2, "Hi 🤖abc")
+    toks = smollm2.convert_ids_to_tokens(ids)
+    assert toks[:3] == ["Hi", "ĠðŁ", "¤"]
+    for k in (2, 3):
+        deltas, _, det = stream(smollm2, ids[:k], ids[k:])
+        assert det.text == "🤖abc"
+        assert deltas[-1] != "" or det.text  # something came out before flush
+
+
+def test_prompt_ending_in_invalid_bytes_is_prompt_text(smollm2):
+    # A lone continuation byte at the end of the prompt can never be completed: its U+FFFD is
+    # the prompt's, not the output's.
+    prompt = enc(smollm2, "Hi") + _byte_ids(smollm2, "80")
+    assert check_stream(smollm2, prompt, enc(smollm2, " ok")) == " ok"
+
+
+@_PROPERTY_SETTINGS_SMALL
+@given(text=st.text(alphabet="ab 猫🤖é", min_size=1, max_size=12), data=st.data())
+def test_property_prompt_cut_anywhere_byte_level(smollm2, text, data):
+    """Cut the ids of a valid text anywhere: prompt text + output text == the text, where the
+    prompt text is dec(prompt) up to its last complete character."""
+    ids = enc(smollm2, text)
+    k = data.draw(st.integers(0, len(ids)), label="cut")
+    full = dec(smollm2, ids)
+    prompt_text = dec(smollm2, ids[:k]).rstrip(FFFD)
+    chunks = data.draw(_CHUNKS, label="chunks")
+    deltas, flushed, det = stream(smollm2, ids[:k], ids[k:], chunks)
+    assert prompt_text + det.text == full
+    assert flushed == "" and all(FFFD not in d for d in deltas)
+
+
+# ---------------------------------------------------------------------------- bounded hold-back
+
+
+def _spy_decode(tok, monkeypatch) -> list[int]:
+    sizes: list[int] = []
+    real = tok.decode
+
+    def spy(ids, *args, **kwargs):
+        sizes.append(len(ids))
+        return real(ids, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "decode", spy)
+    return sizes
+
+
+@pytest.mark.parametrize("byte", ["80", "E6", "F0"])
+@pytest.mark.parametrize("chunk", [1, 50])
+def test_invalid_utf8_hold_back_is_bounded(tok, monkeypatch, byte, chunk):
+    """200 invalid bytes then "ok": U+FFFD streams out (at most 3 tokens late), each call
+    decodes a window of constant size, and the deltas join to the final text."""
+    prompt = enc(tok, "Hello")
+    gen = _byte_ids(tok, byte * 200) + enc(tok, "ok")
+    final = reference(tok, prompt, gen)
+    assert final.count(FFFD) == 200 and final.endswith("ok")
+    sizes = _spy_decode(tok, monkeypatch)
+    det = IncrementalDetokenizer(tok, prompt)
+    deltas = []
+    for start in range(0, len(gen), chunk):
+        deltas.append(det.add_tokens(gen[start : start + chunk]))
+        assert len(det._ids) - det._read_offset <= MAX_HELD_TOKENS  # bounded hold-back
+    deltas.append(det.flush())
+    monkeypatch.undo()
+    assert max(sizes) <= 2 * chunk + 8  # the previous emission + this batch, not O(output)
+    if chunk == 1:
+        assert deltas[:3] == ["", "", ""] and deltas[3] == FFFD  # 3 tokens late at most
+    assert "".join(deltas) == det.text == final
 
 
 def test_no_tokens(tok):
@@ -353,14 +470,7 @@ def test_no_tokens(tok):
 
 def test_decode_window_stays_small(tok, monkeypatch):
     """Cost per call is O(window): never decodes the whole prompt or output."""
-    sizes: list[int] = []
-    real = tok.decode
-
-    def spy(ids, *args, **kwargs):
-        sizes.append(len(ids))
-        return real(ids, *args, **kwargs)
-
-    monkeypatch.setattr(tok, "decode", spy)
+    sizes = _spy_decode(tok, monkeypatch)
     prompt = enc(tok, PROMPT * 20)
     gen = enc(tok, (" " + EMOJI_TEXT + " " + CJK_TEXT) * 10)
     assert len(gen) > 300
@@ -388,13 +498,6 @@ _PIECE = st.one_of(
 )
 _TEXT = st.lists(st.tuples(st.sampled_from(["", " ", " ", "  "]), _PIECE), max_size=25).map(
     lambda parts: "".join(sep + piece for sep, piece in parts)
-)
-_CHUNKS = st.lists(st.integers(min_value=1, max_value=3), max_size=60)
-
-_PROPERTY_SETTINGS = settings(
-    max_examples=150,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 
 
