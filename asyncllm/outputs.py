@@ -13,13 +13,21 @@ class Logprob(msgspec.Struct, frozen=True):
             of the logits, before bias, penalties and temperature).
         rank: 1-based rank of the token in that distribution (1 = most likely; the number
             of tokens whose log-probability is >= this one's, as vLLM counts).
-        decoded_token: the token's own text (``decode([id])``, special tokens kept; a byte
-            token of a multi-byte character decodes to U+FFFD).
+        decoded_token: the token's own text: :attr:`token_bytes` decoded as UTF-8, with
+            U+FFFD for a token that holds only part of a character (a byte token); special
+            tokens give their content, and a sentencepiece ``"▁Hello"`` gives ``" Hello"``
+            (its space, which ``decode([id])`` would strip).
+        token_bytes: the token's raw bytes, from the tokenizer's own token-to-bytes mapping
+            (``asyncllm.engine.detokenizer.token_bytes``): SmolLM2's byte-level token 177 is
+            ``b"\\xe6"``, a ``<0xE6>`` byte-fallback token the same. Joined over a
+            generation they are the UTF-8 of its text (plus the content of special tokens
+            the text skips).
     """
 
     logprob: float
     rank: int
     decoded_token: str
+    token_bytes: bytes
 
 
 #: Per position: token id -> its :class:`Logprob`; the chosen (sampled, or prompt) token

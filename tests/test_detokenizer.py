@@ -524,3 +524,49 @@ def test_property_arbitrary_token_ids_byte_level(smollm2, data, chunks):
     for d in deltas:
         # A delta only carries U+FFFD that the final text has too.
         assert d.count(FFFD) <= final.count(FFFD)
+
+
+# ---------------------------------------------------------------------------- token bytes
+
+
+def test_token_bytes_byte_level(smollm2):
+    """SmolLM2 token 177 ("æ") is the byte 0xE6, not U+FFFD's bytes; every token that decodes
+    to whole characters has exactly the bytes of its text."""
+    from asyncllm.engine.output_processor import TokenTextCache
+
+    assert smollm2.decode([177]) == FFFD
+    assert token_bytes(smollm2, 177) == b"\xe6"
+    assert TokenTextCache(smollm2)(177) == (FFFD, b"\xe6")
+    assert token_bytes(smollm2, smollm2.convert_tokens_to_ids("Ġworld")) == b" world"
+    assert token_bytes(smollm2, smollm2.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"
+    whole = 0
+    for tid in range(len(smollm2)):
+        text = smollm2.decode([tid], skip_special_tokens=False)
+        if FFFD not in text:
+            assert token_bytes(smollm2, tid) == text.encode("utf-8"), tid
+            whole += 1
+    assert whole > 40000
+    # Joined over a generation, the bytes are the text's UTF-8.
+    ids = enc(smollm2, "Hi 🤖 猫 and é")
+    assert b"".join(token_bytes(smollm2, t) for t in ids) == "Hi 🤖 猫 and é".encode()
+
+
+@pytest.mark.parametrize("style", ["metaspace", "llama"])
+def test_token_bytes_byte_fallback(style):
+    from asyncllm.engine.output_processor import TokenTextCache
+
+    sp = _build_sp_tokenizer(style)
+    e6 = sp.convert_tokens_to_ids("<0xE6>")
+    assert sp.decode([e6]) == FFFD
+    assert token_bytes(sp, e6) == b"\xe6"
+    assert TokenTextCache(sp)(e6) == (FFFD, b"\xe6")
+    first = enc(sp, "Hello")[0]
+    assert sp.convert_ids_to_tokens(first) == "▁He" and sp.decode([first]) == "He"
+    assert token_bytes(sp, first) == b" He"  # "▁" -> " ", kept where decode strips it
+    assert token_bytes(sp, sp.eos_token_id) == b"</s>"
+    ids = enc(sp, "Hello 🤖 猫")
+    assert b"".join(token_bytes(sp, t) for t in ids) == " Hello 🤖 猫".encode()
+    for tid in range(len(sp)):
+        tok = sp.convert_ids_to_tokens(tid)
+        if not tok.startswith("<"):  # a normal piece: its text, spaces restored
+            assert token_bytes(sp, tid) == tok.replace("▁", " ").encode(), tok

@@ -136,6 +136,24 @@ async def test_logprobs_match_a_reference_forward(tiny_llama_dir, make_engine):
     assert biased.logprobs[0][77].rank > 1 and len(biased.logprobs[0]) == 1
 
 
+async def test_logprobs_token_bytes(tiny_llama_dir, make_engine):
+    """A token that holds part of a character (SmolLM2's 177 = byte 0xE6) has its own byte,
+    not U+FFFD's; a whole token's bytes are its text's UTF-8."""
+    engine = make_engine(tiny_llama_dir, **SMALL)
+    forced = SamplingParams(max_tokens=1, logit_bias={177: 100}, logprobs=1)
+    async with engine:
+        part = await engine.generate("Hello", forced)
+        whole = await engine.generate("Hello", SamplingParams(max_tokens=3, logprobs=3))
+    assert part.token_ids == [177]
+    lp = part.logprobs[0][177]
+    assert lp.token_bytes == b"\xe6" and lp.decoded_token == "\ufffd"
+    for position in whole.logprobs:
+        for tid, lp in position.items():
+            assert lp.token_bytes == engine.tokenizer.decode([tid]).encode() or (
+                "\ufffd" in lp.decoded_token
+            )
+
+
 async def test_each_parameter_changes_the_output_as_documented(tiny_llama_dir, make_engine):
     prompts = _prompts()[:3]
     model = _hf(tiny_llama_dir)

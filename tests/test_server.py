@@ -216,6 +216,76 @@ def test_parameters_reach_the_engine(
         assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop)]
 
 
+def test_logprobs_bytes_of_partial_tokens(served: tuple[str, AsyncEngine]) -> None:
+    """SmolLM2's token 177 is the byte 0xE6 (part of a character): ``bytes`` is [230], not
+    U+FFFD's [239, 191, 189], and ``token`` names it OpenAI's way, "bytes:\\xe6"."""
+    base, engine = served
+    body = {
+        "model": MODEL, "messages": CHAT, "max_tokens": 1, "logprobs": True,
+        "top_logprobs": 1, "logit_bias": {"177": 100},
+    }  # fmt: skip
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    entry = r.json()["choices"][0]["logprobs"]["content"][0]
+    assert entry["bytes"] == [230] and entry["token"] == "bytes:\\xe6"
+    top = entry["top_logprobs"][0]
+    if "bytes:" not in top["token"]:  # a whole token: its text's UTF-8
+        assert bytes(top["bytes"]) == top["token"].encode()
+    # A whole token, forced: its bytes are its text's.
+    body["logit_bias"] = {"42": 100}
+    entry = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).json()
+    entry = entry["choices"][0]["logprobs"]["content"][0]
+    assert entry["token"] == engine.tokenizer.decode([42])
+    assert bytes(entry["bytes"]) == entry["token"].encode()
+
+    # Legacy completions: tokens named the same way, text_offset in characters.
+    for stream in (False, True):
+        lps: dict[str, list[Any]] = {"tokens": [], "text_offset": []}
+        text = ""
+        body = {
+            "model": MODEL, "prompt": "Hello", "max_tokens": 3, "logprobs": 0,
+            "logit_bias": {"177": 100}, "stream": stream, "ignore_eos": True,
+        }  # fmt: skip
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        if stream:
+            for line in r.text.splitlines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    if choice["logprobs"]:
+                        for k in lps:
+                            lps[k] += choice["logprobs"][k]
+        else:
+            choice = r.json()["choices"][0]
+            text, lps = choice["text"], choice["logprobs"]
+        assert lps["tokens"] == ["bytes:\\xe6"] * 3
+        assert lps["text_offset"] == [0, 1, 2] and text == "\ufffd" * 3
+
+
+def test_legacy_text_offset_of_partial_tokens() -> None:
+    """OpenAI's convention: the pieces of one character share its offset (its example: "，"
+    "bytes:\\xe9\\x80" "bytes:\\x82" "合" at 5, 6, 6, 7), also across stream chunks and
+    when the output completes a character the prompt began."""
+    from asyncllm.outputs import Logprob
+    from asyncllm.server.protocol import completion_logprobs
+
+    def positions(pieces: list[bytes]) -> list[dict[int, Logprob]]:
+        return [{i: Logprob(-1.0, 1, b.decode(errors="replace"), b)} for i, b in enumerate(pieces)]
+
+    pieces = ["，".encode(), b"\xe9\x80", b"\x82", "合".encode(), b" the"]
+    obj, state = completion_logprobs(range(5), positions(pieces), 0, 0)
+    assert obj["tokens"] == ["，", "bytes:\\xe9\\x80", "bytes:\\x82", "合", " the"]
+    assert obj["text_offset"] == [0, 1, 1, 2, 3] and state == len("，适合 the")
+    # The same in two chunks, split inside the character.
+    first, state = completion_logprobs(range(2), positions(pieces[:2]), 0, 0)
+    rest, _ = completion_logprobs(range(3), positions(pieces[2:]), 0, state)
+    assert first["text_offset"] + rest["text_offset"] == obj["text_offset"]
+    # The output completes the prompt's "🤖" (its text is "🤖ab").
+    obj, _ = completion_logprobs(range(3), positions([b"\xa4", b"\x96", b"ab"]), 0, 0)
+    assert obj["text_offset"] == [0, 0, 1]
+
+
 def test_n_and_batched_prompts(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(
         model=MODEL, messages=CHAT, max_tokens=4, temperature=1.0, seed=3, n=3,

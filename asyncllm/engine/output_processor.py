@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.core.request import Request
-from asyncllm.engine.detokenizer import IncrementalDetokenizer
+from asyncllm.engine.detokenizer import IncrementalDetokenizer, token_bytes
 from asyncllm.engine.stop_checker import StopChecker
 from asyncllm.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from asyncllm.sampling_params import SamplingParams
@@ -24,7 +24,12 @@ __all__ = ["RequestState", "TokenTextCache", "merge_outputs"]
 
 
 class TokenTextCache:
-    """``decode([token_id])`` per token id (special tokens kept), memoised; for logprobs.
+    """Each token id's own bytes and text, memoised; for logprobs.
+
+    The bytes are the tokenizer's own token-to-bytes mapping (:func:`token_bytes`: a byte
+    token's one byte, ``"▁Hello"``'s ``b" Hello"``, a special token's content), the text is
+    those bytes decoded as UTF-8 with U+FFFD for a piece of a character (so the text of the
+    byte token ``<0xE6>`` or of byte-level ``"æ"`` is U+FFFD, its bytes ``b"\\xe6"``).
 
     Args:
         tokenizer: the model's tokenizer.
@@ -32,22 +37,24 @@ class TokenTextCache:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
+        self._tokens: dict[int, tuple[str, bytes]] = {}
 
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            self._texts[token_id] = text
-        return text
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        """The token's (text, bytes)."""
+        token = self._tokens.get(token_id)
+        if token is None:
+            data = token_bytes(self._tokenizer, token_id)
+            token = (data.decode("utf-8", errors="replace"), data)
+            self._tokens[token_id] = token
+        return token
 
     def entry(self, chosen: int, lp: TokenLogprobs) -> PositionLogprobs:
         """One position's dict: the chosen token first, then the top alternatives."""
         logprob, rank, top_ids, top_lps = lp
-        out = {chosen: Logprob(logprob, rank, self(chosen))}
+        out = {chosen: Logprob(logprob, rank, *self(chosen))}
         for i, (tid, tlp) in enumerate(zip(top_ids, top_lps, strict=True)):
             if tid not in out:
-                out[tid] = Logprob(tlp, i + 1, self(tid))
+                out[tid] = Logprob(tlp, i + 1, *self(tid))
         return out
 
 

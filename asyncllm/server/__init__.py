@@ -29,6 +29,10 @@ Endpoints:
   ``logprobs`` with ``top_logprobs`` (0-20). ``tools`` and a ``response_format`` other than
   text answer 400. ``chat_template_kwargs`` and ``add_generation_prompt`` go to the
   template.
+- Logprobs name each token by its own bytes (the tokenizer's token-to-bytes mapping): chat
+  ``bytes`` are those bytes, and a token that holds part of a UTF-8 character is named
+  OpenAI's way, ``"bytes:\\xe6"`` (``bytes`` ``[230]``); the legacy ``text_offset`` is in
+  characters, the pieces of one character sharing its offset.
 - ``GET /health``: 200 ``{"status": "running"}``; 503 once the engine has failed.
 - ``GET /metrics``: Prometheus text format (see Metrics).
 

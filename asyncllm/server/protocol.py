@@ -285,23 +285,48 @@ def _ranked(position: PositionLogprobs, k: int) -> list[tuple[int, Any]]:
     return sorted(position.items(), key=lambda kv: kv[1].rank)[:k]
 
 
+def api_token(data: bytes) -> str:
+    """A token's ``token`` string in OpenAI's logprobs, from its raw bytes (see
+    :class:`~asyncllm.outputs.Logprob`'s ``token_bytes``).
+
+    Bytes that are valid UTF-8 give their text. A token that holds part of a character (a
+    byte token, SmolLM2's ``"æ"`` = 0xE6) gives ``"bytes:"`` and its bytes as ``\\xNN``
+    escapes (printable ASCII kept), OpenAI's convention: ``"bytes:\\xe6"``. (vLLM answers
+    ``decode([id])`` there, i.e. U+FFFD, and then the U+FFFD's bytes.) The exact bytes are
+    in the ``bytes`` field either way.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(
+            chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in data
+        )
+
+
+def _utf8_starts(data: bytes) -> int:
+    """How many characters start in ``data``: its bytes that are not UTF-8 continuations."""
+    return sum(1 for b in data if b & 0xC0 != 0x80)
+
+
 def chat_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[PositionLogprobs], top: int
 ) -> list[dict[str, Any]]:
-    """``choices[].logprobs.content`` entries for generated tokens."""
+    """``choices[].logprobs.content`` entries for generated tokens: ``token`` as
+    :func:`api_token` names it and ``bytes`` the token's raw bytes (the tokenizer's own
+    mapping, so the bytes of a piece of a character are that piece)."""
     content = []
     for tid, pos in zip(token_ids, logprobs, strict=False):
         chosen = pos[tid]
         content.append(
             {
-                "token": chosen.decoded_token,
+                "token": api_token(chosen.token_bytes),
                 "logprob": chosen.logprob,
-                "bytes": list(chosen.decoded_token.encode("utf-8")),
+                "bytes": list(chosen.token_bytes),
                 "top_logprobs": [
                     {
-                        "token": lp.decoded_token,
+                        "token": api_token(lp.token_bytes),
                         "logprob": lp.logprob,
-                        "bytes": list(lp.decoded_token.encode("utf-8")),
+                        "bytes": list(lp.token_bytes),
                     }
                     for _, lp in _ranked(pos, top)
                 ],
@@ -314,17 +339,32 @@ def completion_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[PositionLogprobs], top: int, offset: int
 ) -> tuple[dict[str, Any], int]:
     """The legacy ``choices[].logprobs`` object (``tokens``, ``token_logprobs``,
-    ``top_logprobs``, ``text_offset``) and the text offset after these tokens."""
+    ``top_logprobs``, ``text_offset``) and the offset state after these tokens.
+
+    Tokens are named by :func:`api_token`. ``text_offset`` is, as OpenAI reports it, the
+    index in the choice's text (in characters) of the character the token's first byte
+    belongs to: the tokens ``"bytes:\\xe9\\x80"``, ``"bytes:\\x82"`` of one character
+    share its offset, and the next token's offset is one more. ``offset`` (0 for a new
+    choice) and the returned state count the characters started so far (UTF-8 lead bytes),
+    so a stream's chunks can be converted one by one.
+    """
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for tid, pos in zip(token_ids, logprobs, strict=False):
         chosen = pos[tid]
-        tokens.append(chosen.decoded_token)
+        name = api_token(chosen.token_bytes)
+        tokens.append(name)
         token_logprobs.append(chosen.logprob)
-        alternatives = {lp.decoded_token: lp.logprob for _, lp in _ranked(pos, top)}
-        alternatives.setdefault(chosen.decoded_token, chosen.logprob)
+        alternatives = {api_token(lp.token_bytes): lp.logprob for _, lp in _ranked(pos, top)}
+        alternatives.setdefault(name, chosen.logprob)
         tops.append(alternatives)
-        offsets.append(offset)
-        offset += len(chosen.decoded_token)
+        data = chosen.token_bytes
+        if data and data[0] & 0xC0 == 0x80:  # starts inside a character: at its offset
+            if offset == 0:  # a character the prompt began: the text's first
+                offset = 1
+            offsets.append(offset - 1)
+        else:
+            offsets.append(offset)
+        offset += _utf8_starts(data)
     return (
         {
             "tokens": tokens,
