@@ -72,6 +72,30 @@ def tiny_qwen2_dir(
     return path
 
 
+@pytest.fixture(scope="session")
+def bos_llama_dir(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: pathlib.Path
+) -> pathlib.Path:
+    """The tiny Llama with a Llama-2 style tokenizer: its post-processor adds the BOS token
+    (``<|endoftext|>``, id 0) and its chat template starts with ``{{ bos_token }}``."""
+    import shutil
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("bos-llama")
+    shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    bos = "<|endoftext|>"
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]
+    )
+    tok.bos_token = bos
+    tok.chat_template = "{{ bos_token }}" + tok.chat_template
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., AsyncEngine]]:
     """Build engines; after the test, assert that each one's block pool is whole."""

@@ -154,6 +154,33 @@ async def test_logprobs_token_bytes(tiny_llama_dir, make_engine):
             )
 
 
+async def test_rendered_chat_text_gets_one_bos(bos_llama_dir, make_engine):
+    """A Llama-2 style tokenizer adds BOS, and its chat template writes one: the rendered
+    template as a text prompt, and engine.chat, start with one BOS, not two."""
+    engine = make_engine(bos_llama_dir, **SMALL)
+    tok = engine.tokenizer
+    bos = tok.bos_token_id
+    assert tok.encode("Hi")[0] == bos  # the tokenizer adds BOS
+    msgs = [{"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text.startswith(tok.bos_token) and tok.encode(text)[:2] == [bos, bos]
+    one = SamplingParams(max_tokens=1)
+    async with engine:
+        rendered = await engine.generate(text, one)
+        chat = await collect(engine.chat(msgs, one), "delta")
+        as_dict = await engine.generate({"prompt": text}, one)
+        plain = await engine.generate("Hi", one)
+        ids = await engine.generate([bos, bos, *tok.encode("Hi")[1:]], one)
+    assert rendered.prompt_token_ids == chat.prompt_token_ids == as_dict.prompt_token_ids
+    assert rendered.prompt_token_ids[0] == bos and rendered.prompt_token_ids[1] != bos
+    assert rendered.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    assert plain.prompt_token_ids == tok.encode("Hi")  # BOS still added to plain text
+    assert ids.prompt_token_ids[:2] == [bos, bos]  # token ids are taken as given
+    # Two BOS written in the text are the caller's: one added BOS is dropped, not theirs.
+    twice = engine._engine._prompt_token_ids(tok.bos_token * 2 + "Hi")
+    assert twice == tok.encode(tok.bos_token * 2 + "Hi", add_special_tokens=False)
+
+
 async def test_each_parameter_changes_the_output_as_documented(tiny_llama_dir, make_engine):
     prompts = _prompts()[:3]
     model = _hf(tiny_llama_dir)

@@ -286,6 +286,28 @@ def test_legacy_text_offset_of_partial_tokens() -> None:
     assert obj["text_offset"] == [0, 0, 1]
 
 
+def test_rendered_chat_text_gets_one_bos(bos_llama_dir: Any) -> None:
+    """/v1/completions with a rendered Llama-2 style chat template (it starts with BOS and the
+    tokenizer adds BOS): the prompt has one BOS, the same ids as /v1/chat/completions."""
+    engine = AsyncEngine.from_pretrained(str(bos_llama_dir), max_num_seqs=4)
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert tok.encode(text)[:2] == [tok.bos_token_id] * 2
+    expected = tok.encode(text, add_special_tokens=False)
+    with serving(create_app(engine, MODEL)) as base:
+        for prompt in (text, [text, "Hi"]):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(expected) + (
+                len(tok.encode("Hi")) if isinstance(prompt, list) else 0
+            )
+        chat = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
+        r = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=30)
+        assert r.json()["usage"]["prompt_tokens"] == len(expected)
+    check_pool_whole(engine)
+
+
 def test_n_and_batched_prompts(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(
         model=MODEL, messages=CHAT, max_tokens=4, temperature=1.0, seed=3, n=3,

@@ -6,6 +6,7 @@ the engine only between steps, so nothing here needs a lock.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import os
@@ -232,8 +233,9 @@ class LLMEngine:
 
         Args:
             prompt: text (tokenized with the model's tokenizer, special tokens added as
-                transformers does by default), token ids (ints, or anything with
-                ``__index__``: numpy or torch integers), or vLLM's prompt dicts
+                transformers does by default, but no second BOS before a text that starts
+                with the BOS token, such as a rendered chat template), token ids (ints, or
+                anything with ``__index__``: numpy or torch integers), or vLLM's prompt dicts
                 ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
             params: the request's sampling parameters; a validated copy is kept, so
                 changing the caller's object later does not affect the request.
@@ -303,7 +305,7 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
             try:
-                return list(self.tokenizer.encode(prompt))
+                return _without_added_bos(self.tokenizer, prompt)
             except (TypeError, ValueError) as e:  # e.g. a lone surrogate
                 raise InvalidRequestError(f"prompt cannot be tokenized: {e}") from e
         if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
@@ -497,3 +499,32 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
         }
+
+
+def _without_added_bos(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer.encode(text)`` (special tokens added, as transformers does by default), but
+    without a second BOS: a text that already starts with the BOS token's text -- typically a
+    chat template rendered with ``tokenize=False``, whose template writes ``{{ bos_token }}``
+    -- keeps only its own BOS when the tokenizer would add one too (Llama-2 style
+    post-processors). Silently doubled BOS tokens change what the model sees; llama.cpp warns
+    about it, and vLLM's chat path tokenizes rendered templates without special tokens. Logged
+    (a warning, once per process).
+    """
+    ids = list(tokenizer.encode(text))
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None or ids[:2] != [bos_id, bos_id] or not text.startswith(bos):
+        return ids
+    raw = list(tokenizer.encode(text, add_special_tokens=False))
+    if raw[:1] != [bos_id] or ids[1 : 1 + len(raw)] != raw:
+        return ids  # both BOS are the text's own
+    _warn_added_bos(bos)
+    return ids[1:]
+
+
+@functools.cache
+def _warn_added_bos(bos: str) -> None:
+    logger.warning(
+        "the prompt text starts with the BOS token %r and the tokenizer adds one too: the "
+        "added BOS is dropped (logged once)",
+        bos,
+    )
