@@ -273,7 +273,11 @@ def test_errors_use_openai_shape(served: tuple[str, AsyncEngine], client: openai
         (b'{"model": "tiny", "prompt": "x", "max_tokens": "3"}', "max_tokens"),
         (b'{"model": "tiny"}', "prompt"),
     ):
-        r = httpx.post(f"{base}/v1/completions", content=body_bytes)
+        r = httpx.post(
+            f"{base}/v1/completions",
+            content=body_bytes,
+            headers={"Content-Type": "application/json"},
+        )
         assert r.status_code == 400
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param

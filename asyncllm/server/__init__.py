@@ -72,13 +72,44 @@ next step; ``asyncllm:request_success_total{finished_reason="abort"}`` counts th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from asyncllm.server.app import OpenAIServer, create_app
+from asyncllm.server.app import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    OpenAIServer,
+    create_app,
+    split_commas,
+)
 
-__all__ = ["OpenAIServer", "add_serve_arguments", "create_app", "main", "serve"]
+__all__ = ["OpenAIServer", "add_serve_arguments", "app_options_from_args", "create_app", "main",
+           "serve"]  # fmt: skip
+
+#: The environment variable ``serve`` reads API keys from (comma-separated) when no
+#: ``--api-key`` is given.
+API_KEY_ENV = "ASYNCLLM_API_KEY"
+
+
+def _priority_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (two integers), got {text!r}") from None
+    if not lo <= 0 <= hi:
+        raise argparse.ArgumentTypeError(f"need MIN <= 0 <= MAX, got {text!r}")
+    return lo, hi
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +120,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name",
         default=None,
-        help="the name clients pass as `model` (default: the --model value)",
+        help="the name clients pass as `model` (default: the --model directory or file's "
+        "base name, or the --model value)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -101,6 +133,52 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help='"auto", "cpu", "cuda" or "cuda:N"')
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--log-level", default="info")
+    sec = parser.add_argument_group("security")
+    sec.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"require `Authorization: Bearer KEY` on every route but /health; repeat it or "
+        f"separate keys with commas (default: ${API_KEY_ENV}, else no authentication)",
+    )
+    sec.add_argument(
+        "--metrics-without-auth", action="store_true", help="serve /metrics without a key"
+    )
+    sec.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="N",
+        help=f"largest request body read; past it: 413 (default {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    sec.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests send their own chat_template (a program the server runs)",
+    )
+    sec.add_argument(
+        "--client-priority-range",
+        type=_priority_range,
+        default=(0, 0),
+        metavar="MIN,MAX",
+        help="the `priority` values requests may ask for, MIN <= 0 <= MAX (lower is served "
+        "first); outside: 400 (default 0,0: none may jump ahead)",
+    )
+    sec.add_argument(
+        "--share-prefix-cache-across-keys",
+        action="store_true",
+        help="let requests made with different API keys share prefix-cache blocks (by "
+        "default each key hits only its own, since a hit's speed tells about others' prompts)",
+    )
+    sec.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="origins browsers may call the server from (CORS); repeat it or separate with "
+        "commas; '*' for any (default: none)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,6 +202,26 @@ def engine_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def app_options_from_args(
+    args: argparse.Namespace, environ: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The :func:`create_app` keywords the options set (API keys from ``--api-key``, else
+    from ``$ASYNCLLM_API_KEY``)."""
+    env = os.environ if environ is None else environ
+    keys = split_commas(getattr(args, "api_key", None))
+    if not keys:
+        keys = split_commas(env.get(API_KEY_ENV))
+    return {
+        "api_keys": keys,
+        "metrics_without_auth": getattr(args, "metrics_without_auth", False),
+        "max_request_bytes": getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
+        "trust_request_chat_template": getattr(args, "trust_request_chat_template", False),
+        "client_priority_range": getattr(args, "client_priority_range", (0, 0)),
+        "share_prefix_cache_across_keys": getattr(args, "share_prefix_cache_across_keys", False),
+        "allowed_origins": split_commas(getattr(args, "allowed_origins", None)),
+    }
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the model and serve it with uvicorn until interrupted; returns the exit code."""
     import uvicorn
@@ -131,7 +229,7 @@ def serve(args: argparse.Namespace) -> int:
     from asyncllm import AsyncEngine
 
     engine = AsyncEngine.from_pretrained(args.model, **engine_config_from_args(args))
-    app = create_app(engine, args.served_model_name or args.model)
+    app = create_app(engine, args.served_model_name, **app_options_from_args(args))
     uvicorn.run(
         app,
         host=args.host,
