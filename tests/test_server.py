@@ -92,6 +92,22 @@ def metric(base: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+def fail_steps_after(engine: AsyncEngine, steps: int, message: str) -> None:
+    """Make the engine's step raise ``RuntimeError(message)`` from call ``steps + 1`` on."""
+    core = engine._engine
+    real_step = core.step
+    calls = 0
+
+    def failing_step() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > steps:
+            raise RuntimeError(message)
+        return real_step()
+
+    core.step = failing_step  # type: ignore[method-assign]
+
+
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir: Any) -> Iterator[tuple[str, AsyncEngine]]:
     engine = AsyncEngine.from_pretrained(str(tiny_llama_dir), max_num_seqs=8)
@@ -401,18 +417,7 @@ def test_engine_failure_answers_503(tiny_llama_dir: Any) -> None:
     engine = AsyncEngine.from_pretrained(str(tiny_llama_dir), max_num_seqs=4)
     with serving(create_app(engine, MODEL)) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-        core = engine._engine
-        real_step = core.step
-        calls = 0
-
-        def failing_step() -> Any:
-            nonlocal calls
-            calls += 1
-            if calls > 3:
-                raise RuntimeError("simulated device failure")
-            return real_step()
-
-        core.step = failing_step  # type: ignore[method-assign]
+        fail_steps_after(engine, 3, "simulated device failure")
         stream = client.completions.create(
             model=MODEL, prompt="x", max_tokens=50, stream=True, extra_body={"ignore_eos": True}
         )

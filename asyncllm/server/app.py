@@ -240,17 +240,20 @@ class _Fanout:
     async def _pump(self, prompt: _Prompt) -> None:
         # one tracker per engine request: its n samples count once (see metrics.py)
         tracker: RequestTracker = self._metrics.tracker(len(prompt.choices))
-        stream = self._open(prompt)
+        stream: AsyncIterator[RequestOutput] | None = None
         error: Exception | None = None
         try:
+            stream = self._open(prompt)
             async for out in stream:
                 tracker.on_output(out)
                 await self._queue.put((prompt.choices[out.index], out, None))
-        except Exception as e:
+        except Exception as e:  # whatever fails, the reader learns of it (never hangs)
             error = e
             await self._queue.put((None, None, e))
         finally:
-            await stream.aclose()  # no-op after the end; aborts the request otherwise
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()  # no-op after the end; aborts the request otherwise
             tracker.on_close(error)
 
     @property

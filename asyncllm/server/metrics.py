@@ -10,8 +10,9 @@ engine request per prompt). Request-level metrics count each request once, whate
 ``n``; token counters add what was computed: the prompt once (its samples share its KV
 blocks), generated tokens over all samples, so ``prompt_tokens_total`` and
 ``generation_tokens_total`` grow by the response's ``usage.prompt_tokens`` and
-``usage.completion_tokens``. (vLLM records ``request_params_n`` and
-``request_max_num_generation_tokens`` once per parent request the same way.)
+``usage.completion_tokens``. (vLLM records ``request_params_n`` once per parent request
+the same way; its v1 engine counts each sample as a child request in most other metrics,
+which this server does not, so that its counters agree with ``usage``.)
 
 Histograms, observed once per finished request: ``asyncllm:time_to_first_token_seconds``
 (arrival to the first token of any sample), ``asyncllm:request_queue_time_seconds`` (arrival
@@ -26,7 +27,8 @@ first output shows the prefill done), ``asyncllm:generation_tokens_total`` (ever
 token of every sample, as it streams), ``asyncllm:request_success_total`` (once per request,
 by ``finished_reason``: stop, length, timeout, abort: the client went away, error: the engine
 failed; a request whose samples ended differently is counted under the least successful
-reason, in that order; a request the engine rejected before it started is not counted),
+reason, in that order; a request that failed before its first output, refused by the
+engine, is not counted),
 and from the engine ``asyncllm:prefix_cache_queries_total`` and
 ``asyncllm:prefix_cache_hits_total`` (prompt tokens looked up / served from the prefix cache),
 ``asyncllm:num_preemptions_total``.
@@ -48,7 +50,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from asyncllm.errors import EngineDeadError, EngineNotRunningError
 from asyncllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -274,13 +275,14 @@ class RequestTracker:
         self._m.params_n.observe(self._n)
 
     def on_close(self, error: BaseException | None = None) -> None:
-        """The stream ended. A request that has not ended every sample is counted once:
-        "error" when the engine failed, "abort" otherwise (the client went away); one the
-        engine rejected before it started (bad input, a full queue) is not counted."""
+        """The stream ended (``error``: what it raised). A request that has not ended every
+        sample is counted once: "abort" when the stream was closed (the client went away),
+        "error" when it failed after its first output; one that failed before any output
+        (refused: bad input, a full queue, a dead engine) is not counted."""
         if self.finished:
             return
         self.finished = True
-        if isinstance(error, (EngineDeadError, EngineNotRunningError)):
-            self._m.request_ended("error")
-        elif error is None or self._started:
+        if error is None:
             self._m.request_ended("abort")
+        elif self._started:
+            self._m.request_ended("error")
