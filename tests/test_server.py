@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import queue
 import re
 import signal
@@ -434,13 +435,14 @@ def test_engine_failure_answers_503(tiny_llama_dir: Any) -> None:
 
 
 def test_serve_command(tiny_llama_dir: Any) -> None:
-    """``python -m asyncllm serve`` on 127.0.0.1 with port 0 (the OS picks a free one);
-    SIGINT stops it cleanly."""
+    """``python -m asyncllm serve`` on 127.0.0.1 with port 0 (the OS picks a free one), API
+    keys from $ASYNCLLM_API_KEY, the served name the model directory's base name; SIGINT
+    stops it cleanly."""
+    env = {**os.environ, "ASYNCLLM_API_KEY": "k1,k2"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncllm", "serve", "--model", str(tiny_llama_dir),
-         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "0",
-         "--max-num-seqs", "4"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+         "--host", "127.0.0.1", "--port", "0", "--max-num-seqs", "4"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
@@ -451,16 +453,20 @@ def test_serve_command(tiny_llama_dir: Any) -> None:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
             base = m.group(1) if m else None
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=30)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="k2", max_retries=0, timeout=30)
+        name = os.path.basename(str(tiny_llama_dir))
+        assert [m.id for m in client.models.list().data] == [name]
         text = "".join(
             c.choices[0].delta.content or ""
             for c in client.chat.completions.create(
-                model=MODEL, messages=CHAT, max_tokens=4, stream=True
+                model=name, messages=CHAT, max_tokens=4, stream=True
             )
             if c.choices
         )
         assert isinstance(text, str)
         assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        assert httpx.get(f"{base}/metrics").status_code == 401
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
     finally:

@@ -235,6 +235,13 @@ def test_malformed_bodies_answer_400(base: str, engine: AsyncEngine) -> None:
     ]
     for body in cases:
         assert_error(post(f"{base}/v1/completions", body), 400)
+    for ids in ([10**12], [-1], [5, 49152]):  # echo decodes the prompt: checked first
+        body = {"prompt": ids, "echo": True, "max_tokens": 1}
+        assert_error(post(f"{base}/v1/completions", body), 400, "prompt")
+    for fmt in ({"a": 1}, ["x"], 3):
+        body = {"messages": CHAT, "response_format": {"type": fmt}}
+        err = assert_error(post(f"{base}/v1/chat/completions", body), 400, "response_format")
+        assert "{" not in err["message"] and "[" not in err["message"]
     chat_cases: list[Any] = [
         {"messages": [{"content": "no role"}]},
         {"messages": [{"role": 3, "content": "x"}]},

@@ -89,7 +89,13 @@ def api_error(exc: BaseException) -> p.APIError:
     if isinstance(exc, p.APIError):
         return exc
     if isinstance(exc, QueueFull):
-        return p.APIError(str(exc), 429, type="rate_limit_error", code="rate_limit_exceeded")
+        logger.info("request refused: %s", exc)
+        return p.APIError(
+            "the server's waiting queue is full; try again later",
+            429,
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+        )
     if isinstance(exc, EngineDeadError):
         logger.warning("request failed: the engine is dead: %s", exc)
         return p.APIError(ENGINE_FAILED, 503, type="server_error", code="engine_unavailable")
@@ -396,6 +402,16 @@ class OpenAIServer:
             )
         return value
 
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        """A prompt's text for ``echo``; token ids are checked first (the tokenizer
+        would raise on ids outside the vocabulary before the engine refuses them)."""
+        if isinstance(prompt, str):
+            return prompt
+        vocab = self.engine._engine.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise p.APIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return str(self.engine.tokenizer.decode(prompt))
+
     def _cache_salt(self, request: Request, salt: str | None) -> str | None:
         """The client's ``cache_salt`` within its API key's own prefix-cache space."""
         tenant = None if self.share_prefix_cache else request.scope.get(TENANT_KEY)
@@ -457,16 +473,15 @@ class OpenAIServer:
             max_tokens = 16 if req.max_tokens is None else req.max_tokens
             params = p.sampling_params(req, n=n, max_tokens=max_tokens, logprobs=req.logprobs)
             priority = self._priority(req.priority)
+            echoed = [self._echo_text(prompt) for prompt in prompts] if req.echo else None
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
             return error_response(api_error(e))
         rid = f"cmpl-{uuid.uuid4().hex}"
         calls = self._prompts(prompts, n, rid)
-        if req.echo:
-            tok = self.engine.tokenizer
-            for call in calls:
-                text = call.prompt if isinstance(call.prompt, str) else tok.decode(call.prompt)
+        if echoed is not None:
+            for call, text in zip(calls, echoed, strict=True):
                 for c in call.choices:
                     c.prompt_text = text
         salt = self._cache_salt(request, req.cache_salt)
@@ -544,8 +559,9 @@ class OpenAIServer:
                 raise p.APIError("tools are not supported", param="tools")
             fmt = (req.response_format or {}).get("type", "text")
             if fmt != "text":
+                shown = repr(fmt) if isinstance(fmt, str) else "other than text"
                 raise p.APIError(
-                    f"response_format {fmt!r} is not supported", param="response_format"
+                    f"response_format {shown} is not supported", param="response_format"
                 )
             messages = p.chat_messages(req.messages)
             top = req.top_logprobs
