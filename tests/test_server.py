@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import queue
 import re
 import signal
@@ -90,6 +91,22 @@ def metric(base: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     return 0.0
+
+
+def fail_steps_after(engine: AsyncEngine, steps: int, message: str) -> None:
+    """Make the engine's step raise ``RuntimeError(message)`` from call ``steps + 1`` on."""
+    core = engine._engine
+    real_step = core.step
+    calls = 0
+
+    def failing_step() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > steps:
+            raise RuntimeError(message)
+        return real_step()
+
+    core.step = failing_step  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")
@@ -365,7 +382,11 @@ def test_errors_use_openai_shape(served: tuple[str, AsyncEngine], client: openai
         (b'{"model": "tiny", "prompt": "x", "max_tokens": "3"}', "max_tokens"),
         (b'{"model": "tiny"}', "prompt"),
     ):
-        r = httpx.post(f"{base}/v1/completions", content=body_bytes)
+        r = httpx.post(
+            f"{base}/v1/completions",
+            content=body_bytes,
+            headers={"Content-Type": "application/json"},
+        )
         assert r.status_code == 400
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
@@ -489,18 +510,7 @@ def test_engine_failure_answers_503(tiny_llama_dir: Any) -> None:
     engine = AsyncEngine.from_pretrained(str(tiny_llama_dir), max_num_seqs=4)
     with serving(create_app(engine, MODEL)) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-        core = engine._engine
-        real_step = core.step
-        calls = 0
-
-        def failing_step() -> Any:
-            nonlocal calls
-            calls += 1
-            if calls > 3:
-                raise RuntimeError("simulated device failure")
-            return real_step()
-
-        core.step = failing_step  # type: ignore[method-assign]
+        fail_steps_after(engine, 3, "simulated device failure")
         stream = client.completions.create(
             model=MODEL, prompt="x", max_tokens=50, stream=True, extra_body={"ignore_eos": True}
         )
@@ -517,13 +527,14 @@ def test_engine_failure_answers_503(tiny_llama_dir: Any) -> None:
 
 
 def test_serve_command(tiny_llama_dir: Any) -> None:
-    """``python -m asyncllm serve`` on 127.0.0.1 with port 0 (the OS picks a free one);
-    SIGINT stops it cleanly."""
+    """``python -m asyncllm serve`` on 127.0.0.1 with port 0 (the OS picks a free one), API
+    keys from $ASYNCLLM_API_KEY, the served name the model directory's base name; SIGINT
+    stops it cleanly."""
+    env = {**os.environ, "ASYNCLLM_API_KEY": "k1,k2"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncllm", "serve", "--model", str(tiny_llama_dir),
-         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "0",
-         "--max-num-seqs", "4"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+         "--host", "127.0.0.1", "--port", "0", "--max-num-seqs", "4"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
@@ -534,16 +545,20 @@ def test_serve_command(tiny_llama_dir: Any) -> None:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
             base = m.group(1) if m else None
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=30)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="k2", max_retries=0, timeout=30)
+        name = os.path.basename(str(tiny_llama_dir))
+        assert [m.id for m in client.models.list().data] == [name]
         text = "".join(
             c.choices[0].delta.content or ""
             for c in client.chat.completions.create(
-                model=MODEL, messages=CHAT, max_tokens=4, stream=True
+                model=name, messages=CHAT, max_tokens=4, stream=True
             )
             if c.choices
         )
         assert isinstance(text, str)
         assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        assert httpx.get(f"{base}/metrics").status_code == 401
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
     finally:

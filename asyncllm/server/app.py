@@ -18,20 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncllm.engine.async_engine import AsyncEngine
 from asyncllm.errors import (
@@ -53,23 +59,95 @@ T = TypeVar("T")
 CLIENT_CLOSED = 499
 
 
-def error_response(err: p.APIError) -> JSONResponse:
+#: Default of ``max_request_bytes``: the largest request body read (4 MiB: a prompt of
+#: several hundred thousand tokens as text or token ids).
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+#: The scope key under which the API-key check leaves the caller's tenant (a digest of the
+#: key it presented), for prefix-cache isolation.
+TENANT_KEY = "asyncllm.tenant"
+
+ENGINE_FAILED = "the engine failed and serves no more requests; the server log has the details"
+ENGINE_STOPPED = "the engine is not running"
+INTERNAL_ERROR = "internal server error; the server log has the details"
+
+
+def error_response(err: p.APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     """OpenAI's error JSON with the error's status."""
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def api_error(exc: BaseException) -> p.APIError:
-    """Map an exception to the error the client sees."""
+    """Map an exception to the error the client sees.
+
+    Only messages written for clients are passed on (:class:`~.protocol.APIError`, our
+    typed input errors, :class:`QueueFull`); an engine failure or an unexpected exception
+    gets a fixed message (the exception, which may name internals such as files or the
+    failed step, goes to the server log), so no response carries a Python repr, a
+    qualified name or a path.
+    """
     if isinstance(exc, p.APIError):
         return exc
     if isinstance(exc, QueueFull):
-        return p.APIError(str(exc), 429, type="rate_limit_error", code="rate_limit_exceeded")
-    if isinstance(exc, (EngineDeadError, EngineNotRunningError)):
-        return p.APIError(str(exc), 503, type="server_error", code="engine_unavailable")
+        logger.info("request refused: %s", exc)
+        return p.APIError(
+            "the server's waiting queue is full; try again later",
+            429,
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+        )
+    if isinstance(exc, EngineDeadError):
+        logger.warning("request failed: the engine is dead: %s", exc)
+        return p.APIError(ENGINE_FAILED, 503, type="server_error", code="engine_unavailable")
+    if isinstance(exc, EngineNotRunningError):
+        return p.APIError(ENGINE_STOPPED, 503, type="server_error", code="engine_unavailable")
+    if isinstance(exc, RecursionError):  # a deeply nested value from the body
+        return p.APIError("the request is nested too deeply")
     if isinstance(exc, (InvalidRequestError, ValueError)):
         return p.APIError(str(exc), 400)
     logger.error("unexpected error in a request", exc_info=exc)
-    return p.APIError(f"internal error: {exc!r}", 500, type="server_error")
+    return p.APIError(INTERNAL_ERROR, 500, type="server_error")
+
+
+def _too_large(limit: int) -> p.APIError:
+    return p.APIError(
+        f"the request body is larger than this server's limit of {limit} bytes",
+        413,
+        code="request_too_large",
+    )
+
+
+async def read_json(request: Request, kind: type[msgspec.Struct], limit: int) -> Any:
+    """Read and decode a POST body: ``Content-Type: application/json`` (parameters such as
+    ``charset`` allowed) and at most ``limit`` bytes.
+
+    The body is read in chunks and reading stops at the first chunk past the limit,
+    whatever ``Content-Length`` says (a larger declared length is refused unread).
+
+    Raises:
+        APIError: 415 for another (or no) content type (so a web page cannot post a
+            "simple" cross-origin request without a CORS preflight), 413 past the limit,
+            400 for a malformed body (:func:`~.protocol.decode_body`).
+        ClientDisconnect: the client went away while sending it.
+    """
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";", 1)[0].strip().lower() != "application/json":
+        raise p.APIError(
+            "Content-Type must be application/json",
+            415,
+            code="unsupported_media_type",
+        )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return p.decode_body(b"".join(chunks), kind)
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -166,18 +244,23 @@ class _Fanout:
         self._tasks = [asyncio.create_task(self._pump(p)) for p in self.prompts]
 
     async def _pump(self, prompt: _Prompt) -> None:
-        trackers: list[RequestTracker] = [self._metrics.tracker() for _ in prompt.choices]
-        stream = self._open(prompt)
+        # one tracker per engine request: its n samples count once (see metrics.py)
+        tracker: RequestTracker = self._metrics.tracker(len(prompt.choices))
+        stream: AsyncIterator[RequestOutput] | None = None
+        error: Exception | None = None
         try:
+            stream = self._open(prompt)
             async for out in stream:
-                trackers[out.index].on_output(out)
+                tracker.on_output(out)
                 await self._queue.put((prompt.choices[out.index], out, None))
-        except Exception as e:
+        except Exception as e:  # whatever fails, the reader learns of it (never hangs)
+            error = e
             await self._queue.put((None, None, e))
         finally:
-            await stream.aclose()  # no-op after the end; aborts the request otherwise
-            for t in trackers:
-                t.on_close()
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()  # no-op after the end; aborts the request otherwise
+            tracker.on_close(error)
 
     @property
     def done(self) -> bool:
@@ -241,19 +324,51 @@ class OpenAIServer:
     Args:
         engine: an :class:`AsyncEngine`; the app's lifespan enters and leaves it.
         served_model_name: the name clients pass as ``model`` (and ``/v1/models`` lists).
+        max_request_bytes: the largest request body read (bytes; past it: 413).
+        trust_request_chat_template: let requests send their own ``chat_template``.
+        client_priority_range: ``(lo, hi)`` with ``lo <= 0 <= hi``: the ``priority`` values
+            a request may ask for (outside: 400); (0, 0) keeps clients from jumping ahead
+            of others.
+        share_prefix_cache: let requests made with different API keys share prefix-cache
+            blocks (by default each key's requests hit only their own).
 
     Attributes:
         engine: the engine.
         model_name: the served model name.
         metrics: the :class:`~asyncllm.server.metrics.ServerMetrics` behind ``/metrics``
             (its ``registry`` is a prometheus_client ``CollectorRegistry``).
+
+    Raises:
+        ValueError: a ``max_request_bytes`` below 1 or a priority range without 0.
     """
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        *,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        trust_request_chat_template: bool = False,
+        client_priority_range: tuple[int, int] = (0, 0),
+        share_prefix_cache: bool = False,
+    ) -> None:
+        if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes!r}")
+        lo, hi = client_priority_range
+        if not (isinstance(lo, int) and isinstance(hi, int) and lo <= 0 <= hi):
+            raise ValueError(
+                f"client_priority_range must be (lo, hi) with lo <= 0 <= hi, got "
+                f"{client_priority_range!r}"
+            )
         self.engine = engine
         self.model_name = served_model_name
         self.metrics = ServerMetrics(engine, served_model_name)
         self.created = int(time.time())
+        self.max_request_bytes = max_request_bytes
+        self.trust_request_chat_template = trust_request_chat_template
+        self.client_priority_range = (lo, hi)
+        self.share_prefix_cache = share_prefix_cache
+        self._reserved_template_options = p.reserved_template_options(engine.tokenizer)
 
     # ------------------------------------------------------------------ helpers
 
@@ -276,6 +391,33 @@ class OpenAIServer:
     @staticmethod
     def _all_choices(prompts: list[_Prompt]) -> list[_Choice]:
         return [c for call in prompts for c in call.choices]
+
+    def _priority(self, priority: int | None) -> int:
+        lo, hi = self.client_priority_range
+        value = 0 if priority is None else priority
+        if not lo <= value <= hi:
+            raise p.APIError(
+                f"priority must be in [{lo}, {hi}] on this server, got {value}",
+                param="priority",
+            )
+        return value
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        """A prompt's text for ``echo``; token ids are checked first (the tokenizer
+        would raise on ids outside the vocabulary before the engine refuses them)."""
+        if isinstance(prompt, str):
+            return prompt
+        vocab = self.engine._engine.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise p.APIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return str(self.engine.tokenizer.decode(prompt))
+
+    def _cache_salt(self, request: Request, salt: str | None) -> str | None:
+        """The client's ``cache_salt`` within its API key's own prefix-cache space."""
+        tenant = None if self.share_prefix_cache else request.scope.get(TENANT_KEY)
+        if tenant is None:
+            return salt
+        return tenant if salt is None else f"{tenant}\x00{salt}"
 
     def _head(self, rid: str, obj: str) -> dict[str, Any]:
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
@@ -302,7 +444,7 @@ class OpenAIServer:
     async def health(self, request: Request) -> Response:
         try:
             state = self.engine.health()
-        except EngineDeadError as e:
+        except EngineDeadError as e:  # api_error gives a fixed message; the log has e
             return error_response(api_error(e))
         return JSONResponse({"status": state}, status_code=200 if state == "running" else 503)
 
@@ -313,7 +455,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         try:
-            req = p.decode_body(await request.body(), p.CompletionRequest)
+            req = await read_json(request, p.CompletionRequest, self.max_request_bytes)
             self._check_model(req.model)
             prompts = p.completion_prompts(req.prompt)
             n = p.check_common(req, len(prompts))
@@ -330,18 +472,19 @@ class OpenAIServer:
                 raise p.APIError("echo with logprobs is not supported", param="echo")
             max_tokens = 16 if req.max_tokens is None else req.max_tokens
             params = p.sampling_params(req, n=n, max_tokens=max_tokens, logprobs=req.logprobs)
+            priority = self._priority(req.priority)
+            echoed = [self._echo_text(prompt) for prompt in prompts] if req.echo else None
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
             return error_response(api_error(e))
         rid = f"cmpl-{uuid.uuid4().hex}"
         calls = self._prompts(prompts, n, rid)
-        if req.echo:
-            tok = self.engine.tokenizer
-            for call in calls:
-                text = call.prompt if isinstance(call.prompt, str) else tok.decode(call.prompt)
+        if echoed is not None:
+            for call, text in zip(calls, echoed, strict=True):
                 for c in call.choices:
                     c.prompt_text = text
-        priority = req.priority or 0
-        salt = req.cache_salt
+        salt = self._cache_salt(request, req.cache_salt)
 
         def open_stream(call: _Prompt) -> AsyncIterator[RequestOutput]:
             return self.engine.stream(
@@ -409,15 +552,16 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            req = p.decode_body(await request.body(), p.ChatCompletionRequest)
+            req = await read_json(request, p.ChatCompletionRequest, self.max_request_bytes)
             self._check_model(req.model)
             n = p.check_common(req, 1)
             if req.tools:
                 raise p.APIError("tools are not supported", param="tools")
             fmt = (req.response_format or {}).get("type", "text")
             if fmt != "text":
+                shown = repr(fmt) if isinstance(fmt, str) else "other than text"
                 raise p.APIError(
-                    f"response_format {fmt!r} is not supported", param="response_format"
+                    f"response_format {shown} is not supported", param="response_format"
                 )
             messages = p.chat_messages(req.messages)
             top = req.top_logprobs
@@ -438,14 +582,20 @@ class OpenAIServer:
                     else "max_tokens",
                 },
             )
+            priority = self._priority(req.priority)
+            template_kwargs = p.chat_template_kwargs(
+                req,
+                self._reserved_template_options,
+                trust_template=self.trust_request_chat_template,
+            )
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
             return error_response(api_error(e))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         calls = self._prompts([messages], n, rid)
-        priority = req.priority or 0
-        salt = req.cache_salt
+        salt = self._cache_salt(request, req.cache_salt)
         add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
-        template_kwargs = req.chat_template_kwargs
 
         def open_stream(call: _Prompt) -> AsyncIterator[RequestOutput]:
             return self.engine.chat(
@@ -600,38 +750,164 @@ class OpenAIServer:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    if status >= 500:
+        logger.error("HTTP %d: %s", status, exc.detail)
+    detail = exc.detail if status < 500 and isinstance(exc.detail, str) else None
     err = p.APIError(
-        exc.detail or "error",
-        exc.status_code,
-        type="invalid_request_error" if exc.status_code < 500 else "server_error",
-        code="not_found" if exc.status_code == 404 else None,
+        detail or ("error" if status < 500 else INTERNAL_ERROR),
+        status,
+        type="invalid_request_error" if status < 500 else "server_error",
+        code="not_found" if status == 404 else None,
     )
-    return error_response(err)
+    return error_response(err, headers=exc.headers)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     return error_response(api_error(exc))
 
 
-def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> Starlette:
+def split_commas(values: str | Iterable[str] | None) -> list[str]:
+    """Items (API keys, origins) from a string or strings, each holding one item or several
+    separated by commas (as ``--api-key``, ``$ASYNCLLM_API_KEY`` and ``--allowed-origins``
+    take them); blanks are dropped."""
+    if values is None:
+        return []
+    if isinstance(values, str):
+        values = [values]
+    return [k.strip() for v in values for k in v.split(",") if k.strip()]
+
+
+def _tenant(key: bytes) -> str:
+    # a digest, so the key itself is never kept in request state or cache hashes
+    return "apikey:" + hashlib.sha256(key).hexdigest()
+
+
+class APIKeyMiddleware:
+    """Require ``Authorization: Bearer <key>`` with one of ``keys`` on every HTTP request
+    but those to ``open_paths``; otherwise answer 401 with OpenAI's error JSON
+    (``code`` "invalid_api_key"). Keys are compared with :func:`hmac.compare_digest`,
+    against every key whatever matches (the time does not tell which key, or how much of
+    one, matched). An accepted request's scope gets ``TENANT_KEY``: a digest of its key.
+
+    Raises:
+        ValueError: no keys.
+    """
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str], open_paths: Iterable[str]) -> None:
+        self.app = app
+        self._keys = [k.encode() for k in keys]
+        if not self._keys:
+            raise ValueError("APIKeyMiddleware needs at least one key")
+        self._tenants = [_tenant(k) for k in self._keys]
+        self._open = frozenset(open_paths)
+
+    def _match(self, authorization: str | None) -> int | None:
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        given = token.strip().encode()
+        match = None
+        for i, key in enumerate(self._keys):
+            if hmac.compare_digest(given, key) and match is None:
+                match = i
+        return match
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._open:
+            await self.app(scope, receive, send)
+            return
+        index = self._match(Headers(scope=scope).get("authorization"))
+        if index is None:
+            err = p.APIError(
+                "missing or invalid API key: send Authorization: Bearer <key>",
+                401,
+                code="invalid_api_key",
+            )
+            response = error_response(err, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        scope[TENANT_KEY] = self._tenants[index]
+        await self.app(scope, receive, send)
+
+
+def default_served_name(model: str) -> str:
+    """The served model name for a ``--model`` value: the base name of a local directory or
+    file (so no response shows a filesystem path), else the value itself ("default")."""
+    if model and os.path.exists(model):
+        return os.path.basename(os.path.normpath(os.path.abspath(model))) or model
+    return model
+
+
+def create_app(
+    engine: AsyncEngine,
+    served_model_name: str | None = None,
+    *,
+    api_keys: str | Iterable[str] | None = None,
+    metrics_without_auth: bool = False,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    trust_request_chat_template: bool = False,
+    client_priority_range: tuple[int, int] = (0, 0),
+    share_prefix_cache_across_keys: bool = False,
+    allowed_origins: Iterable[str] = (),
+) -> Starlette:
     """Build the OpenAI-compatible Starlette app for ``engine``.
 
     The app's lifespan runs the engine (``async with engine``): serve it with uvicorn or
     any ASGI server that runs lifespans. ``app.state.server`` is the
-    :class:`OpenAIServer` (its ``metrics``, ``engine``, ``model_name``).
+    :class:`OpenAIServer` (its ``metrics``, ``engine``, ``model_name``). Each keyword is
+    the ``serve`` option of the same name (see the module's Security section).
 
     Args:
         engine: a built, not yet started :class:`AsyncEngine`.
-        served_model_name: the name clients pass as ``model``; default the engine's
-            ``config.model`` ("default", or the path it was given).
+        served_model_name: the name clients pass as ``model``; default the base name of
+            the engine's ``config.model`` ("default", or the directory or file it was
+            loaded from).
+        api_keys: keys a client must present (``Authorization: Bearer <key>``) on every
+            route but ``/health``; a string may hold several, comma-separated. None or
+            empty: no authentication.
+        metrics_without_auth: serve ``/metrics`` without a key.
+        max_request_bytes: the largest request body read (past it: 413).
+        trust_request_chat_template: let requests send their own ``chat_template``.
+        client_priority_range: ``(lo, hi)``, ``lo <= 0 <= hi``: the ``priority`` values
+            requests may ask for (outside: 400).
+        share_prefix_cache_across_keys: let requests made with different API keys share
+            prefix-cache blocks (by default each key gets its own ``cache_salt`` space).
+        allowed_origins: origins allowed to call the server from a browser (CORS; "*" for
+            any); none by default.
+
+    Raises:
+        ValueError: a bad ``max_request_bytes`` or ``client_priority_range``.
     """
-    server = OpenAIServer(engine, served_model_name or engine.config.model)
+    server = OpenAIServer(
+        engine,
+        served_model_name or default_served_name(engine.config.model),
+        max_request_bytes=max_request_bytes,
+        trust_request_chat_template=trust_request_chat_template,
+        client_priority_range=client_priority_range,
+        share_prefix_cache=share_prefix_cache_across_keys,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with engine:
             yield
 
+    middleware = []
+    origins = list(allowed_origins)
+    if origins:  # outermost: preflights are answered before the key check
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
+        )
+    keys = split_commas(api_keys)
+    if keys:
+        open_paths = {"/health"} | ({"/metrics"} if metrics_without_auth else set())
+        middleware.append(Middleware(APIKeyMiddleware, keys=keys, open_paths=open_paths))
     app = Starlette(
         routes=[
             Route("/v1/models", server.models, methods=["GET"]),
@@ -641,6 +917,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> Sta
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics_route, methods=["GET"]),
         ],
+        middleware=middleware,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
     )

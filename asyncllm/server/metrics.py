@@ -4,28 +4,46 @@ Histograms and request counters are observed by the server as its requests run; 
 gauges and counters are read from :meth:`AsyncEngine.stats` at each scrape. Every series
 carries a ``model_name`` label.
 
-Histograms (finished requests): ``asyncllm:time_to_first_token_seconds`` (arrival to first
-token), ``asyncllm:inter_token_latency_seconds`` (between consecutive tokens of a request),
-``asyncllm:request_queue_time_seconds`` (arrival to first scheduled),
-``asyncllm:e2e_request_latency_seconds`` (arrival to finish),
-``asyncllm:request_prompt_tokens`` and ``asyncllm:request_generation_tokens``.
+What counts as one request: one prompt with its ``n`` parallel samples (an HTTP call with a
+list of prompts is one request per prompt, as in vLLM, whose batched completions are one
+engine request per prompt). Request-level metrics count each request once, whatever its
+``n``; token counters add what was computed: the prompt once (its samples share its KV
+blocks), generated tokens over all samples, so ``prompt_tokens_total`` and
+``generation_tokens_total`` grow by the response's ``usage.prompt_tokens`` and
+``usage.completion_tokens``. (vLLM records ``request_params_n`` once per parent request
+the same way; its v1 engine counts each sample as a child request in most other metrics,
+which this server does not, so that its counters agree with ``usage``.)
 
-Counters: ``asyncllm:prompt_tokens_total``, ``asyncllm:generation_tokens_total``,
-``asyncllm:request_success_total`` (by ``finished_reason``: stop, length, abort: the client
-went away), and from the engine ``asyncllm:prefix_cache_queries_total`` and
+Histograms, observed once per finished request: ``asyncllm:time_to_first_token_seconds``
+(arrival to the first token of any sample), ``asyncllm:request_queue_time_seconds`` (arrival
+to first scheduled), ``asyncllm:e2e_request_latency_seconds`` (arrival to the last sample's
+finish), ``asyncllm:request_prompt_tokens`` (the prompt's tokens),
+``asyncllm:request_generation_tokens`` (summed over the samples) and
+``asyncllm:request_params_n`` (``n``). Per sample: ``asyncllm:inter_token_latency_seconds``
+(between consecutive tokens of one sample).
+
+Counters: ``asyncllm:prompt_tokens_total`` (prompt tokens, once per request, counted when its
+first output shows the prefill done), ``asyncllm:generation_tokens_total`` (every generated
+token of every sample, as it streams), ``asyncllm:request_success_total`` (once per request,
+by ``finished_reason``: stop, length, timeout, abort: the client went away, error: the engine
+failed; a request whose samples ended differently is counted under the least successful
+reason, in that order; a request that failed before its first output, refused by the
+engine, is not counted),
+and from the engine ``asyncllm:prefix_cache_queries_total`` and
 ``asyncllm:prefix_cache_hits_total`` (prompt tokens looked up / served from the prefix cache),
 ``asyncllm:num_preemptions_total``.
 
 Gauges, from the engine: ``asyncllm:num_requests_running``, ``asyncllm:num_requests_waiting``
-(preempted requests included), ``asyncllm:kv_cache_usage_perc`` and
-``asyncllm:cpu_offload_usage_perc`` (fractions of blocks in use, 1 = 100%),
-``asyncllm:prefix_cache_hit_rate`` (hits / queries since start).
+(preempted requests included; these two count samples, each of which the scheduler runs as a
+sequence), ``asyncllm:kv_cache_usage_perc`` and ``asyncllm:cpu_offload_usage_perc``
+(fractions of blocks in use, 1 = 100%), ``asyncllm:prefix_cache_hit_rate`` (hits / queries
+since start).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -46,6 +64,7 @@ _E2E_BUCKETS = (
     0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+_N_BUCKETS = (1, 2, 5, 10, 20, 50, 100)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -116,43 +135,52 @@ class ServerMetrics:
         lab = ["model_name"]
         self.ttft = Histogram(
             "asyncllm:time_to_first_token_seconds",
-            "Time from arrival to the first generated token.",
+            "Time from arrival to the first generated token (of any sample).",
             lab, registry=r, buckets=_LATENCY_BUCKETS,
         ).labels(model_name)  # fmt: skip
         self.itl = Histogram(
             "asyncllm:inter_token_latency_seconds",
-            "Time between consecutive generated tokens of a request.",
+            "Time between consecutive generated tokens of one sample.",
             lab, registry=r, buckets=_ITL_BUCKETS,
         ).labels(model_name)  # fmt: skip
         self.queue_time = Histogram(
             "asyncllm:request_queue_time_seconds",
-            "Time from arrival to first being scheduled.",
+            "Time from arrival to first being scheduled (of any sample).",
             lab, registry=r, buckets=_LATENCY_BUCKETS,
         ).labels(model_name)  # fmt: skip
         self.e2e = Histogram(
             "asyncllm:e2e_request_latency_seconds",
-            "Time from arrival to finish.",
+            "Time from arrival to finish (of the last sample).",
             lab, registry=r, buckets=_E2E_BUCKETS,
         ).labels(model_name)  # fmt: skip
         self.prompt_hist = Histogram(
             "asyncllm:request_prompt_tokens",
-            "Prompt tokens per finished request.",
+            "Prompt tokens per finished request (once, whatever its n).",
             lab, registry=r, buckets=_TOKEN_BUCKETS,
         ).labels(model_name)  # fmt: skip
         self.gen_hist = Histogram(
             "asyncllm:request_generation_tokens",
-            "Generated tokens per finished request.",
+            "Generated tokens per finished request (summed over its n samples).",
             lab, registry=r, buckets=_TOKEN_BUCKETS,
         ).labels(model_name)  # fmt: skip
+        self.params_n = Histogram(
+            "asyncllm:request_params_n",
+            "The n parameter (parallel samples) of finished requests.",
+            lab, registry=r, buckets=_N_BUCKETS,
+        ).labels(model_name)  # fmt: skip
         self.prompt_tokens = Counter(
-            "asyncllm:prompt_tokens", "Prompt tokens of finished requests.", lab, registry=r
+            "asyncllm:prompt_tokens",
+            "Prompt tokens prefilled (once per request, whatever its n).",
+            lab,
+            registry=r,
         ).labels(model_name)
         self.generation_tokens = Counter(
-            "asyncllm:generation_tokens", "Generated tokens.", lab, registry=r
+            "asyncllm:generation_tokens", "Generated tokens (all samples).", lab, registry=r
         ).labels(model_name)
         self._success = Counter(
             "asyncllm:request_success",
-            "Requests ended, by finish reason (abort: the client went away).",
+            "Requests ended (once per request, whatever its n), by finish reason "
+            "(abort: the client went away; error: the engine failed).",
             ["model_name", "finished_reason"],
             registry=r,
         )
@@ -162,52 +190,99 @@ class ServerMetrics:
         """Count a request that ended with ``reason`` ("stop", "length", "abort"...)."""
         self._success.labels(self.model_name, reason).inc()
 
-    def tracker(self) -> RequestTracker:
-        """A tracker for one engine request."""
-        return RequestTracker(self)
+    def tracker(self, n: int = 1) -> RequestTracker:
+        """A tracker for one engine request with ``n`` parallel samples."""
+        return RequestTracker(self, n)
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format."""
         return generate_latest(self.registry)
 
 
-class RequestTracker:
-    """Observes one request's stream of delta outputs."""
+#: Finish reasons from most to least successful; a request with n samples is counted under
+#: the least successful reason any of its samples ended with.
+_REASON_ORDER = ("stop", "length", "timeout", "abort", "error")
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+
+def request_finish_reason(reasons: Iterable[str]) -> str:
+    """The ``finished_reason`` label of a request whose samples ended with ``reasons``: the
+    least successful of them (stop < length < timeout < abort < error; unknown reasons rank
+    last)."""
+    rank = {r: i for i, r in enumerate(_REASON_ORDER)}
+    return max(reasons, key=lambda r: rank.get(r, len(_REASON_ORDER)))
+
+
+class RequestTracker:
+    """Observes one engine request: one prompt and its ``n`` parallel samples, whose delta
+    outputs (tagged with ``RequestOutput.index``) interleave.
+
+    Per request (once, however large ``n``): ``request_success_total``, ``prompt_tokens_total``
+    (when the first output shows the prefill done), the histograms of prompt tokens, of
+    generation tokens (summed over samples), of ``n``, TTFT (first token of any sample),
+    queue time (first sample scheduled) and end-to-end latency (last sample finished). Per
+    sample: ``generation_tokens_total`` (every token) and inter-token latency (between
+    consecutive tokens of one sample).
+
+    Args:
+        metrics: the registry's metrics.
+        n: the request's number of parallel samples.
+    """
+
+    def __init__(self, metrics: ServerMetrics, n: int = 1) -> None:
         self._m = metrics
-        self._last: float | None = None
+        self._n = n
+        self._last: dict[int, float] = {}  # sample index -> time of its last token
+        self._finals: dict[int, RequestOutput] = {}  # sample index -> its last item
+        self._started = False
         self.finished = False
 
     def on_output(self, out: RequestOutput) -> None:
-        """Record the tokens of one delta item (and, on the last, the request's metrics)."""
+        """Record the tokens of one delta item (and, once every sample has ended, the
+        request's metrics)."""
         now = time.monotonic()
+        if not self._started:  # the prompt was prefilled once for all samples
+            self._started = True
+            self._m.prompt_tokens.inc(out.num_prompt_tokens)
         k = len(out.token_ids)
         if k:
             self._m.generation_tokens.inc(k)
-            if self._last is not None:
-                gap = (now - self._last) / k
+            last = self._last.get(out.index)
+            if last is not None:
+                gap = (now - last) / k
                 for _ in range(k):
                     self._m.itl.observe(gap)
-            self._last = now
-        if not out.finished:
+            self._last[out.index] = now
+        if not out.finished or self.finished:
+            return
+        self._finals[out.index] = out
+        if len(self._finals) < self._n:
             return
         self.finished = True
-        self._m.request_ended(out.finish_reason or "abort")
-        m = out.metrics
-        if m is None:
+        finals = list(self._finals.values())
+        self._m.request_ended(request_finish_reason(o.finish_reason or "abort" for o in finals))
+        ms = [o.metrics for o in finals if o.metrics is not None]
+        if not ms:
             return
-        if m.ttft is not None:
-            self._m.ttft.observe(m.ttft)
-        if m.queue_time is not None:
-            self._m.queue_time.observe(m.queue_time)
-        self._m.e2e.observe(m.e2e_latency)
-        self._m.prompt_hist.observe(m.num_prompt_tokens)
-        self._m.gen_hist.observe(m.num_generated_tokens)
-        self._m.prompt_tokens.inc(m.num_prompt_tokens)
+        ttfts = [m.ttft for m in ms if m.ttft is not None]
+        if ttfts:
+            self._m.ttft.observe(min(ttfts))
+        queue_times = [m.queue_time for m in ms if m.queue_time is not None]
+        if queue_times:
+            self._m.queue_time.observe(min(queue_times))
+        self._m.e2e.observe(max(m.e2e_latency for m in ms))
+        self._m.prompt_hist.observe(ms[0].num_prompt_tokens)
+        self._m.gen_hist.observe(sum(m.num_generated_tokens for m in ms))
+        self._m.params_n.observe(self._n)
 
-    def on_close(self) -> None:
-        """The stream ended without its last item (the client went away, or an error)."""
-        if not self.finished:
-            self.finished = True
+    def on_close(self, error: BaseException | None = None) -> None:
+        """The stream ended (``error``: what it raised). A request that has not ended every
+        sample is counted once: "abort" when the stream was closed (the client went away),
+        "error" when it failed after its first output; one that failed before any output
+        (refused: bad input, a full queue, a dead engine) is not counted."""
+        if self.finished:
+            return
+        self.finished = True
+        if error is None:
             self._m.request_ended("abort")
+        elif self._started:
+            self._m.request_ended("error")

@@ -11,6 +11,8 @@ with the ``openai`` client pass them in ``extra_body``.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -107,8 +109,10 @@ class CompletionRequest(_RequestBase, kw_only=True):
 class ChatCompletionRequest(_RequestBase, kw_only=True):
     """A ``/v1/chat/completions`` body. ``max_completion_tokens`` wins over the older
     ``max_tokens``; ``logprobs`` is a bool and ``top_logprobs`` the number of alternatives.
-    ``chat_template_kwargs`` and ``add_generation_prompt`` are passed to the chat
-    template (vLLM's extensions)."""
+    ``chat_template_kwargs`` (template variables only, see :func:`chat_template_kwargs`)
+    and ``add_generation_prompt`` are passed to the chat template; ``chat_template``
+    replaces the model's only on a server started with ``--trust-request-chat-template``
+    (vLLM's extensions)."""
 
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
@@ -119,6 +123,7 @@ class ChatCompletionRequest(_RequestBase, kw_only=True):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
+    chat_template: str | None = None
 
 
 _PARAM_AT = re.compile(r"at `\$\.([A-Za-z_]+)")
@@ -126,8 +131,14 @@ _PARAM_MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode a JSON body into ``kind``; malformed JSON or a field of the wrong type raises
-    :class:`APIError` (400) naming the field."""
+    """Decode a JSON body into ``kind``.
+
+    Raises:
+        APIError: 400 for anything but a JSON object of the right field types: malformed
+            JSON, invalid UTF-8, an empty body, another JSON type (an array...), a field of
+            the wrong type (``param`` names it), or nesting deeper than the decoder's
+            recursion limit (about 1,000 levels, in any field, ignored ones included).
+    """
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
@@ -136,6 +147,8 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise APIError(msg, param=m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError("the request body is nested too deeply") from None
 
 
 _SP_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -239,28 +252,130 @@ def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
 
 def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages as the chat template expects them: text parts joined into one
-    string, the "developer" role as "system"."""
+    string, the "developer" role as "system".
+
+    Raises:
+        APIError: 400 (``param`` "messages") for an empty list, a message without a string
+            ``role``, content that is not a string, a list of text parts or null, or a
+            part that is not ``{"type": "text", "text": str}``.
+    """
     if not messages:
         raise APIError("messages must not be empty", param="messages")
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         m = dict(m)
-        if m.get("role") == "developer":
+        if not isinstance(m.get("role"), str):
+            raise APIError(f"messages[{i}].role must be a string", param="messages")
+        if m["role"] == "developer":
             m["role"] = "system"
         content = m.get("content")
         if isinstance(content, list):
             texts = []
             for part in content:
-                if not isinstance(part, Mapping) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind != "text":
+                    shown = repr(kind) if isinstance(kind, str) else "a part without a type"
                     raise APIError(
-                        f"only text content parts are supported, got {kind!r}",
+                        f"only text content parts are supported, got {shown}",
                         param="messages",
                     )
-                texts.append(str(part.get("text", "")))
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise APIError(
+                        f"messages[{i}].content: a text part's text must be a string",
+                        param="messages",
+                    )
+                texts.append(text)
             m["content"] = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise APIError(
+                f"messages[{i}].content must be a string, a list of text parts or null",
+                param="messages",
+            )
         out.append(m)
     return out
+
+
+#: ``apply_chat_template`` options that are not template variables: a request may not set
+#: them through ``chat_template_kwargs``, since they change what the server does rather
+#: than what the template renders (the template itself, tokenization and return type,
+#: truncation, tools and documents, which have fields of their own). Transformers' own
+#: signature adds any further named parameter (see :func:`reserved_template_options`).
+RESERVED_TEMPLATE_OPTIONS = frozenset(
+    {
+        "conversation", "messages", "chat_template", "tools", "documents",
+        "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+        "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+        "sanitize_control_tokens", "kwargs",
+    }
+)  # fmt: skip
+
+
+def reserved_template_options(tokenizer: Any) -> frozenset[str]:
+    """:data:`RESERVED_TEMPLATE_OPTIONS` plus every named parameter of this tokenizer's
+    ``apply_chat_template`` (so a newer transformers' options are refused too)."""
+    names = set(RESERVED_TEMPLATE_OPTIONS)
+    method = getattr(tokenizer, "apply_chat_template", None)
+    if method is not None:
+        with contextlib.suppress(TypeError, ValueError):
+            for name, param in inspect.signature(method).parameters.items():
+                if param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+                    names.add(name)
+    return frozenset(names)
+
+
+def chat_template_kwargs(
+    req: ChatCompletionRequest, reserved: frozenset[str], *, trust_template: bool
+) -> dict[str, Any] | None:
+    """The template arguments of a chat request.
+
+    ``chat_template_kwargs`` may hold template variables only (``enable_thinking``...). A
+    request's own template (the top-level ``chat_template`` field, or that key of
+    ``chat_template_kwargs``) is a program the server would run, so it is taken only when
+    the server trusts request templates (vLLM's ``--trust-request-chat-template``).
+
+    Args:
+        req: the request.
+        reserved: keys that are not template variables (:func:`reserved_template_options`).
+        trust_template: accept a request's ``chat_template``.
+
+    Returns:
+        The ``chat_template_kwargs`` to pass to the engine (with ``chat_template`` when
+        trusted and given), or None.
+
+    Raises:
+        APIError: 400 naming the field: a template the server does not trust, two
+            templates, or a reserved key in ``chat_template_kwargs``.
+    """
+    kwargs = dict(req.chat_template_kwargs or {})
+    template = req.chat_template
+    param = "chat_template"
+    if "chat_template" in kwargs:
+        if template is not None:
+            raise APIError(
+                "give chat_template once (top level or in chat_template_kwargs)", param=param
+            )
+        template = kwargs.pop("chat_template")
+        param = "chat_template_kwargs"
+    if template is not None:
+        if not trust_template:
+            raise APIError(
+                "this server does not run chat templates sent in requests (its operator "
+                "can allow them with --trust-request-chat-template)",
+                param=param,
+            )
+        if not isinstance(template, str):
+            raise APIError("chat_template must be a string", param=param)
+    bad = sorted(k for k in kwargs if k in reserved)
+    if bad:
+        raise APIError(
+            "chat_template_kwargs may hold only template variables, not " + ", ".join(bad),
+            param="chat_template_kwargs",
+        )
+    if template is not None:
+        kwargs["chat_template"] = template
+    return kwargs or None
 
 
 # ---------------------------------------------------------------------------- responses
