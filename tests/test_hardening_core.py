@@ -5,6 +5,7 @@ between calls, and tokenization off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import threading
 from typing import Any
 
@@ -240,6 +241,16 @@ class TokenizerSpy:
         return len(self._real)
 
 
+class Untouchable(collections.abc.Sequence):  # type: ignore[type-arg]
+    """Ten million token ids that must be refused by their count, never read."""
+
+    def __len__(self) -> int:
+        return 10_000_000
+
+    def __getitem__(self, i: Any) -> int:
+        raise AssertionError("a too-long prompt's ids were read")
+
+
 async def test_a_huge_prompt_is_refused_without_tokenizing_it(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, **SMALL)
     spy = TokenizerSpy(engine._engine.tokenizer)
@@ -258,6 +269,10 @@ async def test_a_huge_prompt_is_refused_without_tokenizing_it(tiny_llama_dir, ma
             big = [{"role": "user", "content": [{"type": "text", "text": huge}]}]
             async for _ in engine.chat(big, _greedy(4)):
                 pass
+        with pytest.raises(InvalidRequestError, match="10000000 tokens; max_model_len is 256"):
+            await engine.generate(Untouchable(), _greedy(4))
+        with pytest.raises(InvalidRequestError, match="257 tokens; max_model_len is 256"):
+            await engine.generate({"prompt_token_ids": [5] * 257}, _greedy(4))
         rest = [out async for out in other]
     assert all(size < 1000 for _, _, size in spy.calls)  # the huge text never reached it
     assert sum(len(o.token_ids) for o in rest) == 29 and rest[-1].finish_reason == "length"

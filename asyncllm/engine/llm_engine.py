@@ -12,9 +12,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import msgspec
 import torch
@@ -277,12 +277,10 @@ class LLMEngine:
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params)}")
         # A validated snapshot: a caller may have set a field to anything since construction.
         params = msgspec.structs.replace(params)
+        self._refuse_oversized(prompt)
         token_ids = self._prompt_token_ids(prompt)
         if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                "and at least one token must be generated"
-            )
+            self._refuse_tokens(len(token_ids))
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids or ()),
             ("logit_bias", params.logit_bias or ()),
@@ -341,6 +339,27 @@ class LLMEngine:
                 "with this tokenizer)"
             )
 
+    def _refuse_oversized(self, prompt: object) -> None:
+        """Refuse a prompt that cannot fit before any work proportional to its size: a
+        text by its characters, token ids by their count (one more than ``max_model_len``
+        at least, so that no BOS handling can bring it under)."""
+        if isinstance(prompt, Mapping):
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
+        elif (
+            isinstance(prompt, Sized)
+            and not isinstance(prompt, (bytes, bytearray))  # refused as a type, later
+            and len(prompt) > self.max_model_len
+        ):
+            self._refuse_tokens(len(prompt))
+
+    def _refuse_tokens(self, num_tokens: int) -> NoReturn:
+        raise InvalidRequestError(
+            f"prompt has {num_tokens} tokens; max_model_len is {self.max_model_len} "
+            "and at least one token must be generated"
+        )
+
     def _prompt_token_ids(self, prompt: object) -> list[int]:
         if isinstance(prompt, Mapping):
             keys = set(prompt) & {"prompt", "prompt_token_ids"}
@@ -352,7 +371,6 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            self.check_prompt_chars(len(prompt))
             try:
                 return list(self.tokenizer.encode(prompt))
             except (TypeError, ValueError) as e:  # e.g. a lone surrogate
