@@ -425,7 +425,7 @@ class Scheduler:
     def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
         """With every running slot taken, preempt samples of calls above their fair share for
         the waiting requests within theirs (see the module docstring)."""
-        if not self.waiting or len(self.running) < self.max_num_seqs:
+        if not self.waiting or len(self.running) < self.max_num_seqs or not self._group_running:
             return
         tokens = 0
         for head in list(self.waiting):
