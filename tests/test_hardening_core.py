@@ -138,9 +138,11 @@ async def test_n_above_max_num_seqs_is_refused(tiny_llama_dir, make_engine):
         assert len(out.samples or ()) == 8
 
 
-def _group_scheduler(n: int, max_num_seqs: int) -> tuple[Scheduler, list[Request]]:
+def _group_scheduler(
+    n: int, max_num_seqs: int, now: float = 0.0
+) -> tuple[Scheduler, list[Request]]:
     bm = BlockManager(256, 4, enable_caching=False)
-    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, clock=lambda: 0.0)
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, clock=lambda: now)
     samples = [Request(f"g{i}", list(range(1, 9)), max_tokens=100, max_model_len=1000)
                for i in range(n)]  # fmt: skip
     for r in samples:
@@ -155,8 +157,9 @@ def _step(sched: Scheduler) -> list[str]:
     return [c.request_id for c in plan.chunks]
 
 
-def test_a_call_above_its_fair_share_yields_its_newest_sample():
-    sched, samples = _group_scheduler(8, 8)
+@pytest.mark.parametrize("now", [0.0, 1000.0])  # 1000: every request is protected by age
+def test_a_call_above_its_fair_share_yields_its_newest_sample(now):
+    sched, samples = _group_scheduler(8, 8, now)
     for _ in range(3):
         _step(sched)
     assert len(sched.running) == 8

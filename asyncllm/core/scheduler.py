@@ -39,9 +39,11 @@ evenly: a call's fair share is ``max(1, max_num_seqs // calls)``. A sample whose
 hold more than its fair share is admitted after the other waiting requests of its priority
 and is preempted first among them. When the running slots are all taken and a waiting request
 that is within its call's share (a plain request always is) has no free slot, the most
-recently admitted unprotected sample of a call above its share, of the same or worse priority,
-is preempted for it (offload or recompute, as any preemption), one per such waiting request
-and at most a step's token budget of their chunks per step. So a new stream starts within a
+recently admitted sample of a call above its share, of the same or worse priority and not yet
+preempted ``PROTECT_AFTER_PREEMPTIONS`` times (waiting time protects no running sample here:
+its call keeps its fair share), is preempted for it (offload or recompute, as any
+preemption), one per such waiting request and at most a step's token budget of their chunks
+per step. So a new stream starts within a
 step or two even beside a call of ``n = max_num_seqs`` samples; the front end refuses larger
 ``n``.
 
@@ -436,8 +438,10 @@ class Scheduler:
             victims = [
                 r for r in self.running
                 if r.group_id is not None and r.group_id != head.group_id
-                and r.priority >= head.priority and not self.is_protected(r)
-                and self._over_share(r)
+                and r.priority >= head.priority and self._over_share(r)
+                # Age does not protect here (the call keeps its fair share running); being
+                # preempted PROTECT_AFTER_PREEMPTIONS times does.
+                and r.num_preemptions < self.protect_after_preemptions
             ]  # fmt: skip
             if not victims:
                 return  # later waiting requests have no better priority
