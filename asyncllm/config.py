@@ -23,10 +23,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         kv_cache_bytes: bytes for the K and V caches of all layers. None: on CUDA 80% of the
             memory left free after loading the weights; on CPU 20% of the available memory;
             either capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
-        max_num_seqs: the most requests running in one step.
+        max_num_seqs: the most requests running in one step; also the largest ``n`` of
+            one call (``InvalidRequestError`` above it).
         max_num_batched_tokens: the token budget of one step (prefill chunks plus decodes).
         max_model_len: the most tokens (prompt + generated) of one request; None: the
-            model's ``max_position_embeddings``.
+            model's ``max_position_embeddings``. A value above the model's limit raises
+            ValueError (naming both) when the engine is built, as in vLLM.
         seed: seeds the sampling of requests that carry no seed of their own.
         preemption_mode: what happens to a preempted request's KV blocks: "offload" copies
             them to a CPU block pool and back (no recomputation; falls back to recompute when

@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from asyncllm import AsyncEngine
+from asyncllm.core.request import SAMPLE_ID_SEP, Request
 from asyncllm.models.loader import resolve_model_dir
 
 TINY = dict(
@@ -121,6 +122,24 @@ def check_pool_whole(engine: AsyncEngine) -> None:
     if cpu_pool is not None:
         cpu_pool.check_invariants()
         assert cpu_pool.num_free == cpu_pool.num_blocks
+
+
+def core_request_ids(engine: AsyncEngine, request_id: str) -> list[str]:
+    """The internal ids in the core of the caller's ``request_id`` (the caller's id,
+    ``SAMPLE_ID_SEP`` and a counter; then the sample index for ``n > 1``), samples in index
+    order, a parallel call's hidden prefix request left out."""
+    prefix = request_id + SAMPLE_ID_SEP
+    ids = [
+        i for i in engine._engine.scheduler.requests
+        if i.startswith(prefix) and not i.endswith(SAMPLE_ID_SEP + "prefix")
+    ]  # fmt: skip
+    return sorted(ids, key=lambda i: [int(p) for p in i[len(prefix) :].split(SAMPLE_ID_SEP)])
+
+
+def core_request(engine: AsyncEngine, request_id: str) -> Request | None:
+    """The core request of the caller's ``request_id`` (its first sample), or None."""
+    ids = core_request_ids(engine, request_id)
+    return engine._engine.scheduler.requests[ids[0]] if ids else None
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:

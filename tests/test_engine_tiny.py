@@ -15,7 +15,7 @@ from asyncllm import (
     ModelNotFoundError,
     SamplingParams,
 )
-from tests.conftest import wait_until
+from tests.conftest import core_request, wait_until
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPT_LENS = [3, 7, 12, 20, 1, 9, 30, 16]
@@ -133,7 +133,7 @@ async def test_cancellation_frees_blocks(where, how, tiny_llama_dir, make_engine
     core = engine._engine
 
     def victim():
-        return core.scheduler.requests.get("victim")
+        return core_request(engine, "victim")
 
     async with engine:
         other = asyncio.create_task(engine.generate(_prompts()[1], GREEDY))

@@ -11,7 +11,7 @@ from asyncllm import SamplingParams
 from asyncllm.core.block_manager import BlockManager, BlockPool
 from asyncllm.core.request import Request
 from asyncllm.core.scheduler import Scheduler
-from tests.conftest import wait_until
+from tests.conftest import core_request, wait_until
 
 BS = 4
 TINY_BLOCK_BYTES = BS * 2 * 2 * 2 * 16 * 4  # 2 layers, 2 KV heads, head_dim 16, float32
@@ -133,19 +133,18 @@ async def test_cancel_while_swapped_out_frees_cpu_blocks(tiny_llama_dir, make_en
         victim = asyncio.create_task(
             engine.generate(_prompts([20])[0], long, request_id="victim", priority=1)
         )
-        sched = core.scheduler
         await wait_until(
-            lambda: "victim" in sched.requests and sched.requests["victim"].num_computed_tokens > 20
+            lambda: (r := core_request(engine, "victim")) is not None and r.num_computed_tokens > 20
         )
         highs = [
             asyncio.create_task(engine.generate(p, long, priority=0))
             for p in _prompts([20, 20], seed=4)
         ]
-        await wait_until(lambda: core.scheduler.requests["victim"].cpu_blocks is not None)
+        await wait_until(lambda: core_request(engine, "victim").cpu_blocks is not None)
         pool = core.scheduler.cpu_pool
         assert pool.num_free < pool.num_blocks
         victim.cancel()
-        await wait_until(lambda: "victim" not in core.scheduler.requests)
+        await wait_until(lambda: core_request(engine, "victim") is None)
         assert (
             pool.num_free + sum(len(r.cpu_blocks or ()) for r in core.scheduler.requests.values())
             == pool.num_blocks

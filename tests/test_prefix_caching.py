@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from asyncllm import SamplingParams
 from asyncllm.core.block_manager import BlockManager, hash_block
+from tests.conftest import core_request_ids
 
 BS = 4
 
@@ -208,7 +209,7 @@ async def test_parallel_samples_equal_separate_seeded_runs(tiny_llama_dir, make_
             assert out.request_id == "par"
             streamed.setdefault(out.index, []).extend(out.token_ids)
             if tables is None:  # all four have sampled their first token by now
-                tables = [list(bm.block_table(f"par\x1f{i}")) for i in range(4)]
+                tables = [list(bm.block_table(i)) for i in core_request_ids(engine, "par")]
     assert [s.index for s in together.samples] == [0, 1, 2, 3]
     assert [s.token_ids for s in together.samples] == [a.token_ids for a in alone]
     assert together.token_ids == together.samples[0].token_ids

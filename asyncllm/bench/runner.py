@@ -278,14 +278,19 @@ class Bench:
     def start_workers(self, model_dir: str) -> None:
         a = self.args
         py = sys.executable
-        base = {"max_model_len": a.max_model_len, "kv_cache_bytes": a.kv_gib * 2**30}
+        # Engines refuse a max_model_len above the model's (asyncllm and vLLM alike).
+        limit = self.model_info.get("max_position_embeddings") or a.max_model_len
+        max_model_len = min(a.max_model_len, limit)
+        if max_model_len < a.max_model_len:
+            log(f"--max-model-len {a.max_model_len} lowered to the model's {limit}")
+        base = {"max_model_len": max_model_len, "kv_cache_bytes": a.kv_gib * 2**30}
         common = [
             "--model",
             model_dir,
             "--max-batch",
             "64",
             "--max-model-len",
-            str(a.max_model_len),
+            str(max_model_len),
         ]
         specs: dict[str, tuple[list[str], dict[str, str]]] = {}
         env = dict(os.environ)
@@ -586,6 +591,7 @@ def model_figures(model_dir: str) -> dict[str, Any]:
         "tied_embeddings": bool(cfg.get("tie_word_embeddings")),
         "architecture": (cfg.get("architectures") or ["?"])[0],
         "layers": cfg["num_hidden_layers"],
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
     }
 
 

@@ -60,13 +60,23 @@ class Request:
             a salt too); tenants that must not share cache get different salts.
         prefill_only: compute the prompt's K/V and sample nothing (the shared prefix of
             parallel samples).
+        group_id: the call the request belongs to when it is one of several parallel
+            samples (None: a call of its own); the scheduler shares running slots fairly
+            between calls.
+
+    Attributes:
+        admitted: the request has been admitted once (or forked from its admitted
+            prefix); prefix-cache counters and ``num_cached_tokens`` are set then only, not
+            again when it is readmitted after a preemption.
     """
 
     __slots__ = (
+        "admitted",
         "arrival_time",
         "cache_salt",
         "cpu_blocks",
         "first_scheduled_time",
+        "group_id",
         "max_model_len",
         "max_tokens",
         "min_tokens",
@@ -97,6 +107,7 @@ class Request:
         params: Any = None,
         cache_salt: str | None = None,
         prefill_only: bool = False,
+        group_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -112,6 +123,8 @@ class Request:
         self.params = params
         self.cache_salt = cache_salt
         self.prefill_only = prefill_only
+        self.group_id = group_id
+        self.admitted = False
         # Prompt tokens served from the prefix cache at first admission.
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0

@@ -33,6 +33,20 @@ request computes all prompt tokens but the last; then each sample forks its bloc
 first token. The partly filled last block is copied on write by each sample that writes into
 it while others still share it; the copies of a step are in its plan (``copies``).
 
+Fairness between calls: the n samples of one call (``group_id``) must not take every running
+slot from other calls. The calls that want slots (running or waiting) share ``max_num_seqs``
+evenly: a call's fair share is ``max(1, max_num_seqs // calls)``. A sample whose call would
+hold more than its fair share is admitted after the other waiting requests of its priority
+and is preempted first among them. When the running slots are all taken and a waiting request
+that is within its call's share (a plain request always is) has no free slot, the most
+recently admitted sample of a call above its share, of the same or worse priority and not yet
+preempted ``PROTECT_AFTER_PREEMPTIONS`` times (waiting time protects no running sample here:
+its call keeps its fair share), is preempted for it (offload or recompute, as any
+preemption), one per such waiting request and at most a step's token budget of their chunks
+per step. So a new stream starts within a
+step or two even beside a call of ``n = max_num_seqs`` samples; the front end refuses larger
+``n``.
+
 Starvation: a request is protected once it has been preempted ``PROTECT_AFTER_PREEMPTIONS``
 times or has waited ``PROTECT_AFTER_WAIT_S`` seconds since it arrived. A protected request is
 admitted before every unprotected one and is preempted only when no unprotected request can
@@ -44,6 +58,7 @@ Pure Python: the plan crosses to the worker as a :class:`SchedulerOutput` of pla
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,8 +188,12 @@ class Scheduler:
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.num_recomputed_tokens = 0  # computed tokens dropped by recompute preemption
-        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
+        # Prompt tokens looked up in the prefix cache at first admission (not readmission).
+        self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0  # of which served from cached blocks
+        # Fairness between calls (see the module docstring), refreshed by _update_shares.
+        self._group_running: Counter[str] = Counter()
+        self._fair_share = max_num_seqs
 
     @property
     def num_unfinished(self) -> int:
@@ -218,6 +237,7 @@ class Scheduler:
             priority=first.priority,
             cache_salt=first.cache_salt,
             prefill_only=True,
+            group_id=first.group_id,
         )
         self.add_request(prefix)
         self._forks[prefix_id] = list(samples)
@@ -255,19 +275,46 @@ class Scheduler:
             or self.clock() - request.arrival_time >= self.protect_after_wait_s
         )
 
-    def _admission_key(self, request: Request) -> tuple[bool, int, float]:
-        return (not self.is_protected(request), request.priority, request.arrival_time)
+    def _admission_key(self, request: Request) -> tuple[bool, int, bool, float]:
+        return (
+            not self.is_protected(request),
+            request.priority,
+            self._over_share(request),
+            request.arrival_time,
+        )
 
-    def _victim_key(self, request: Request) -> tuple[bool, int, float]:
-        return (not self.is_protected(request), request.priority, request.arrival_time)
+    # The worst request is the max; ties go to the most recently admitted (callers pass the
+    # running list reversed).
+    _victim_key = _admission_key
+
+    def _update_shares(self) -> None:
+        """Count the running requests of each call with parallel samples, and the fair share
+        of running slots per call that wants one (see the module docstring)."""
+        self._group_running = Counter(r.group_id for r in self.running if r.group_id)
+        if not self._group_running:  # no call of several samples runs: nobody is above
+            self._fair_share = self.max_num_seqs
+            return
+        calls = {r.group_id or r.request_id for r in self.running}
+        calls.update(r.group_id or r.request_id for r in self.waiting)
+        self._fair_share = max(1, self.max_num_seqs // len(calls))
+
+    def _over_share(self, request: Request) -> bool:
+        """Whether the request's call holds (or, once it is admitted, would hold) more than
+        its fair share of running slots."""
+        if request.group_id is None:
+            return False
+        held = self._group_running[request.group_id]
+        return held + (request.status is not RequestStatus.RUNNING) > self._fair_share
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
+        self._update_shares()
         self.waiting.sort(key=self._admission_key)
         self._preempt_for_priority(out)
+        self._preempt_for_fairness(out)
         order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
         decodes = [r for r in order if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in order if r.num_tokens - r.num_computed_tokens > 1]
@@ -294,6 +341,11 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(self._chunk(request, n))
             budget -= n
+            if request.group_id is not None:
+                self._group_running[request.group_id] += 1
+                if self._group_running[request.group_id] == self._fair_share:
+                    # Its call's other waiting samples are now above the share: others first.
+                    self.waiting.sort(key=self._admission_key)
         return out
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
@@ -321,9 +373,12 @@ class Scheduler:
         n = min(request.num_tokens - num_cached, budget)
         if not bm.allocate(rid, num_cached + n, cached):
             return 0
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_cached
-        if request.num_preemptions == 0:
+        if not request.admitted:
+            # First admission only (vLLM's definition): a request readmitted after a
+            # recompute preemption finds its own blocks cached, which is no prefix sharing.
+            request.admitted = True
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
             request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
         return n
@@ -367,7 +422,31 @@ class Scheduler:
             ]  # fmt: skip
             if not victims:
                 return
-            self._preempt(max(victims, key=self._victim_key), out)
+            self._preempt(max(reversed(victims), key=self._victim_key), out)
+
+    def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
+        """With every running slot taken, preempt samples of calls above their fair share for
+        the waiting requests within theirs (see the module docstring)."""
+        if not self.waiting or len(self.running) < self.max_num_seqs or not self._group_running:
+            return
+        tokens = 0
+        for head in list(self.waiting):
+            if tokens >= self.max_num_batched_tokens:
+                return  # these cannot all start this step anyway
+            if self._over_share(head):
+                continue
+            victims = [
+                r for r in self.running
+                if r.group_id is not None and r.group_id != head.group_id
+                and r.priority >= head.priority and self._over_share(r)
+                # Age does not protect here (the call keeps its fair share running); being
+                # preempted PROTECT_AFTER_PREEMPTIONS times does.
+                and r.num_preemptions < self.protect_after_preemptions
+            ]  # fmt: skip
+            if not victims:
+                return  # later waiting requests have no better priority
+            self._preempt(victims[-1], out)  # the call's most recently admitted sample
+            tokens += head.num_tokens - head.num_computed_tokens
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: Mapping[str, int]
@@ -427,6 +506,7 @@ class Scheduler:
             self.block_manager.fork(prefix.request_id, r.request_id)
             r.num_computed_tokens = prefix.num_computed_tokens
             r.num_cached_tokens = prefix.num_cached_tokens
+            r.admitted = True  # its prefix was (and counted its prompt)
             self.waiting.append(r)
         self.waiting.sort(key=self._admission_key)
         self.running.remove(prefix)
@@ -442,7 +522,7 @@ class Scheduler:
         while not self.block_manager.allocate(
             request.request_id, start + n, write_from=start, copies=out.copies
         ):
-            candidates = [r for r in self.running if r.request_id not in scheduled]
+            candidates = [r for r in reversed(self.running) if r.request_id not in scheduled]
             victim = max(candidates, key=self._victim_key)
             self._preempt(victim, out)
             if victim is request:
@@ -468,6 +548,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self._update_shares()
         self.waiting.sort(key=self._admission_key)
         self.num_preemptions += 1
 

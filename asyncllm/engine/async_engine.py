@@ -6,17 +6,31 @@ worker thread so the event loop stays free while the model computes. Each reques
 :class:`~asyncllm.engine.output_processor.RequestState` that holds its not-yet-read output
 (detokenized, stop strings applied): a slow reader gets several steps merged into one item
 instead of an unbounded queue.
+
+Request ids: the caller's id names a call (for ``abort`` and the duplicate check) and is what
+its outputs carry; inside, every call gets an internal id unique for the engine's lifetime
+(the caller's id, ``SAMPLE_ID_SEP`` and a counter, as vLLM v1 suffixes ids), and the core,
+the states, the inbox and a call's parallel samples are keyed by internal ids. So an update of
+a step that was in flight when a call ended early can never reach a later call that reuses
+the caller's id.
+
+Text prompts and chat templates are tokenized on a small thread pool of the front end (never
+on the event loop, never on the engine's compute thread, which alone does torch work); a
+text too long to fit ``max_model_len`` is refused before any tokenization
+(``LLMEngine.check_prompt_chars``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -38,6 +52,26 @@ logger = logging.getLogger("asyncllm")
 
 #: Seconds the loop waits before planning again after a step found nothing to schedule.
 IDLE_RETRY_S = 0.05
+
+_T = TypeVar("_T")
+
+
+class _Call:
+    """One call (``stream``/``generate``/``chat``) in the front end: its core requests (one,
+    or its n parallel samples) and how many of them are not finished yet.
+
+    Attributes:
+        requests: the call's core requests (internal ids).
+        queued: still in the inbox, not yet handed to the core.
+        live: requests whose state has no finish reason yet.
+    """
+
+    __slots__ = ("live", "queued", "requests")
+
+    def __init__(self, requests: list[Request]) -> None:
+        self.requests = requests
+        self.queued = True
+        self.live = len(requests)
 
 
 class AsyncEngine:
@@ -61,12 +95,12 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
+        # Internal (core) request id -> the state of a request not finished yet.
         self._states: dict[str, RequestState] = {}
-        self._inbox_add: dict[str, Request] = {}
-        # Parallel sampling (n > 1): caller's id -> its samples' core ids, and back.
-        self._groups: dict[str, list[str]] = {}
-        self._group_of: dict[str, str] = {}
-        self._inbox_abort: set[str] = set()
+        # Caller's request id -> its call, while one of the call's requests is unfinished.
+        self._calls: dict[str, _Call] = {}
+        self._inbox_add: list[_Call] = []  # calls not yet handed to the core
+        self._inbox_abort: set[str] = set()  # internal ids to abort in the core
         self._cache_resets: list[asyncio.Future[int]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -76,6 +110,9 @@ class AsyncEngine:
         self._dead: EngineDeadError | None = None
         self._ids = itertools.count()
         self._token_text = TokenTextCache(engine.tokenizer)
+        # Tokenization and chat-template rendering, off the loop (one thread, as vLLM's
+        # server: transformers' fast tokenizers are not meant for concurrent encodes).
+        self._tokenize_pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_pretrained(cls, model: str = "default", **config: Any) -> AsyncEngine:
@@ -109,6 +146,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._closing = False
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-tokenize")
         self._engine.driven_by_async = True
         self._task = asyncio.create_task(self._run(), name="asyncllm-engine-loop")
         return self
@@ -139,6 +177,10 @@ class AsyncEngine:
             pass
         finally:
             self._task = None
+            if self._tokenize_pool is not None:
+                # A tokenization still running ends on its own; its call then sees _closing.
+                self._tokenize_pool.shutdown(wait=False)
+                self._tokenize_pool = None
             self._engine.stop_compute_thread()  # joins a step a cancelled task left running
             self._engine.driven_by_async = False
             if self._dead is not None:
@@ -167,7 +209,8 @@ class AsyncEngine:
         """Generate for one prompt, yielding outputs as they are produced.
 
         The request is validated and queued when iteration starts; errors are raised by
-        the first ``__anext__``, before anything is awaited. Leaving the loop early
+        the first ``__anext__`` (a text prompt is tokenized there, on a worker thread, after
+        the cheap checks). Leaving the loop early
         (``break``, ``aclose()``, or cancelling the consuming task) aborts the request and
         frees its KV blocks before the next step.
 
@@ -175,7 +218,8 @@ class AsyncEngine:
             prompt: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``.
             params: sampling parameters (default ``SamplingParams()``); its
                 ``output_kind`` says whether items are deltas, cumulative, or one final item.
-            request_id: unique among in-flight requests; generated when None.
+            request_id: unique among in-flight requests (free again as soon as the call
+                ends, early or not); generated when None. Outputs carry it.
             priority: lower is served first.
             cache_salt: requests share prefix-cache blocks only with requests of the same
                 salt (None included); give tenants that must not share cache their own.
@@ -189,12 +233,14 @@ class AsyncEngine:
             ``index``, and each sample ends with its own last item.
 
         Raises:
-            InvalidRequestError: bad prompt, params, timeout or a duplicate request id.
+            InvalidRequestError: bad prompt, params, timeout or a duplicate request id; a
+                text that cannot fit ``max_model_len`` (refused before tokenizing it);
+                ``params.n`` above ``EngineConfig.max_num_seqs``.
             QueueFull: ``EngineConfig.max_waiting`` requests are already waiting.
             EngineNotRunningError: outside ``async with engine`` (or while it exits).
             EngineDeadError: the step loop failed (before or during the request).
         """
-        states = self._submit(prompt, params, request_id, priority, cache_salt, timeout)
+        states = await self._submit(prompt, params, request_id, priority, cache_salt, timeout)
         event = states[0].event
         for state in states[1:]:  # one wake-up for all samples
             state.event = event
@@ -215,10 +261,7 @@ class AsyncEngine:
                     yield out
         finally:
             for state in pending:
-                self.abort(state.request_id)
-            if len(states) > 1:
-                for child in self._groups.pop(states[0].output_id, ()):
-                    self._group_of.pop(child, None)
+                self._finish_early(state.request_id, "abort")
 
     async def chat(
         self,
@@ -244,14 +287,28 @@ class AsyncEngine:
                 options (``tools``, ``documents``, ``enable_thinking``...).
             Other arguments as in :meth:`stream`.
 
+        The messages are checked on the loop (their contents' length included: see
+        ``LLMEngine.check_prompt_chars``); the template is rendered and tokenized on the
+        front end's tokenizer thread.
+
         Raises:
-            InvalidRequestError: malformed messages, no chat template, or a template error;
-                and everything :meth:`stream` raises.
+            InvalidRequestError: malformed messages, contents too long to fit
+                ``max_model_len``, no chat template, or a template error; and everything
+                :meth:`stream` raises.
         """
-        prompt = self._engine.chat_prompt(
+        self._check_running()
+        self._engine.check_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+        )
+        prompt = await self._off_loop(
+            functools.partial(
+                self._engine.render_chat,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
         )
         gen = self.stream(
             prompt,
@@ -302,9 +359,9 @@ class AsyncEngine:
             except RuntimeError:
                 running = None
             if running is not loop:
-                loop.call_soon_threadsafe(self._finish_early, request_id, "abort")
+                loop.call_soon_threadsafe(self._finish_call, request_id, "abort")
                 return
-        self._finish_early(request_id, "abort")
+        self._finish_call(request_id, "abort")
 
     async def reset_prefix_cache(self) -> int:
         """Forget every prefix-cache block that no request holds (applied between steps);
@@ -320,11 +377,14 @@ class AsyncEngine:
     def stats(self) -> dict[str, int | float]:
         """Engine counters (see ``LLMEngine.stats``); read between steps."""
         s = self._engine.stats()
-        s["num_waiting"] += len(self._inbox_add)
+        s["num_waiting"] += self._num_queued()
         return s
 
+    def _num_queued(self) -> int:
+        return sum(len(call.requests) for call in self._inbox_add)
+
     def _num_waiting(self) -> int:
-        return len(self._inbox_add) + self._engine.scheduler.num_waiting
+        return self._num_queued() + self._engine.scheduler.num_waiting
 
     def _dead_error(self) -> EngineDeadError:
         """A fresh EngineDeadError per raise (one instance raised in many tasks would
@@ -334,35 +394,42 @@ class AsyncEngine:
         err.__cause__ = self._dead.__cause__
         return err
 
-    def _finish_early(
-        self, request_id: str, reason: str, state: RequestState | None = None
-    ) -> None:
-        """End a request from outside a step ("abort", "timeout")."""
-        for child in self._groups.get(request_id, ()):
-            self._finish_early(child, reason)
-        current = self._states.get(request_id)
-        if current is None or (state is not None and current is not state):
+    def _finish_call(self, request_id: str, reason: str) -> None:
+        """End the call the caller's ``request_id`` names, all its samples; unknown: ignored."""
+        call = self._calls.get(request_id)
+        if call is not None:
+            for request in call.requests:
+                self._finish_early(request.request_id, reason)
+
+    def _finish_early(self, internal_id: str, reason: str) -> None:
+        """End one core request from outside a step ("abort", "timeout"); a finished or
+        unknown internal id is ignored."""
+        state = self._states.get(internal_id)
+        if state is None:
             return
-        del self._states[request_id]
-        if self._inbox_add.pop(request_id, None) is None:
-            self._inbox_abort.add(request_id)
+        call = self._forget(state)
+        if not call.queued:
+            self._inbox_abort.add(internal_id)
             if self._wakeup is not None:
                 self._wakeup.set()
-        current.finish(reason)
+        state.finish(reason)
+
+    def _forget(self, state: RequestState) -> _Call:
+        """Drop a finished (or finishing) request's state; the caller's id is free again
+        once every request of its call is finished."""
+        del self._states[state.request_id]
+        call = self._calls[state.output_id]
+        call.live -= 1
+        if call.live == 0:
+            del self._calls[state.output_id]
+        return call
 
     def _abort_all(self) -> None:
-        for request_id in list(self._states):
-            self._finish_early(request_id, "abort")
+        for internal_id in list(self._states):
+            self._finish_early(internal_id, "abort")
 
-    def _submit(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None,
-        request_id: str | None,
-        priority: int,
-        cache_salt: str | None,
-        timeout: float | None,
-    ) -> list[RequestState]:
+    def _check_running(self) -> None:
+        """Raise unless new calls are accepted now, from this loop."""
         if self._dead is not None:
             raise self._dead_error()
         if self._task is None or self._closing:
@@ -376,13 +443,33 @@ class AsyncEngine:
                 "an AsyncEngine serves the event loop that entered it; call it from that loop "
                 "(from another thread: asyncio.run_coroutine_threadsafe, or the LLM facade)"
             )
+
+    async def _off_loop(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` on the tokenizer thread; then check the engine still takes calls."""
+        assert self._loop is not None and self._tokenize_pool is not None
+        result = await self._loop.run_in_executor(self._tokenize_pool, fn)
+        self._check_running()
+        return result
+
+    async def _submit(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+        timeout: float | None,
+    ) -> list[RequestState]:
+        self._check_running()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
+            while request_id in self._calls:  # a caller chose this id
+                request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id or SAMPLE_ID_SEP in request_id:
             raise InvalidRequestError(
                 f"request_id must be a non-empty str without {SAMPLE_ID_SEP!r}, got {request_id!r}"
             )
-        if request_id in self._states or request_id in self._groups:
+        if request_id in self._calls:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if timeout is not None and (
             not isinstance(timeout, (int, float))
@@ -392,25 +479,30 @@ class AsyncEngine:
             raise InvalidRequestError(
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
-        requests = self._engine.make_requests(
-            request_id,
+        make = functools.partial(
+            self._engine.make_requests,
+            f"{request_id}{SAMPLE_ID_SEP}{next(self._ids)}",  # unique for the engine's life
             prompt,
             params if params is not None else SamplingParams(),
             priority=priority,
             cache_salt=cache_salt,
         )
+        text = self._engine.prompt_text(prompt)
+        if text is None:  # token ids: cheap, validated here
+            requests = make()
+        else:
+            self._engine.check_prompt_chars(len(text))
+            requests = await self._off_loop(make)
+            if request_id in self._calls:  # taken while this one was tokenized
+                raise InvalidRequestError(f"duplicate request id {request_id!r}")
         limit = self.config.max_waiting
         if limit is not None and self._num_waiting() + len(requests) > limit:
             raise QueueFull(
                 f"{self._num_waiting()} requests are waiting and this one adds "
                 f"{len(requests)} (EngineConfig.max_waiting={limit}); try again later"
             )
-        if len(requests) > 1:
-            ids = [r.request_id for r in requests]
-            if any(i in self._states for i in ids):
-                raise InvalidRequestError(f"duplicate request id among {ids}")
-            self._groups[request_id] = ids
-            self._group_of.update(dict.fromkeys(ids, request_id))
+        call = _Call(requests)
+        self._calls[request_id] = call
         states = []
         for i, request in enumerate(requests):
             state = RequestState(
@@ -420,11 +512,11 @@ class AsyncEngine:
             if timeout is not None:
                 assert self._loop is not None
                 state.timeout_handle = self._loop.call_later(
-                    timeout, self._finish_early, request.request_id, "timeout", state
+                    timeout, self._finish_early, request.request_id, "timeout"
                 )
             self._states[request.request_id] = state
-            self._inbox_add[request.request_id] = request
             states.append(state)
+        self._inbox_add.append(call)
         assert self._wakeup is not None
         self._wakeup.set()
         return states
@@ -434,18 +526,17 @@ class AsyncEngine:
             if not done.done():
                 done.set_result(self._engine.reset_prefix_cache())
         self._cache_resets.clear()
-        for request_id in self._inbox_abort:
-            self._engine.abort_request(request_id)
+        for internal_id in self._inbox_abort:
+            self._engine.abort_request(internal_id)
         self._inbox_abort.clear()
-        groups: dict[str, list[Request]] = {}
-        for request in self._inbox_add.values():
-            group = self._group_of.get(request.request_id)
-            if group is None:
-                self._engine.add_request(request)
-            else:
-                groups.setdefault(group, []).append(request)
-        for samples in groups.values():
-            self._engine.add_parallel_requests(samples)
+        for call in self._inbox_add:
+            call.queued = False
+            # Requests that ended while queued (abort, timeout) never reach the core.
+            live = [r for r in call.requests if r.request_id in self._states]
+            if len(call.requests) == 1 and live:
+                self._engine.add_request(live[0])
+            elif live:
+                self._engine.add_parallel_requests(live)
         self._inbox_add.clear()
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
@@ -457,6 +548,8 @@ class AsyncEngine:
             if state is not None:
                 state.add_prompt_logprobs(first, entries)
         for u in updates:
+            # Keyed by internal ids: a request that ended during the step has no state, and
+            # no later call (even one reusing the caller's id) shares its internal id.
             state = self._states.get(u.request_id)
             if state is None:
                 continue  # aborted by its consumer during the step
@@ -464,7 +557,7 @@ class AsyncEngine:
                 # A stop string: finish it in the core now, before the next step.
                 self._engine.abort_request(u.request_id, RequestStatus.FINISHED_STOPPED)
             if state.finished:
-                del self._states[u.request_id]
+                self._forget(state)
 
     def _step(self) -> list[RequestUpdate]:
         try:
@@ -504,6 +597,7 @@ class AsyncEngine:
         self._dead = dead
         states = list(self._states.values())
         self._states.clear()
+        self._calls.clear()
         self._inbox_add.clear()
         self._inbox_abort.clear()
         for state in states:

@@ -13,9 +13,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import msgspec
 import torch
@@ -103,6 +103,23 @@ class ComputeThread(ThreadPoolExecutor):
         return self.submit(fn).result()
 
 
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token of ``tokenizer`` can cover: the longest token
+    string of its vocabulary, added tokens included.
+
+    A token's string is never shorter than the text it stands for: byte-level BPE (GPT-2,
+    Llama 3, SmolLM2) spells each byte as one character and a character is at least one
+    byte; SentencePiece spells a space as one "▁" and a byte fallback as "<0x0A>". (A
+    tokenizer whose normalizer deletes characters could break this; none of the supported
+    families does.) Falls back to 1024 when the vocabulary cannot be listed.
+    """
+    try:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        return max((len(t) for t in tokens if isinstance(t, str)), default=0) or 1024
+    except Exception:  # not a transformers tokenizer
+        return 1024
+
+
 class LLMEngine:
     """Everything but the async front end.
 
@@ -114,8 +131,9 @@ class LLMEngine:
             :meth:`stop_compute_thread`.
 
     Raises:
-        ValueError: the KV cache budget cannot hold one block per layer, or cannot hold one
-            sequence of ``max_model_len`` tokens.
+        ValueError: ``config.max_model_len`` above the model's own limit (its
+            ``max_position_embeddings``; vLLM refuses it too), or a KV cache budget that
+            cannot hold one block per layer or one sequence of ``max_model_len`` tokens.
     """
 
     def __init__(
@@ -132,7 +150,16 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.device = next(loaded.model.parameters()).device
-        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        if config.max_model_len is not None and config.max_model_len > loaded.max_model_len:
+            # Positions past the model's limit were never trained (or do not exist).
+            raise ValueError(
+                f"EngineConfig.max_model_len={config.max_model_len} is above the model's "
+                f"limit of {loaded.max_model_len} tokens (max_position_embeddings); use at "
+                f"most {loaded.max_model_len} or leave it None"
+            )
+        self.max_model_len = config.max_model_len or loaded.max_model_len
+        #: Characters of a text prompt above which it cannot fit ``max_model_len`` tokens.
+        self.max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer)
         self.vocab_size = int(loaded.model.get_output_embeddings().weight.shape[0])
 
         dtype = next(loaded.model.parameters()).dtype
@@ -244,19 +271,18 @@ class LLMEngine:
         Raises:
             InvalidRequestError: empty prompt or one of the wrong type, token ids out of the
                 vocabulary (prompt, ``stop_token_ids`` or ``logit_bias``), a prompt of
-                ``max_model_len`` tokens or more, or params that are not valid
+                ``max_model_len`` tokens or more (a text longer than ``max_prompt_chars``
+                is refused before it is tokenized), or params that are not valid
                 SamplingParams.
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params)}")
         # A validated snapshot: a caller may have set a field to anything since construction.
         params = msgspec.structs.replace(params)
+        self._refuse_oversized(prompt)
         token_ids = self._prompt_token_ids(prompt)
         if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                "and at least one token must be generated"
-            )
+            self._refuse_tokens(len(token_ids))
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids or ()),
             ("logit_bias", params.logit_bias or ()),
@@ -291,6 +317,49 @@ class LLMEngine:
             priority=priority,
             params=params,
             cache_salt=cache_salt,
+        )
+
+    @staticmethod
+    def prompt_text(prompt: object) -> str | None:
+        """The text of a text prompt (a str or ``{"prompt": str}``), else None."""
+        if isinstance(prompt, Mapping):
+            prompt = prompt.get("prompt")
+        return prompt if isinstance(prompt, str) else None
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Refuse a text of ``num_chars`` characters that cannot fit ``max_model_len``
+        tokens, before spending time proportional to it on tokenizing it.
+
+        Raises:
+            InvalidRequestError: ``num_chars`` above ``max_prompt_chars`` (``max_model_len``
+                times the longest token's characters, :func:`max_token_chars`).
+        """
+        if num_chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"prompt has {num_chars} characters; it cannot fit max_model_len="
+                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters "
+                "with this tokenizer)"
+            )
+
+    def _refuse_oversized(self, prompt: object) -> None:
+        """Refuse a prompt that cannot fit before any work proportional to its size: a
+        text by its characters, token ids by their count (one more than ``max_model_len``
+        at least, so that no BOS handling can bring it under)."""
+        if isinstance(prompt, Mapping):
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
+        elif (
+            isinstance(prompt, Sized)
+            and not isinstance(prompt, (bytes, bytearray))  # refused as a type, later
+            and len(prompt) > self.max_model_len
+        ):
+            self._refuse_tokens(len(prompt))
+
+    def _refuse_tokens(self, num_tokens: int) -> NoReturn:
+        raise InvalidRequestError(
+            f"prompt has {num_tokens} tokens; max_model_len is {self.max_model_len} "
+            "and at least one token must be generated"
         )
 
     def _prompt_token_ids(self, prompt: object) -> list[int]:
@@ -333,7 +402,7 @@ class LLMEngine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` rendered by the model's chat template (transformers'
-        ``apply_chat_template``).
+        ``apply_chat_template``): :meth:`check_chat`, then :meth:`render_chat`.
 
         Args:
             messages: OpenAI-style ``[{"role": "user", "content": "..."}, ...]``.
@@ -342,9 +411,30 @@ class LLMEngine:
                 False}``) and ``apply_chat_template`` options (``tools``, ``documents``).
 
         Raises:
+            InvalidRequestError: as :meth:`check_chat` and :meth:`render_chat`.
+        """
+        kw = {
+            "add_generation_prompt": add_generation_prompt,
+            "chat_template_kwargs": chat_template_kwargs,
+        }
+        self.check_chat(messages, **kw)
+        return self.render_chat(messages, **kw)
+
+    def check_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """The cheap checks of a chat call (time linear in the number of messages).
+
+        Raises:
             InvalidRequestError: messages that are not a non-empty list of dicts with a
-                str ``role``, a tokenizer without a chat template, or a template that
-                fails on the messages (the template's message is included).
+                str ``role`` and a str, list or None ``content``; contents of more than
+                ``max_prompt_chars`` characters in all (text parts of list contents
+                counted), which cannot fit ``max_model_len``; bad option types; a tokenizer
+                without a chat template.
         """
         if (
             isinstance(messages, (str, bytes, Mapping))
@@ -352,17 +442,44 @@ class LLMEngine:
             or not messages
         ):
             raise InvalidRequestError("messages must be a non-empty list of dicts")
+        num_chars = 0
         for m in messages:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise InvalidRequestError(f"each message must be a dict with a str 'role': {m!r}")
-            if not isinstance(m.get("content"), (str, list, type(None))):
+            content = m.get("content")
+            if isinstance(content, str):
+                num_chars += len(content)
+            elif isinstance(content, list):
+                num_chars += sum(
+                    len(part["text"])
+                    for part in content
+                    if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+                )
+            elif content is not None:
                 raise InvalidRequestError(f"message content must be a str or a list: {m!r}")
+        # The rendered prompt holds every content, so it is at least this long.
+        self.check_prompt_chars(num_chars)
         if not isinstance(add_generation_prompt, bool):
             raise InvalidRequestError("add_generation_prompt must be a bool")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise InvalidRequestError("chat_template_kwargs must be a dict or None")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("the model's tokenizer has no chat template")
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Apply the chat template to messages that passed :meth:`check_chat` and tokenize
+        (time proportional to the messages: the async front end runs it off its loop).
+
+        Raises:
+            InvalidRequestError: a template that fails on the messages (the template's
+                message is included).
+        """
         try:
             ids = self.tokenizer.apply_chat_template(
                 [dict(m) for m in messages],
@@ -386,9 +503,20 @@ class LLMEngine:
     ) -> list[Request]:
         """The core requests of one call: one, or one per parallel sample when
         ``params.n > 1`` (ids ``request_id + SAMPLE_ID_SEP + str(i)``, params from
-        :meth:`SamplingParams.sample_params`). Validates as :meth:`make_request` does."""
+        :meth:`SamplingParams.sample_params`, ``group_id`` ``request_id``). Validates as
+        :meth:`make_request` does.
+
+        Raises:
+            InvalidRequestError: as :meth:`make_request`; ``params.n`` above
+                ``EngineConfig.max_num_seqs`` (the samples could never all run).
+        """
         if isinstance(params, SamplingParams):
             params = msgspec.structs.replace(params)  # re-validates, n included
+            if params.n > self.config.max_num_seqs:
+                raise InvalidRequestError(
+                    f"n={params.n} parallel samples exceed max_num_seqs="
+                    f"{self.config.max_num_seqs} (the most requests running at once)"
+                )
         if not isinstance(params, SamplingParams) or params.n == 1:
             return [self.make_request(request_id, prompt, params, priority=priority,
                                       cache_salt=cache_salt)]  # fmt: skip
@@ -404,6 +532,8 @@ class LLMEngine:
             )  # fmt: skip
             r.arrival_time = first.arrival_time
             samples.append(r)
+        for r in samples:  # one call: the scheduler shares slots fairly between calls
+            r.group_id = request_id
         return samples
 
     def add_request(self, request: Request) -> None:
