@@ -109,6 +109,43 @@ def test_packed_linear_matches_linear():
     torch.testing.assert_close(packed.weight, lin.weight.detach())  # rebuilt from the packing
 
 
+def test_bucket_rows_ladder():
+    rows = range(1, cpu_linear.CHUNK_ROWS + 1)
+    buckets = [cpu_linear.bucket_rows(m) for m in rows]
+    assert all(b >= m for m, b in zip(rows, buckets, strict=True))
+    assert buckets == sorted(buckets)
+    assert len(set(buckets)) == 37 and max(buckets) == cpu_linear.CHUNK_ROWS
+    # Above 16 rows (where a projection stops being bound by its weight) padding is < 12.5%.
+    assert all(b < 1.125 * m for m, b in zip(rows[16:], buckets[16:], strict=True))
+
+
+def test_packed_linear_runs_only_bucketed_row_counts(monkeypatch):
+    """oneDNN caches a JIT-built primitive per input shape (~1 MiB each, 2 x 1024 entries):
+    every row count from 1 to a token budget must map onto the few buckets, else a server's
+    RSS grows for minutes (the soak's +440 MiB over 16 bursts)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 40, bias=True)
+    packed = cpu_linear.PackedLinear(lin)
+    seen: set[int] = set()
+    real = cpu_linear._onednn_linear
+
+    def spy(rows, w, b):
+        seen.add(rows.shape[0])
+        return real(rows, w, b)
+
+    monkeypatch.setattr(cpu_linear, "_onednn_linear", spy)
+    with torch.inference_mode():
+        for m in [*range(1, 70), 255, 256, 257, 300, 513, 600]:
+            x = torch.randn(m, 32)
+            out = packed(x)
+            assert out.shape == (m, 40)
+            torch.testing.assert_close(out, lin(x), rtol=1e-5, atol=1e-5)
+        assert packed(torch.randn(2, 3, 32)).shape == (2, 3, 40)
+        assert packed(torch.randn(0, 32)).shape == (0, 40)
+    ladder = {cpu_linear.bucket_rows(m) for m in range(1, cpu_linear.CHUNK_ROWS + 1)}
+    assert seen <= ladder
+
+
 def test_pack_linears_keeps_tied_weights(tiny_llama_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
