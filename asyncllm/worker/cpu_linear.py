@@ -18,10 +18,9 @@ scratchpad, growing with the row count. A server whose steps hold every token co
 to the token budget filled them: RSS grew by hundreds of MiB over minutes of traffic (2048
 shapes of the default model's projections: +1.2 GiB), and each new shape cost ~1 ms to build.
 So a :class:`PackedLinear` only ever runs :func:`bucket_rows` row counts: rows are padded up
-to the next bucket (37 buckets up to :data:`CHUNK_ROWS`) and longer inputs go through in
-chunks of :data:`CHUNK_ROWS`. Padding costs < 12.5% extra compute on the few steps it touches,
-little below 16 rows where a projection is bound by reading its weight
-(``benchmarks/soak_server.py`` measures the resulting flat RSS).
+to the next bucket (48 buckets up to :data:`CHUNK_ROWS`) and longer inputs go through in
+chunks of :data:`CHUNK_ROWS`. Padding costs < 12.5% extra rows on the steps it touches (none
+below 17 rows); ``benchmarks/soak_server.py`` shows the resulting flat RSS.
 """
 
 from __future__ import annotations
@@ -45,13 +44,16 @@ CHUNK_ROWS = 256
 
 
 def bucket_rows(m: int) -> int:
-    """The row count ``m`` (1 <= m <= :data:`CHUNK_ROWS`) is padded to: the next power of two
-    up to 16, then eight buckets per octave (18, 20, ..., 32, 36, ..., 256: 37 buckets in
-    all, each < 1.125 m)."""
+    """The row count ``m`` (0 <= m <= :data:`CHUNK_ROWS`) is padded to: ``m`` itself up to 16
+    (small decode batches; 16 buckets), then eight buckets per octave (18, 20, ..., 32, 36,
+    ..., 256: 32 more, each < 1.125 m)."""
     if m <= 16:
-        return 1 << (m - 1).bit_length()
+        return m
     step = 1 << ((m - 1).bit_length() - 4)
     return -(-m // step) * step
+
+
+_BUCKETS = [bucket_rows(m) for m in range(CHUNK_ROWS + 1)]
 
 
 class PackedLinear(nn.Module):
@@ -82,20 +84,19 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
             return nn.functional.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, self.in_features)
-        m = rows.shape[0]
-        if m == 0:
-            return x.new_empty(*x.shape[:-1], self.out_features)
-        outs = [self._bucketed(rows[i : i + CHUNK_ROWS]) for i in range(0, m, CHUNK_ROWS)]
+        m = x.numel() // self.in_features
+        if m <= CHUNK_ROWS and _BUCKETS[m] == m:  # the common case: no copy, no slicing
+            return _onednn_linear(x, self.packed, self.bias)
+        rows = x.reshape(m, self.in_features)
+        outs = [self._padded(rows[i : i + CHUNK_ROWS]) for i in range(0, m, CHUNK_ROWS)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _bucketed(self, rows: torch.Tensor) -> torch.Tensor:
+    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` [m <= CHUNK_ROWS, in_features] through oneDNN at a bucketed row count."""
         m = rows.shape[0]
-        padded = bucket_rows(m)
-        if padded != m:
-            rows = nn.functional.pad(rows, (0, 0, 0, padded - m))
+        if _BUCKETS[m] != m:
+            rows = nn.functional.pad(rows, (0, 0, 0, _BUCKETS[m] - m))
         return _onednn_linear(rows, self.packed, self.bias)[:m]
 
     def extra_repr(self) -> str:
