@@ -33,31 +33,13 @@ from typing import Any
 
 import httpx
 
-_TINY = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
-
 
 def build_tiny_model(path: pathlib.Path) -> pathlib.Path:
-    """A 2-layer random Llama with the default model's tokenizer, saved to ``path``."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
+    """The tiny random Llama (``asyncllm.bench.tiny_model``) saved at ``path``."""
+    from asyncllm.bench.tiny_model import save_tiny_llama
     from asyncllm.models.loader import resolve_model_dir
 
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**_TINY)).save_pretrained(path)
-    AutoTokenizer.from_pretrained(resolve_model_dir("default")).save_pretrained(path)
-    return path
+    return save_tiny_llama(path, resolve_model_dir("default"))
 
 
 def free_port() -> int:

@@ -13,24 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from asyncllm import AsyncEngine
+from asyncllm.bench.tiny_model import TINY_CONFIG, save_tiny_llama
 from asyncllm.core.request import SAMPLE_ID_SEP, Request
 from asyncllm.models.loader import resolve_model_dir
 
-TINY = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
+TINY = TINY_CONFIG
 
 
 @pytest.fixture(scope="session")
@@ -51,10 +41,7 @@ def tiny_llama_dir(
     tmp_path_factory: pytest.TempPathFactory, default_model_dir: pathlib.Path
 ) -> pathlib.Path:
     """A 2-layer random Llama (GQA 4:2) with SmolLM2's tokenizer."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    _save_tiny(path, LlamaForCausalLM(LlamaConfig(**TINY)), default_model_dir)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
 
 
 @pytest.fixture(scope="session")
