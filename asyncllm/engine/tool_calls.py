@@ -34,8 +34,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from asyncllm.errors import InvalidRequestError
-from asyncllm.outputs import ToolCall
+from asyncllm.outputs import RequestOutput, ToolCall
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
@@ -479,3 +481,129 @@ def parse_tool_calls(text: str, fmt: str) -> tuple[str, list[ToolCall], str | No
     content, calls = parser.feed(text)
     more, last = parser.finish()
     return content + more, calls + last, parser.error
+
+
+class ChatTools:
+    """The tool side of one ``chat`` call: what the template gets and how outputs are
+    parsed (built by :meth:`from_request`, applied to each output by :meth:`apply`).
+
+    Attributes:
+        tools: the checked tools.
+        choice: "none", "auto", "required" or a function name.
+        fmt: the model's tool-call format (None with ``choice`` "none": nothing parsed).
+        parallel: keep every call (False: the first only).
+        output_kind: the request's ``SamplingParams.output_kind``.
+    """
+
+    def __init__(
+        self,
+        tools: list[dict[str, Any]],
+        choice: str,
+        fmt: str | None,
+        *,
+        parallel: bool = True,
+        output_kind: str = "delta",
+    ) -> None:
+        self.tools = tools
+        self.choice = choice
+        self.fmt = fmt
+        self.parallel = parallel
+        self.output_kind = output_kind
+        self._parsers: dict[int, ToolCallParser] = {}
+        self._content: dict[int, str] = {}  # cumulative: the content so far, per sample
+        self._seen: dict[int, int] = {}  # cumulative: characters of text read, per sample
+
+    @classmethod
+    def from_request(
+        cls,
+        tokenizer: Any,
+        tools: object,
+        tool_choice: object,
+        *,
+        parallel_tool_calls: object = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        output_kind: str = "delta",
+    ) -> ChatTools:
+        """Check a chat call's tool arguments and pick the format from the template that
+        will render it (``tokenizer.get_chat_template``, which prefers a "tool_use"
+        template when a tokenizer has several).
+
+        Raises:
+            InvalidRequestError: bad ``tools``, ``tool_choice`` or
+                ``parallel_tool_calls``; ``tools`` also given in ``chat_template_kwargs``;
+                a template without tool support (unless ``tool_choice`` is "none").
+        """
+        checked = check_tools(tools)
+        choice = check_tool_choice(tool_choice, checked)
+        if not isinstance(parallel_tool_calls, bool):
+            raise InvalidRequestError("parallel_tool_calls must be a bool")
+        if chat_template_kwargs and "tools" in chat_template_kwargs:
+            raise InvalidRequestError("give tools once: as tools, not in chat_template_kwargs")
+        fmt = None
+        if choice != "none":
+            override = (chat_template_kwargs or {}).get("chat_template")
+            try:
+                template = tokenizer.get_chat_template(override, checked)
+            except ValueError as e:
+                raise InvalidRequestError(f"no chat template to render tools: {e}") from e
+            fmt = detect_format(template)
+        return cls(checked, choice, fmt, parallel=parallel_tool_calls, output_kind=output_kind)
+
+    def template_kwargs(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``chat_template_kwargs`` with the tools the template renders (a named
+        ``tool_choice``: that tool alone, so the prompt asks for it) and ``tool_choice``
+        (a template variable a few templates read)."""
+        tools = self.tools
+        if self.choice not in ("none", "auto", "required"):
+            tools = [t for t in tools if t["function"]["name"] == self.choice]
+        return {**(kwargs or {}), "tools": tools, "tool_choice": self.choice}
+
+    def keep_special_tokens(self, tokenizer: Any) -> bool:
+        """True when the format's markers are special tokens of ``tokenizer``, which
+        ``skip_special_tokens`` would drop from the text the parser reads (vLLM's hermes
+        parser turns it off for the same reason)."""
+        if self.fmt != HERMES:
+            return False  # llama3_json needs no marker: the JSON is found without the tag
+        special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+        return HERMES_START in special or HERMES_END in special
+
+    def apply(self, out: RequestOutput) -> RequestOutput:
+        """One output of the call with its tool calls parsed out of ``text`` (see
+        :attr:`RequestOutput.tool_calls`); the last item gets ``finish_reason``
+        "tool_calls" when the model made calls and stopped on its own, and
+        ``tool_call_error`` when something was wrong."""
+        if self.fmt is None:
+            return out
+        parser = self._parsers.get(out.index)
+        if parser is None:
+            parser = self._parsers[out.index] = ToolCallParser(self.fmt, parallel=self.parallel)
+        new = out.text
+        if self.output_kind == "cumulative":
+            seen = self._seen.get(out.index, 0)
+            new, self._seen[out.index] = out.text[seen:], len(out.text)
+        content, calls = parser.feed(new)
+        if out.finished:
+            more, last = parser.finish()
+            content, calls = content + more, calls + last
+        fields: dict[str, Any] = {}
+        if self.output_kind == "delta":
+            fields["text"], fields["tool_calls"] = content, calls or None
+        else:
+            content = self._content[out.index] = self._content.get(out.index, "") + content
+            fields["text"], fields["tool_calls"] = content, list(parser.calls) or None
+        if out.finished:
+            error = parser.error
+            if not parser.calls and self.choice != "auto":
+                error = error or (
+                    f"tool_choice {self.choice!r} asked for a tool call but the model made "
+                    "none (tool_choice is passed to the prompt; grammar-constrained "
+                    "decoding of the call is not implemented yet)"
+                )
+            elif self.choice not in ("auto", "required"):
+                other = [c.name for c in parser.calls if c.name != self.choice]
+                if other and error is None:
+                    error = f"tool_choice named {self.choice!r} but the model called {other}"
+            fields["tool_call_error"] = error
+            if parser.calls and out.finish_reason == "stop":
+                fields["finish_reason"] = "tool_calls"
+        return msgspec.structs.replace(out, **fields)
