@@ -233,3 +233,118 @@ async def test_template_without_tool_support(tiny_llama_dir, make_engine):
             "delta",
         )
         assert out.num_generated_tokens == 2
+
+
+# ----------------------------------------------------------------------------- server
+
+
+@pytest.fixture(scope="module")
+def hermes_server(hermes_dir):
+    from asyncllm import AsyncEngine
+    from asyncllm.server import create_app
+    from tests.conftest import check_pool_whole
+    from tests.test_server import serving
+
+    engine = AsyncEngine.from_pretrained(str(hermes_dir), **SMALL)
+    script_output(engine, HERMES_OUT)
+    with serving(create_app(engine, "tiny")) as base:
+        yield base, engine
+    check_pool_whole(engine)
+
+
+def _client(base: str) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+
+def test_server_tool_calls(hermes_server):
+    base, _ = hermes_server
+    client = _client(base)
+    resp = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking.\n"
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris"}),
+        ("function", "get_time", {}),
+    ]
+    # the loop's next turn: the calls and their results go back to the model
+    messages = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        *[{"role": "tool", "tool_call_id": c.id, "content": "21 C"} for c in calls],
+    ]
+    # (without tools this time: the tiny model's 256 positions hold no more)
+    again = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=80, temperature=0
+    )
+    assert again.choices[0].finish_reason == "stop"  # no tools: nothing parsed
+    assert again.choices[0].message.content == HERMES_OUT
+    one = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, parallel_tool_calls=False, max_tokens=80
+    )
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+
+
+def test_server_streams_tool_calls_as_openai_does(hermes_server):
+    base, _ = hermes_server
+    client = _client(base)
+    deltas = []
+    stream = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, stream=True
+    )
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            deltas.extend(choice.delta.tool_calls or ())
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(d.index, d.type, d.function.name) for d in deltas] == [
+        (0, "function", "get_weather"),
+        (1, "function", "get_time"),
+    ]
+    assert all(d.id and d.id.startswith("call_") for d in deltas)
+    # the client's own stream helper reassembles the message
+    with client.chat.completions.stream(
+        model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0
+    ) as helper:
+        final = helper.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == "Checking.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "string"}}}]}, "tools", "parameters must be a JSON schema"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice", "not in tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {
+            "name": "f", "arguments": "{oops"}}]}]}, None, "not valid JSON"),
+    ],
+)  # fmt: skip
+def test_server_bad_tools_are_400(hermes_server, body, param, message):
+    import httpx
+
+    base, engine = hermes_server
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": "tiny", "messages": ASK, "max_tokens": 4, **body},
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert message in err["message"]
+    assert engine.health() == "running"
+    ok = _client(base).chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
