@@ -18,37 +18,8 @@ from transformers import AutoTokenizer
 
 from asyncllm import InvalidRequestError, SamplingParams
 from asyncllm.engine.async_engine import collect
+from asyncllm.engine.tool_calls import HERMES_TEMPLATE
 from tests.conftest import script_output
-
-HERMES_TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-You may call functions. Their signatures:
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-For each call write <tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
-{%- for call in message.tool_calls %}
-<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 LLAMA3_TEMPLATE = """\
 {%- if tools %}<|start_header_id|>user<|end_header_id|>

@@ -48,6 +48,38 @@ HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
+#: A small Hermes-style chat template (ChatML turns, tools in ``<tools>``, calls as
+#: ``<tool_call>`` JSON, results as ``<tool_response>``): for a model whose own template has
+#: no tool support, passed as ``chat_template_kwargs={"chat_template": HERMES_TEMPLATE}``.
+#: Whether the model follows it depends on its training (Qwen and Hermes models do).
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+Tools:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 #: OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

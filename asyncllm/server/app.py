@@ -12,6 +12,10 @@ so a bad request still gets its status code and OpenAI's error JSON. Until then 
 watches for the client's disconnect; afterwards Starlette does, and closing the response's
 body closes every engine stream: a client that goes away aborts its requests and frees their
 KV blocks before the next step.
+
+Chat tool calls come from the engine already parsed (``RequestOutput.tool_calls``, see
+``AsyncEngine.chat``); this module only shapes them as OpenAI's ``message.tool_calls`` and
+``delta.tool_calls`` (numbered per choice).
 """
 
 from __future__ import annotations
