@@ -13,7 +13,7 @@ from asyncllm.errors import (
     UnsupportedModelError,
 )
 from asyncllm.llm import LLM
-from asyncllm.outputs import Logprob, RequestMetrics, RequestOutput
+from asyncllm.outputs import Logprob, RequestMetrics, RequestOutput, ToolCall
 from asyncllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "ToolCall",
     "UnsupportedModelError",
 ]
 __version__ = "0.1.0"

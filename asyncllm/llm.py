@@ -158,6 +158,9 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them (the model's chat template applied by
         transformers); block until all are done.
@@ -165,7 +168,9 @@ class LLM:
         Args:
             messages: ``[{"role": ..., "content": ...}, ...]``, or a list of such lists.
             params, use_tqdm: as in :meth:`generate`.
-            add_generation_prompt, chat_template_kwargs: as in :meth:`AsyncEngine.chat`.
+            add_generation_prompt, chat_template_kwargs, tools, tool_choice,
+                parallel_tool_calls: as in :meth:`AsyncEngine.chat` (each output's
+                ``tool_calls`` holds all its calls).
 
         Returns:
             One whole :class:`RequestOutput` per conversation, in order.
@@ -181,6 +186,9 @@ class LLM:
         kw = {
             "add_generation_prompt": add_generation_prompt,
             "chat_template_kwargs": chat_template_kwargs,
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel_tool_calls,
         }
         makers = [
             (lambda m=m, sp=sp: engine.chat(m, sp, **kw), sp.output_kind)

@@ -63,6 +63,22 @@ class RequestMetrics(msgspec.Struct, kw_only=True):
     num_preemptions: int = 0
 
 
+class ToolCall(msgspec.Struct, frozen=True):
+    """A tool call the model made (parsed from its output by ``AsyncEngine.chat`` when
+    given ``tools``; see ``asyncllm.engine.tool_calls``).
+
+    Attributes:
+        id: a fresh id, ``"call_"`` and 24 hex digits (OpenAI's shape); send it back as the
+            ``tool_call_id`` of the ``role: "tool"`` message that answers the call.
+        name: the function's name, as the model wrote it.
+        arguments: the arguments as a JSON object text (OpenAI's ``function.arguments``).
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+
 class RequestOutput(msgspec.Struct, kw_only=True):
     """One item of a stream, or the whole result of ``generate()``.
 
@@ -79,9 +95,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             that could still become a stop string, and leaves out the matched stop string
             (and a stop token's text) unless ``include_stop_str_in_output``.
         finish_reason: None while running, then "stop" (EOS, a stop token or a stop string),
-            "length" (max_tokens or max_model_len reached), "abort" (the caller aborted, or
-            the engine shut down with ``shutdown_mode="abort"``) or "timeout" (the request's
-            ``timeout`` passed).
+            "tool_calls" (``chat`` with tools: the model stopped after making tool calls,
+            as OpenAI reports it), "length" (max_tokens or max_model_len reached), "abort"
+            (the caller aborted, or the engine shut down with ``shutdown_mode="abort"``) or
+            "timeout" (the request's ``timeout`` passed).
         stop_reason: with finish_reason "stop": the matched stop string, or the stop token
             id from ``stop_token_ids``; None for EOS.
         num_prompt_tokens: tokens in the prompt.
@@ -98,6 +115,13 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         metrics: timings and counts, on the last item.
         samples: from ``generate()`` with ``n > 1``: all n outputs in index order (this
             output is ``samples[0]``); None otherwise.
+        tool_calls: from ``chat(..., tools=...)``: the tool calls parsed from the output
+            (``text`` then holds only the content outside them); on a delta item the calls
+            completed in it, on a cumulative or final item all of them. None when there are
+            none or no tools were given.
+        tool_call_error: from ``chat(..., tools=...)``, on the last item: None, or what was
+            wrong with the model's tool calls (malformed JSON, no call where
+            ``tool_choice`` asked for one); the text in question is kept in ``text``.
     """
 
     request_id: str
@@ -115,6 +139,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int] | None = None
     metrics: RequestMetrics | None = None
     samples: list[RequestOutput] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ from asyncllm import AsyncEngine
 from asyncllm.bench.tiny_model import TINY_CONFIG, save_tiny_llama
 from asyncllm.core.request import SAMPLE_ID_SEP, Request
 from asyncllm.models.loader import resolve_model_dir
+from asyncllm.worker.sampler import SamplerOutput
 
 TINY = TINY_CONFIG
 
@@ -136,3 +137,31 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> No
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.005)
+
+
+class Scripted:
+    """Stands in for the sampler: the k-th generated token of every request is script[k]
+    (the last one repeated past the end).
+
+    The real sampler still runs (so logprobs and shapes are real); only the choice is
+    replaced, which makes the text of a generation exactly controllable.
+    """
+
+    def __init__(self, real: Any, script: list[int]) -> None:
+        self.real = real
+        self.script = script
+
+    def __call__(self, logits: torch.Tensor, batch: Any) -> SamplerOutput:
+        out = self.real(logits, batch)
+        ids = [self.script[min(k, len(self.script) - 1)] for k in batch.token_indices]
+        return SamplerOutput(torch.tensor(ids), out.logprobs)
+
+
+def script_output(engine: AsyncEngine, text: str, *, end_with_eos: bool = True) -> list[int]:
+    """Make every request of ``engine`` generate ``text`` (its tokens; then the EOS token,
+    so requests finish with "stop", unless ``end_with_eos`` is False); returns the ids."""
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    if end_with_eos:
+        ids.append(min(engine._engine.eos_token_ids))
+    engine._engine.runner.sampler = Scripted(engine._engine.runner.sampler, ids)
+    return ids

@@ -170,3 +170,21 @@ def test_doc_links_resolve() -> None:
     for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name}: {target}"
+
+
+def test_agent_tools_runs_and_calls_tools(tiny_llama_dir: pathlib.Path, make_engine: Any) -> None:
+    """On the random tiny model (a template without tools: the example brings one) it runs
+    and reports what the model did; with the model's output scripted to a call, the loop
+    runs the function and sends the result back."""
+    from tests.conftest import script_output
+
+    agent_tools = load("agent_tools")
+    args = ["--max-tokens", "4", "--max-turns", "1", "--question", "17+25?"]
+    summary = agent_tools.main(args, make_engine(tiny_llama_dir, max_num_seqs=2))
+    assert summary["turns"] == 1
+    engine = make_engine(tiny_llama_dir, max_num_seqs=2)
+    script_output(engine, '<tool_call>{"name": "add", "arguments": {"a": 17, "b": 25}}</tool_call>')
+    summary = agent_tools.main(
+        ["--max-tokens", "40", "--max-turns", "1", "--question", "17+25?"], engine
+    )
+    assert summary["calls"] == ["add"] and summary["answer"] is None

@@ -24,8 +24,7 @@ from asyncllm import (
     SamplingParams,
 )
 from asyncllm.engine.async_engine import collect
-from asyncllm.worker.sampler import SamplerOutput
-from tests.conftest import check_pool_whole, wait_until
+from tests.conftest import check_pool_whole, script_output, wait_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SMALL = dict(block_size=4, kv_cache_bytes=2**20)
@@ -57,27 +56,8 @@ def _reference(model, prompts, max_new_tokens, **kw):
     return outs
 
 
-class Scripted:
-    """Stands in for the sampler: the k-th generated token of every request is script[k].
-
-    The real sampler still runs (so logprobs and shapes are real); only the choice is
-    replaced, which makes the text of a generation exactly controllable.
-    """
-
-    def __init__(self, real, script):
-        self.real = real
-        self.script = script
-
-    def __call__(self, logits, batch):
-        out = self.real(logits, batch)
-        ids = [self.script[min(k, len(self.script) - 1)] for k in batch.token_indices]
-        return SamplerOutput(torch.tensor(ids), out.logprobs)
-
-
 def _script(engine, text):
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
-    engine._engine.runner.sampler = Scripted(engine._engine.runner.sampler, ids)
-    return ids
+    return script_output(engine, text, end_with_eos=False)
 
 
 async def _items(gen):

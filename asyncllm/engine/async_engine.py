@@ -39,6 +39,7 @@ from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
 from asyncllm.core.scheduler import RequestUpdate
 from asyncllm.engine.llm_engine import LLMEngine, PromptType
 from asyncllm.engine.output_processor import RequestState, TokenTextCache, merge_outputs
+from asyncllm.engine.tool_calls import ChatTools
 from asyncllm.errors import (
     EngineDeadError,
     EngineNotRunningError,
@@ -270,6 +271,9 @@ class AsyncEngine:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -280,11 +284,35 @@ class AsyncEngine:
         The prompt is the model's chat template applied by transformers
         (``tokenizer.apply_chat_template``) to ``messages``.
 
+        Tool calling (OpenAI's; vLLM's tool parsers are the reference): ``tools`` are
+        rendered by the template (transformers' ``apply_chat_template(tools=...)``) and the
+        model's calls are parsed out of its output in the format its template uses
+        (``<tool_call>`` JSON as Hermes/Qwen write it, or Llama 3's JSON; see
+        :mod:`asyncllm.engine.tool_calls`): items carry them in ``tool_calls`` (a call is
+        delivered whole, on the item whose text completed it; ``text`` holds only the
+        content outside calls), and the last item has ``finish_reason`` "tool_calls" when
+        the model made calls and stopped on its own. Output that is not a valid call stays
+        in ``text`` and is described in ``tool_call_error``; it never raises.
+
         Args:
-            messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+            messages: ``[{"role": "system" | "user" | "assistant" | "tool", "content":
+                str}, ...]``; an assistant message may carry OpenAI ``tool_calls`` (their
+                JSON ``arguments`` strings are decoded for the template) and a "tool"
+                message answers one (``tool_call_id``).
             add_generation_prompt: end the prompt with the assistant header.
             chat_template_kwargs: extra template variables / ``apply_chat_template``
-                options (``tools``, ``documents``, ``enable_thinking``...).
+                options (``documents``, ``enable_thinking``...; ``tools`` there are only
+                rendered, never parsed: pass them as ``tools``).
+            tools: OpenAI function tools, ``[{"type": "function", "function": {"name",
+                "description", "parameters": JSON schema of an object}}]``.
+            tool_choice: "auto" (the default with tools), "none" (tools rendered, output
+                not parsed), "required", or ``{"type": "function", "function": {"name":
+                ...}}`` (only that tool rendered). "required" and a named function are
+                asked for through the prompt only: output is not yet constrained by a
+                grammar, so the model may not call (then ``tool_call_error`` says so);
+                ``asyncllm.engine.tool_calls.call_schema`` is the schema such a
+                constraint will use.
+            parallel_tool_calls: False keeps only the model's first call.
             Other arguments as in :meth:`stream`.
 
         The messages are checked on the loop (their contents' length included: see
@@ -292,8 +320,10 @@ class AsyncEngine:
         front end's tokenizer thread.
 
         Raises:
-            InvalidRequestError: malformed messages, contents too long to fit
-                ``max_model_len``, no chat template, or a template error; and everything
+            InvalidRequestError: malformed messages (``tool_calls`` included), contents
+                too long to fit ``max_model_len``, no chat template, or a template error;
+                malformed ``tools`` (the message names the field), a ``tool_choice``
+                naming no tool, tools for a template without tool support; and everything
                 :meth:`stream` raises.
         """
         self._check_running()
@@ -302,6 +332,26 @@ class AsyncEngine:
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
+        calls: ChatTools | None = None
+        if tools is not None:
+            kind = params.output_kind if isinstance(params, SamplingParams) else "delta"
+            calls = ChatTools.from_request(
+                self._engine.tokenizer,
+                tools,
+                tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                chat_template_kwargs=chat_template_kwargs,
+                output_kind=kind,
+            )
+            chat_template_kwargs = calls.template_kwargs(chat_template_kwargs)
+            if (
+                isinstance(params, SamplingParams)
+                and params.skip_special_tokens
+                and calls.keep_special_tokens(self._engine.tokenizer)
+            ):
+                params = msgspec.structs.replace(params, skip_special_tokens=False)
+        elif tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError(f"tool_choice {tool_choice!r:.80} needs tools")
         prompt = await self._off_loop(
             functools.partial(
                 self._engine.render_chat,
@@ -320,7 +370,7 @@ class AsyncEngine:
         )
         try:
             async for out in gen:
-                yield out
+                yield out if calls is None else calls.apply(out)
         finally:
             await gen.aclose()
 

@@ -24,6 +24,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.core.block_manager import BlockManager, BlockPool
 from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
 from asyncllm.core.scheduler import RequestUpdate, Scheduler
+from asyncllm.engine.tool_calls import check_message_tool_calls, template_messages
 from asyncllm.errors import InvalidRequestError
 from asyncllm.models.loader import LoadedModel, load_model
 from asyncllm.sampling_params import SamplingParams
@@ -431,7 +432,8 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: messages that are not a non-empty list of dicts with a
-                str ``role`` and a str, list or None ``content``; contents of more than
+                str ``role`` and a str, list or None ``content``; malformed assistant
+                ``tool_calls`` (``tool_calls.check_message_tool_calls``); contents of more than
                 ``max_prompt_chars`` characters in all (text parts of list contents
                 counted), which cannot fit ``max_model_len``; bad option types; a tokenizer
                 without a chat template.
@@ -443,9 +445,10 @@ class LLMEngine:
         ):
             raise InvalidRequestError("messages must be a non-empty list of dicts")
         num_chars = 0
-        for m in messages:
+        for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise InvalidRequestError(f"each message must be a dict with a str 'role': {m!r}")
+            check_message_tool_calls(i, m)
             content = m.get("content")
             if isinstance(content, str):
                 num_chars += len(content)
@@ -475,6 +478,8 @@ class LLMEngine:
     ) -> list[int]:
         """Apply the chat template to messages that passed :meth:`check_chat` and tokenize
         (time proportional to the messages: the async front end runs it off its loop).
+        Assistant ``tool_calls`` arguments given as JSON strings reach the template decoded
+        (``tool_calls.template_messages``).
 
         Raises:
             InvalidRequestError: a template that fails on the messages (the template's
@@ -482,7 +487,7 @@ class LLMEngine:
         """
         try:
             ids = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages],
+                template_messages(messages),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,

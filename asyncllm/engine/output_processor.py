@@ -300,4 +300,6 @@ def merge_outputs(items: Sequence[RequestOutput], kind: str) -> RequestOutput:
     last.text = "".join(text)
     last.logprobs = logprobs
     last.prompt_logprobs = prompt_lps
+    calls = [c for it in items for c in it.tool_calls or ()]
+    last.tool_calls = calls or None
     return last

@@ -58,8 +58,20 @@ Endpoints:
 - ``POST /v1/chat/completions``: ``messages`` are rendered by the model's chat template
   (text content parts are joined; the "developer" role is sent as "system");
   ``max_completion_tokens`` (or ``max_tokens``) defaults to the rest of ``max_model_len``;
-  ``logprobs`` with ``top_logprobs`` (0-20). ``tools`` and a ``response_format`` other than
-  text answer 400. ``add_generation_prompt`` and ``chat_template_kwargs`` go to the
+  ``logprobs`` with ``top_logprobs`` (0-20). A ``response_format`` other than text answers
+  400. Tool calling as OpenAI's: ``tools`` (function tools; a malformed one, e.g.
+  ``parameters`` that is not a JSON schema of an object, answers 400 with ``param``
+  "tools"), ``tool_choice`` ("auto", "none", "required" or a named function; a name no tool
+  has answers 400, ``param`` "tool_choice") and ``parallel_tool_calls``; the conversation may
+  hold assistant messages with ``tool_calls`` and ``role: "tool"`` messages with
+  ``tool_call_id``. The model's calls are parsed from its output in its chat template's
+  format (see ``asyncllm.engine.tool_calls``; a template without tool support answers
+  400): ``message.tool_calls`` (``content`` null when the message was only calls) and
+  ``finish_reason`` "tool_calls"; streamed, each call is one ``delta.tool_calls`` item
+  (``index``, ``id``, ``type``, ``function`` with ``name`` and the whole ``arguments``),
+  sent when its JSON is complete. "required" and a named function are asked for through
+  the prompt only (no grammar constraint yet), so the model may answer without a call.
+  ``add_generation_prompt`` and ``chat_template_kwargs`` go to the
   template; ``chat_template_kwargs`` holds template variables only (``enable_thinking``...):
   an ``apply_chat_template`` option (``chat_template``, ``tokenize``, ``return_dict``,
   ``tools``, ``documents``, ``truncation``...) there answers 400 (``chat_template`` is
@@ -85,9 +97,10 @@ fields are ignored. Each maps to the
 :class:`~asyncllm.SamplingParams` field of the same name and range.
 
 Responses: ``finish_reason`` is "stop" (EOS, a stop string or token; ``stop_reason`` names
-which) or "length". ``usage`` has ``prompt_tokens`` (once per prompt), ``completion_tokens``
-(all choices), ``total_tokens`` and ``prompt_tokens_details.cached_tokens`` (prompt tokens
-served from the prefix cache).
+which), "tool_calls" (chat with tools: the model made calls and stopped) or "length".
+``usage`` has ``prompt_tokens`` (once per prompt), ``completion_tokens`` (all choices),
+``total_tokens`` and ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the
+prefix cache).
 
 Streaming (``stream: true``): server-sent events ``data: {chunk}``, ended by
 ``data: [DONE]``. Chat streams start with one chunk per choice whose delta is

@@ -12,6 +12,10 @@ so a bad request still gets its status code and OpenAI's error JSON. Until then 
 watches for the client's disconnect; afterwards Starlette does, and closing the response's
 body closes every engine stream: a client that goes away aborts its requests and frees their
 KV blocks before the next step.
+
+Chat tool calls come from the engine already parsed (``RequestOutput.tool_calls``, see
+``AsyncEngine.chat``); this module only shapes them as OpenAI's ``message.tool_calls`` and
+``delta.tool_calls`` (numbered per choice).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from asyncllm.errors import (
     InvalidRequestError,
     QueueFull,
 )
-from asyncllm.outputs import RequestOutput
+from asyncllm.outputs import RequestOutput, ToolCall
 from asyncllm.server import protocol as p
 from asyncllm.server.metrics import RequestTracker, ServerMetrics
 
@@ -209,6 +213,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
     last: RequestOutput | None = None
     offset: int = 0  # legacy logprobs text offset
 
@@ -295,6 +300,8 @@ def accumulate(choice: _Choice, out: RequestOutput) -> None:
     choice.token_ids.extend(out.token_ids)
     if out.logprobs:
         choice.logprobs.extend(out.logprobs)
+    if out.tool_calls:
+        choice.tool_calls.extend(out.tool_calls)
     choice.last = out
 
 
@@ -555,8 +562,7 @@ class OpenAIServer:
             req = await read_json(request, p.ChatCompletionRequest, self.max_request_bytes)
             self._check_model(req.model)
             n = p.check_common(req, 1)
-            if req.tools:
-                raise p.APIError("tools are not supported", param="tools")
+            p.check_tools(req)
             fmt = (req.response_format or {}).get("type", "text")
             if fmt != "text":
                 shown = repr(fmt) if isinstance(fmt, str) else "other than text"
@@ -603,6 +609,9 @@ class OpenAIServer:
                 params,
                 add_generation_prompt=add_gen,
                 chat_template_kwargs=template_kwargs,
+                tools=req.tools,
+                tool_choice=req.tool_choice,
+                parallel_tool_calls=req.parallel_tool_calls is not False,
                 request_id=call.request_id,
                 priority=priority,
                 cache_salt=salt,
@@ -621,10 +630,14 @@ class OpenAIServer:
                 out = []
                 for c in choices:
                     assert c.last is not None
+                    message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
+                    if c.tool_calls:
+                        message["content"] = message["content"] or None
+                        message["tool_calls"] = [p.tool_call_json(t) for t in c.tool_calls]
                     out.append(
                         {
                             "index": c.index,
-                            "message": {"role": "assistant", "content": "".join(c.text)},
+                            "message": message,
                             "logprobs": chat_lps(c.token_ids, c.logprobs),
                             "finish_reason": c.last.finish_reason,
                             "stop_reason": c.last.stop_reason,
@@ -654,15 +667,26 @@ class OpenAIServer:
         ]
 
         def chunks(c: _Choice, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
-            if not out.text and out.finish_reason is None and not (req.logprobs and out.token_ids):
+            if (
+                not out.text
+                and not out.tool_calls
+                and out.finish_reason is None
+                and not (req.logprobs and out.token_ids)
+            ):
                 return []
+            delta: dict[str, Any] = {"content": out.text} if out.text else {}
+            if out.tool_calls:  # accumulate() has counted them: number them from there
+                k = len(c.tool_calls) - len(out.tool_calls)
+                delta["tool_calls"] = [
+                    p.tool_call_json(t, k + j) for j, t in enumerate(out.tool_calls)
+                ]
             return [
                 {
                     **head,
                     "choices": [
                         {
                             "index": c.index,
-                            "delta": {"content": out.text} if out.text else {},
+                            "delta": delta,
                             "logprobs": chat_lps(out.token_ids, out.logprobs or []),
                             "finish_reason": out.finish_reason,
                             "stop_reason": out.stop_reason,

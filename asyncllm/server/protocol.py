@@ -19,8 +19,9 @@ from typing import Any
 
 import msgspec
 
+from asyncllm.engine import tool_calls
 from asyncllm.errors import InvalidRequestError
-from asyncllm.outputs import PositionLogprobs
+from asyncllm.outputs import PositionLogprobs, ToolCall
 from asyncllm.sampling_params import SamplingParams
 
 #: The most choices one request may ask for (``n`` times the number of prompts).
@@ -112,7 +113,8 @@ class ChatCompletionRequest(_RequestBase, kw_only=True):
     ``chat_template_kwargs`` (template variables only, see :func:`chat_template_kwargs`)
     and ``add_generation_prompt`` are passed to the chat template; ``chat_template``
     replaces the model's only on a server started with ``--trust-request-chat-template``
-    (vLLM's extensions)."""
+    (vLLM's extensions). ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are
+    OpenAI's (see :func:`check_tools`)."""
 
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
@@ -120,10 +122,41 @@ class ChatCompletionRequest(_RequestBase, kw_only=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     chat_template: str | None = None
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    """Check ``tools`` and ``tool_choice`` (``asyncllm.engine.tool_calls``) before the
+    request reaches the engine.
+
+    Raises:
+        APIError: 400 naming the field: a malformed tool (``tools[i].function.parameters``
+            that is not a JSON schema of an object...), a ``tool_choice`` naming a
+            function no tool has, "required" without tools.
+    """
+    try:
+        tools = tool_calls.check_tools(req.tools) if req.tools is not None else None
+    except InvalidRequestError as e:
+        raise APIError(str(e), param="tools") from None
+    try:
+        tool_calls.check_tool_choice(req.tool_choice, tools)
+    except InvalidRequestError as e:
+        raise APIError(str(e), param="tool_choice") from None
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A call as OpenAI's ``message.tool_calls[]`` item, or with ``index`` as a streamed
+    ``delta.tool_calls[]`` item (the whole arguments in the call's one delta)."""
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    out.update(
+        {"id": call.id, "type": "function",
+         "function": {"name": call.name, "arguments": call.arguments}}
+    )  # fmt: skip
+    return out
 
 
 _PARAM_AT = re.compile(r"at `\$\.([A-Za-z_]+)")

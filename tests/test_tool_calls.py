@@ -1,0 +1,202 @@
+"""Tool-call parsing (asyncllm.engine.tool_calls) on fixed model outputs: whole, split at
+every (hypothesis-drawn) set of points, parallel calls, malformed JSON; and the checks of
+``tools``, ``tool_choice`` and assistant ``tool_calls`` messages."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncllm.engine import tool_calls as tc
+from asyncllm.errors import InvalidRequestError
+
+WEATHER = {"city": "Paris", "unit": "°C"}
+HERMES_TWO = (
+    "Let me look that up.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n'
+    "</tool_call>\n"
+    '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+)
+LLAMA_TWO = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}; '
+    '{"name": "get_time", "parameters": {"tz": "CET"}}'
+)
+LLAMA_ONE = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}'
+HERMES_BAD = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+LLAMA_BAD = '{"name": "get_weather", "parameters": {"city": "Paris"'
+
+# (format, model output, content, [(name, arguments)], error expected)
+CASES = [
+    (tc.HERMES, HERMES_TWO, "Let me look that up.\n",
+     [("get_weather", WEATHER), ("get_time", {"tz": "CET"})], False),
+    (tc.HERMES, "Just text, no call <tool_ here.", "Just text, no call <tool_ here.", [], False),
+    (tc.HERMES, HERMES_BAD, HERMES_BAD, [], True),
+    # unterminated, but complete JSON: taken (a model that stopped before the marker)
+    (tc.HERMES, '<tool_call>{"name": "f", "arguments": {}}', "", [("f", {})], False),
+    (tc.HERMES, '<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', [], True),
+    # the arguments written as a JSON string
+    (tc.HERMES, '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "",
+     [("f", {"a": 1})], False),
+    (tc.HERMES, '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}'
+     "</tool_call>", [], True),
+    (tc.LLAMA3_JSON, LLAMA_TWO, "", [("get_weather", WEATHER), ("get_time", {"tz": "CET"})],
+     False),
+    (tc.LLAMA3_JSON, LLAMA_ONE, "", [("get_weather", WEATHER)], False),
+    (tc.LLAMA3_JSON, "  " + LLAMA_ONE + "\n", "", [("get_weather", WEATHER)], False),
+    (tc.LLAMA3_JSON, LLAMA_BAD, LLAMA_BAD, [], True),
+    (tc.LLAMA3_JSON, "The answer is 4.", "The answer is 4.", [], False),
+    (tc.LLAMA3_JSON, '{"answer": 4}', '{"answer": 4}', [], False),  # JSON, not a call
+    (tc.LLAMA3_JSON, '{"name": 3, "parameters": {}}', '{"name": 3, "parameters": {}}', [],
+     True),
+]  # fmt: skip
+
+
+def _check(result: tuple[str, list, str | None], content, calls, error) -> None:
+    got_content, got_calls, got_error = result
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    assert (got_error is not None) == error, got_error
+    for c in got_calls:
+        assert c.id.startswith("call_") and len(c.id) == 29
+    assert len({c.id for c in got_calls}) == len(got_calls)
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls", "error"), CASES)
+def test_parse_whole(fmt, text, content, calls, error):
+    _check(tc.parse_tool_calls(text, fmt), content, calls, error)
+
+
+def _streamed(fmt: str, text: str, cuts: list[int]) -> tuple[str, list, str | None]:
+    parser = tc.ToolCallParser(fmt)
+    content, calls = [], []
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    for a, b in itertools.pairwise(bounds):
+        part, new = parser.feed(text[a:b])
+        content.append(part)
+        calls.extend(new)
+    part, new = parser.finish()
+    content.append(part)
+    calls.extend(new)
+    assert calls == parser.calls
+    return "".join(content), calls, parser.error
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls", "error"), CASES)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_parse_streamed_any_split(fmt, text, content, calls, error, data):
+    """Any split into deltas gives what the whole text gives."""
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    _check(_streamed(fmt, text, cuts), content, calls, error)
+
+
+def test_streamed_calls_arrive_when_complete():
+    """A call is delivered by the delta that completes it, content as soon as it is sure."""
+    parser = tc.ToolCallParser(tc.HERMES)
+    assert parser.feed("Checking <tool") == ("Checking ", [])  # "<tool" held back
+    assert parser.feed('_call>{"name": "f", "arguments": {"x": 1}') == ("", [])
+    content, calls = parser.feed("}</tool_call>")
+    assert content == "" and [c.name for c in calls] == ["f"]
+    assert parser.feed('\n<tool_call>{"name": "g"}</tool_call>')[1][0].name == "g"
+    assert parser.finish() == ("", [])
+    llama = tc.ToolCallParser(tc.LLAMA3_JSON)
+    assert llama.feed('{"name": "f", "parameters": {"x": 1}') == ("", [])
+    assert [c.name for c in llama.feed("}")[1]] == ["f"]
+
+
+def test_parallel_off_keeps_the_first_call():
+    parser = tc.ToolCallParser(tc.HERMES, parallel=False)
+    content, calls = parser.feed(HERMES_TWO)
+    more, last = parser.finish()
+    assert [c.name for c in calls + last] == ["get_weather"]
+    assert content + more == "Let me look that up.\n"
+
+
+@pytest.mark.parametrize(
+    ("template", "fmt"),
+    [
+        ("{% if tools %}<tools>{{ tools }}</tools> <tool_call>{% endif %}", tc.HERMES),
+        ('{% if tools %}{"name": function name, "parameters": ...}{% endif %}', tc.LLAMA3_JSON),
+    ],
+)
+def test_detect_format(template, fmt):
+    assert tc.detect_format(template) == fmt
+
+
+def test_detect_format_refuses_templates_without_tools():
+    with pytest.raises(InvalidRequestError, match="no tool support"):
+        tc.detect_format("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="format asyncllm does not parse"):
+        tc.detect_format("{% if tools %}[TOOL_CALLS]{% endif %}")
+
+
+def _tool(name="get_weather", **fn):
+    return {"type": "function", "function": {"name": name, **fn}}
+
+
+@pytest.mark.parametrize(
+    ("tools", "field"),
+    [
+        ([], "tools must be a non-empty list"),
+        ("get_weather", "tools must be a non-empty list"),
+        ([{"type": "retrieval"}], r"tools\[0\] must be"),
+        ([{"type": "function"}], r"tools\[0\].function must be an object"),
+        ([_tool("has space")], r"tools\[0\].function.name"),
+        ([_tool(), _tool()], r"tools\[1\].function.name 'get_weather' is given twice"),
+        ([_tool(parameters={"type": "string"})], r"tools\[0\].function.parameters"),
+        ([_tool(parameters=["city"])], r"tools\[0\].function.parameters"),
+        ([_tool(description=3)], r"tools\[0\].function.description"),
+    ],
+)
+def test_check_tools_names_the_field(tools, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        tc.check_tools(tools)
+
+
+def test_check_tool_choice():
+    tools = tc.check_tools([_tool(parameters={"type": "object"}), _tool("get_time")])
+    assert tc.check_tool_choice(None, tools) == "auto"
+    assert tc.check_tool_choice(None, None) == "none"
+    assert tc.check_tool_choice("required", tools) == "required"
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert tc.check_tool_choice(named, tools) == "get_time"
+    with pytest.raises(InvalidRequestError, match="'nope', which is not in tools"):
+        tc.check_tool_choice({"type": "function", "function": {"name": "nope"}}, tools)
+    with pytest.raises(InvalidRequestError, match="tool_choice must be"):
+        tc.check_tool_choice("always", tools)
+    with pytest.raises(InvalidRequestError, match="needs tools"):
+        tc.check_tool_choice("required", None)
+
+
+def test_call_schema_is_the_grammar_hook():
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = tc.check_tools([_tool(parameters=params), _tool("get_time")])
+    one = tc.call_schema(tools, "get_weather", tc.HERMES)
+    assert one["properties"] == {"name": {"const": "get_weather"}, "arguments": params}
+    both = tc.call_schema(tools, "required", tc.LLAMA3_JSON)
+    assert [b["properties"]["name"]["const"] for b in both["anyOf"]] == [
+        "get_weather",
+        "get_time",
+    ]
+    assert "parameters" in both["anyOf"][0]["required"]
+
+
+def test_template_messages_decode_arguments():
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": '{"a": 1}'}}  # fmt: skip
+    messages = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    out = tc.template_messages(messages)
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # untouched
+    tc.check_message_tool_calls(0, messages[0])
+    bad = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}
+    with pytest.raises(InvalidRequestError, match=r"messages\[2\].tool_calls\[0\]"):
+        tc.check_message_tool_calls(2, bad)
+    with pytest.raises(InvalidRequestError, match="must be a JSON object"):
+        tc.check_message_tool_calls(
+            0, {"tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}
+        )

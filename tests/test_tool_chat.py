@@ -1,0 +1,321 @@
+"""Tool calling through ``AsyncEngine.chat`` and the server's /v1/chat/completions.
+
+The tiny random model does not write tool calls on its own, so its output is scripted (the
+sampler's choice replaced: ``script_output``); everything else (the template rendering the
+tools, detokenization, streaming, parsing) is the real path. Two copies of the tiny Llama
+get tool-capable templates: Hermes/Qwen style (``<tool_call>``) and Llama 3 JSON style.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from asyncllm import InvalidRequestError, SamplingParams
+from asyncllm.engine.async_engine import collect
+from asyncllm.engine.tool_calls import HERMES_TEMPLATE
+from tests.conftest import script_output
+
+LLAMA3_TEMPLATE = """\
+{%- if tools %}<|start_header_id|>user<|end_header_id|>
+
+Given the following functions, respond with a JSON for a function call. Respond in the \
+format {"name": function name, "parameters": dictionary of argument name and its value}.
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|eot_id|>{% endif %}
+{%- for message in messages %}<|start_header_id|>{{ message.role }}<|end_header_id|>
+
+{% if message.tool_calls %}{% for call in message.tool_calls %}{"name": "\
+{{ call.function.name }}", "parameters": {{ call.function.arguments | tojson }}}\
+{% endfor %}{% else %}{{ message.content }}{% endif %}<|eot_id|>{% endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "Weather and time in Paris?"}]
+HERMES_OUT = (
+    "Checking.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+LLAMA_OUT = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+SMALL = dict(block_size=4, kv_cache_bytes=2**21, max_num_seqs=4)
+PARAMS = SamplingParams(max_tokens=80, temperature=0.0)
+
+
+def _with_template(src: pathlib.Path, dst: pathlib.Path, template: str) -> pathlib.Path:
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.chat_template = template
+    tok.save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def hermes_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: pathlib.Path):
+    """The tiny Llama with a Hermes/Qwen-style tool template."""
+    return _with_template(tiny_llama_dir, tmp_path_factory.mktemp("hermes"), HERMES_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def llama3_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: pathlib.Path):
+    """The tiny Llama with a Llama 3-style tool template."""
+    return _with_template(tiny_llama_dir, tmp_path_factory.mktemp("llama3"), LLAMA3_TEMPLATE)
+
+
+def _calls(out: Any) -> list[tuple[str, Any]]:
+    return [(c.name, json.loads(c.arguments)) for c in out.tool_calls or ()]
+
+
+async def test_hermes_calls_streamed_and_whole(hermes_dir, make_engine):
+    engine = make_engine(hermes_dir, **SMALL)
+    script_output(engine, HERMES_OUT)
+    async with engine:
+        items = [out async for out in engine.chat(ASK, PARAMS, tools=TOOLS)]
+        # the prompt rendered the tools
+        prompt = engine.tokenizer.decode(items[-1].prompt_token_ids)
+        assert "<tools>" in prompt and '"get_weather"' in prompt
+        streamed = [c for it in items for c in it.tool_calls or ()]
+        assert [c.name for c in streamed] == ["get_weather", "get_time"]
+        assert "".join(it.text for it in items) == "Checking.\n"
+        assert items[-1].finish_reason == "tool_calls" and items[-1].tool_call_error is None
+        # each call arrives once, on the item whose text completed it
+        assert len({c.id for c in streamed}) == 2
+        whole = await collect(engine.chat(ASK, PARAMS, tools=TOOLS), "delta")
+        assert _calls(whole) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+        assert whole.text == "Checking.\n" and whole.finish_reason == "tool_calls"
+        # the token ids are the model's own, call text included
+        assert engine.tokenizer.decode(whole.token_ids, skip_special_tokens=True) == HERMES_OUT
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "final"])
+async def test_llama3_json_calls_other_output_kinds(llama3_dir, make_engine, kind):
+    engine = make_engine(llama3_dir, **SMALL)
+    script_output(engine, LLAMA_OUT)
+    params = SamplingParams(max_tokens=40, temperature=0.0, output_kind=kind, n=2)
+    async with engine:
+        items = [out async for out in engine.chat(ASK, params, tools=TOOLS)]
+    for index in (0, 1):  # each parallel sample parsed on its own
+        last = [it for it in items if it.index == index][-1]
+        assert _calls(last) == [("get_weather", {"city": "Paris"})]
+        assert last.text == "" and last.finish_reason == "tool_calls"
+
+
+async def test_no_calls_and_tool_choice_none(hermes_dir, make_engine):
+    engine = make_engine(hermes_dir, **SMALL)
+    script_output(engine, HERMES_OUT)
+    async with engine:
+        plain = await collect(engine.chat(ASK, PARAMS, tools=TOOLS, tool_choice="none"), "delta")
+        assert plain.text == HERMES_OUT and plain.tool_calls is None
+        assert plain.finish_reason == "stop"
+        one = await collect(
+            engine.chat(ASK, PARAMS, tools=TOOLS, parallel_tool_calls=False), "delta"
+        )
+        assert [c.name for c in one.tool_calls] == ["get_weather"]
+
+
+async def test_malformed_call_is_content_with_an_error(hermes_dir, make_engine):
+    engine = make_engine(hermes_dir, **SMALL)
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    script_output(engine, bad)
+    async with engine:
+        out = await collect(engine.chat(ASK, PARAMS, tools=TOOLS), "delta")
+        assert out.text == bad and out.tool_calls is None
+        assert out.finish_reason == "stop" and "invalid JSON" in out.tool_call_error
+        # "required" that the model did not honour: said so (no grammar yet)
+        script_output(engine, "No call.")
+        named = {"type": "function", "function": {"name": "get_time"}}
+        out = await collect(engine.chat(ASK, PARAMS, tools=TOOLS, tool_choice=named), "delta")
+        assert out.text == "No call." and "made none" in out.tool_call_error
+        prompt = engine.tokenizer.decode(out.prompt_token_ids)
+        assert '"get_time"' in prompt and '"get_weather"' not in prompt  # the named tool only
+
+
+async def test_tool_messages_reach_the_template(hermes_dir, make_engine):
+    """An assistant turn with OpenAI tool_calls (JSON-string arguments) and the tool's answer."""
+    engine = make_engine(hermes_dir, **SMALL)
+    script_output(engine, "It is sunny.")
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    async with engine:
+        out = await collect(engine.chat(messages, PARAMS, tools=TOOLS), "delta")
+    prompt = engine.tokenizer.decode(out.prompt_token_ids)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+    assert out.text == "It is sunny." and out.finish_reason == "stop" and out.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "array"}}}]}, r"tools\[0\].function.parameters"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "'nope', which is not in tools"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tools": TOOLS, "chat_template_kwargs": {"tools": TOOLS}}, "give tools once"),
+    ],
+)  # fmt: skip
+async def test_bad_tool_arguments_are_refused(hermes_dir, make_engine, kwargs, message):
+    engine = make_engine(hermes_dir, **SMALL)
+    async with engine:
+        with pytest.raises(InvalidRequestError, match=message):
+            await collect(engine.chat(ASK, PARAMS, **kwargs), "delta")
+        bad_call = [*ASK, {"role": "assistant", "tool_calls": [{"function": {"name": 1}}]}]
+        with pytest.raises(InvalidRequestError, match=r"messages\[1\].tool_calls\[0\]"):
+            await collect(engine.chat(bad_call, PARAMS), "delta")
+        out = await collect(engine.chat(ASK, SamplingParams(max_tokens=2)), "delta")
+        assert out.num_generated_tokens == 2  # the engine is unaffected
+
+
+async def test_template_without_tool_support(tiny_llama_dir, make_engine):
+    engine = make_engine(tiny_llama_dir, **SMALL)
+    async with engine:
+        with pytest.raises(InvalidRequestError, match="no tool support"):
+            await collect(engine.chat(ASK, PARAMS, tools=TOOLS), "delta")
+        # tool_choice "none" parses nothing, so it needs no format
+        out = await collect(
+            engine.chat(ASK, SamplingParams(max_tokens=2), tools=TOOLS, tool_choice="none"),
+            "delta",
+        )
+        assert out.num_generated_tokens == 2
+
+
+# ----------------------------------------------------------------------------- server
+
+
+@pytest.fixture(scope="module")
+def hermes_server(hermes_dir):
+    from asyncllm import AsyncEngine
+    from asyncllm.server import create_app
+    from tests.conftest import check_pool_whole
+    from tests.test_server import serving
+
+    engine = AsyncEngine.from_pretrained(str(hermes_dir), **SMALL)
+    script_output(engine, HERMES_OUT)
+    with serving(create_app(engine, "tiny")) as base:
+        yield base, engine
+    check_pool_whole(engine)
+
+
+def _client(base: str) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+
+def test_server_tool_calls(hermes_server):
+    base, _ = hermes_server
+    client = _client(base)
+    resp = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking.\n"
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris"}),
+        ("function", "get_time", {}),
+    ]
+    # the loop's next turn: the calls and their results go back to the model
+    messages = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        *[{"role": "tool", "tool_call_id": c.id, "content": "21 C"} for c in calls],
+    ]
+    # (without tools this time: the tiny model's 256 positions hold no more)
+    again = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=80, temperature=0
+    )
+    assert again.choices[0].finish_reason == "stop"  # no tools: nothing parsed
+    assert again.choices[0].message.content == HERMES_OUT
+    one = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, parallel_tool_calls=False, max_tokens=80
+    )
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+
+
+def test_server_streams_tool_calls_as_openai_does(hermes_server):
+    base, _ = hermes_server
+    client = _client(base)
+    deltas = []
+    stream = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, stream=True
+    )
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            deltas.extend(choice.delta.tool_calls or ())
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(d.index, d.type, d.function.name) for d in deltas] == [
+        (0, "function", "get_weather"),
+        (1, "function", "get_time"),
+    ]
+    assert all(d.id and d.id.startswith("call_") for d in deltas)
+    # the client's own stream helper reassembles the message
+    with client.chat.completions.stream(
+        model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0
+    ) as helper:
+        final = helper.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == "Checking.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "string"}}}]}, "tools", "parameters must be a JSON schema"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice", "not in tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {
+            "name": "f", "arguments": "{oops"}}]}]}, None, "not valid JSON"),
+    ],
+)  # fmt: skip
+def test_server_bad_tools_are_400(hermes_server, body, param, message):
+    import httpx
+
+    base, engine = hermes_server
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": "tiny", "messages": ASK, "max_tokens": 4, **body},
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert message in err["message"]
+    assert engine.health() == "running"
+    ok = _client(base).chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
