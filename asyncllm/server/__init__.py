@@ -55,15 +55,21 @@ Endpoints:
   of token-id lists (one choice per prompt and sample, index = prompt x n + sample).
   ``max_tokens`` defaults to 16. ``echo`` prepends the prompt; ``logprobs`` (0-20) returns
   OpenAI's legacy logprobs object. ``suffix``, and ``echo`` with ``logprobs``, answer 400.
+- ``response_format`` (both generation endpoints): ``{"type": "text"}`` (the default),
+  ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema", "json_schema":
+  {"name": ..., "schema": {...}}}`` constrains decoding (``SamplingParams.structured_outputs``,
+  xgrammar); a complete document ends with ``finish_reason`` "stop", one cut by
+  ``max_tokens`` with "length". Another type, a malformed ``json_schema`` or a schema the
+  grammar engine cannot compile answers 400 with ``param`` "response_format".
 - ``POST /v1/chat/completions``: ``messages`` are rendered by the model's chat template
   (text content parts are joined; the "developer" role is sent as "system");
   ``max_completion_tokens`` (or ``max_tokens``) defaults to the rest of ``max_model_len``;
-  ``logprobs`` with ``top_logprobs`` (0-20). ``tools`` and a ``response_format`` other than
-  text answer 400. ``add_generation_prompt`` and ``chat_template_kwargs`` go to the
-  template; ``chat_template_kwargs`` holds template variables only (``enable_thinking``...):
-  an ``apply_chat_template`` option (``chat_template``, ``tokenize``, ``return_dict``,
-  ``tools``, ``documents``, ``truncation``...) there answers 400 (``chat_template`` is
-  allowed with ``--trust-request-chat-template``, as is a top-level ``chat_template``).
+  ``logprobs`` with ``top_logprobs`` (0-20). ``tools`` answer 400. ``add_generation_prompt``
+  and ``chat_template_kwargs`` go to the template; ``chat_template_kwargs`` holds template
+  variables only (``enable_thinking``...): an ``apply_chat_template`` option
+  (``chat_template``, ``tokenize``, ``return_dict``, ``tools``, ``documents``,
+  ``truncation``...) there answers 400 (``chat_template`` is allowed with
+  ``--trust-request-chat-template``, as is a top-level ``chat_template``).
 - Logprobs name each token by its own bytes (the tokenizer's token-to-bytes mapping): chat
   ``bytes`` are those bytes, and a token that holds part of a UTF-8 character is named
   OpenAI's way, ``"bytes:\\xe6"`` (``bytes`` ``[230]``); the legacy ``text_offset`` is in
