@@ -353,7 +353,10 @@ def _apply_grammar(logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch
 
     assert batch.token_bitmask is not None
     bitmask, rows = batch.token_bitmask
-    if logits.data_ptr() == raw.data_ptr():  # float32 logits untouched so far: keep raw
+    # float32 logits untouched so far are the raw ones: keep those for logprobs and for the
+    # rows below (else mask in place: a copy of a [64, 49152] batch costs milliseconds).
+    keep_raw = batch.max_num_logprobs is not None or batch.banned is not None
+    if keep_raw and logits.data_ptr() == raw.data_ptr():
         logits = logits.clone()
     apply_token_bitmask(logits, bitmask, rows)
     if batch.banned is not None:
