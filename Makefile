@@ -4,7 +4,8 @@ PROMPT ?= What is the capital of France?
 
 .PHONY: setup demo test lint
 
-# torch==2.13.0 first: on a CPU machine an unpinned torch would pull a multi-GB CUDA build.
+# torch==2.13.0 first: on a CPU machine an unpinned torch would pull a multi-GB CUDA build
+# (xgrammar, a dependency, asks only torch>=1.10, so this CPU build stays).
 setup:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[dev]"

@@ -14,7 +14,7 @@ from asyncllm.errors import (
 )
 from asyncllm.llm import LLM
 from asyncllm.outputs import Logprob, RequestMetrics, RequestOutput, ToolCall
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -31,6 +31,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "ToolCall",
     "UnsupportedModelError",
 ]

@@ -14,7 +14,9 @@ How the logits of one step become a token (:mod:`asyncllm.worker.sampler`), in v
 2. ``logit_bias`` is added; while fewer than ``min_tokens`` tokens are generated the EOS and
    ``stop_token_ids`` logits are set to -inf.
 3. Penalties (definitions below) are applied.
-4. Greedy rows (``temperature`` < 1e-5, or ``top_k`` == 1) take the argmax here; the others
+4. ``structured_outputs``: tokens the request's grammar does not allow next are set to -inf
+   (xgrammar's token bitmask), so that nothing below can pick them.
+5. Greedy rows (``temperature`` < 1e-5, or ``top_k`` == 1) take the argmax here; the others
    divide by ``temperature``, then apply ``min_p``, ``top_k``, ``top_p`` and draw.
 
 Penalties, with ``l[v]`` the logit of token ``v`` and ``c[v]`` how often ``v`` occurs among
@@ -31,9 +33,10 @@ the tokens generated so far:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -95,6 +98,108 @@ def _token_id(name: str, value: object) -> int:
     return value  # type: ignore[return-value]
 
 
+#: The fields of :class:`StructuredOutputsParams` of which exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Constrain a request's output to a JSON schema, any JSON object, a regex, one of a
+    list of strings, or an EBNF grammar (vLLM's ``StructuredOutputsParams``, the same field
+    names). Exactly one of the five is set.
+
+    Decoding masks, at every step, the tokens that cannot continue a valid output (xgrammar,
+    the grammar engine of vLLM and SGLang: https://github.com/mlc-ai/xgrammar); when the
+    grammar is complete only EOS is allowed, and the request ends with finish_reason "stop"
+    (or "length" if ``max_tokens`` comes first: the output is then a valid prefix only).
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text). Properties are generated in the
+            schema's order; properties the schema does not list are not generated (xgrammar's
+            strict mode, as vLLM).
+        json_object: True: any JSON object (OpenAI's ``response_format`` "json_object").
+        regex: a regular expression the whole output matches (xgrammar's dialect: no
+            lookaround, no backreferences, no word boundaries).
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar in xgrammar's (GBNF-like) syntax with a ``root`` rule.
+        disable_any_whitespace: JSON (``json``, ``json_object``) in one fixed layout, on one
+            line (``{"a": 1, "b": [2, 3]}``); by default any whitespace may appear between
+            JSON tokens (a model may then write whitespace until ``max_tokens``).
+
+    Raises:
+        InvalidRequestError: not exactly one kind set, a field of the wrong type, or a
+            ``json`` text that is not JSON; the message names the field. Whether the
+            backend can compile the grammar is checked when the request is submitted
+            (a schema, regex or grammar it cannot compile: InvalidRequestError naming
+            ``structured_outputs.<field>``).
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Validate the fields (see the class docstring)."""
+        name = "structured_outputs"
+        set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise InvalidRequestError(
+                f"{name} must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+                f"got {set_kinds or 'none'}"
+            )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise InvalidRequestError(f"{name}.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError(
+                    f"{name}.json must be a JSON schema (an object), got {self.json!r:.100}"
+                )
+        if self.json_object is not None:
+            _bool(f"{name}.json_object", self.json_object)
+        for field in ("regex", "grammar"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{name}.{field} must be a non-empty str, got {value!r}")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise InvalidRequestError(
+                f"{name}.choice must be a non-empty list of str, got {self.choice!r:.100}"
+            )
+        _bool(f"{name}.disable_any_whitespace", self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: one of :data:`STRUCTURED_OUTPUT_KINDS`."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> tuple[str, str, bool]:
+        """``(kind, text, disable_any_whitespace)``: equal for requests that compile to the
+        same grammar (a schema dict by its JSON text, properties in order)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, str):
+            text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        elif kind == "choice":
+            text = json.dumps(list(value), ensure_ascii=False)
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = value
+        return kind, text, self.disable_any_whitespace
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to sample one request's tokens, when to stop, and what to return.
 
@@ -147,6 +252,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         output_kind: what each streamed item holds: "delta" (what is new since the
             previous item), "cumulative" (everything so far) or "final" (one item, at the
             end, with everything).
+        structured_outputs: constrain the output to a JSON schema, a regex, a choice or a
+            grammar (:class:`StructuredOutputsParams`; a dict is converted to one). Each
+            parallel sample follows the grammar on its own. ``logprobs`` stay the model's
+            raw ones (tokens the grammar masks keep their logprob). None: unconstrained.
 
     Raises:
         InvalidRequestError: a field of the wrong type or outside its range; the message
@@ -173,6 +282,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     output_kind: OutputKind = "delta"
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _int("n", self.n, 1, MAX_N)
@@ -205,6 +315,22 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(
                 f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}"
             )
+        self.structured_outputs = self._check_structured(self.structured_outputs)
+
+    @staticmethod
+    def _check_structured(value: object) -> StructuredOutputsParams | None:
+        if value is None or isinstance(value, StructuredOutputsParams):
+            if value is not None:
+                value.check()  # a field may have been set since construction
+            return value
+        if not isinstance(value, Mapping):
+            raise InvalidRequestError(
+                f"structured_outputs must be StructuredOutputsParams or a dict, got {value!r:.100}"
+            )
+        try:
+            return msgspec.convert(dict(value), StructuredOutputsParams)
+        except msgspec.ValidationError as e:
+            raise InvalidRequestError(f"structured_outputs: {e}") from None
 
     @staticmethod
     def _check_stop(stop: object) -> list[str]:

@@ -241,9 +241,9 @@ async def test_all_torch_work_runs_on_the_compute_thread(tiny_llama_dir, make_en
     threads: set[str] = set()
     real = core.runner.execute
 
-    def execute(plan):
+    def execute(plan, *args):
         threads.add(threading.current_thread().name)
-        return real(plan)
+        return real(plan, *args)
 
     core.runner.execute = execute
     async with engine:

@@ -78,7 +78,38 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
     "output_kind": st.one_of(
         st.text().filter(lambda s: s not in ("delta", "cumulative", "final")), st.integers()
     ),
+    "structured_outputs": st.one_of(
+        st.integers(),
+        st.text(),
+        st.just({}),  # none of the kinds
+        st.just({"regex": "a", "choice": ["a"]}),  # two kinds
+        st.just({"json_object": False}),  # False is "not set"
+        st.fixed_dictionaries({"regex": st.one_of(st.integers(), st.just(""))}),
+        st.fixed_dictionaries({"grammar": st.one_of(st.integers(), st.just(""))}),
+        st.fixed_dictionaries({"json": st.one_of(st.integers(), st.lists(st.integers()))}),
+        st.fixed_dictionaries({"json": st.sampled_from(["{", '{"type":', "[1]", "nope"])}),
+        st.fixed_dictionaries(
+            {"choice": st.one_of(st.just([]), st.text(), st.lists(st.integers(), min_size=1))}
+        ),
+        st.fixed_dictionaries({"json_object": st.one_of(st.integers(), st.text(min_size=1))}),
+        st.fixed_dictionaries({"json_object": st.just(True), "disable_any_whitespace": NOT_BOOLS}),
+        st.fixed_dictionaries({"regex": st.just("a"), "unknown_field": st.integers()}),
+    ),
 }
+
+VALID_STRUCTURED = st.one_of(
+    st.none(),
+    st.fixed_dictionaries(
+        {"json": st.just({"type": "object", "properties": {"a": {"type": "integer"}}})}
+    ),
+    st.fixed_dictionaries({"json": st.just('{"type": "string"}')}),
+    st.fixed_dictionaries({"json_object": st.just(True)}),
+    st.fixed_dictionaries({"regex": st.text(min_size=1)}),
+    st.fixed_dictionaries({"choice": st.lists(st.text(), min_size=1)}),
+    st.fixed_dictionaries(
+        {"grammar": st.text(min_size=1)}, optional={"disable_any_whitespace": st.booleans()}
+    ),
+)
 
 
 def test_every_field_has_an_invalid_strategy():
@@ -121,6 +152,7 @@ VALID = st.fixed_dictionaries(
         ),
         "skip_special_tokens": st.booleans(),
         "output_kind": st.sampled_from(["delta", "cumulative", "final"]),
+        "structured_outputs": VALID_STRUCTURED,
     },
 )
 

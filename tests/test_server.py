@@ -565,3 +565,85 @@ def test_serve_command(tiny_llama_dir: Any) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def _no_whitespace_bias(engine: AsyncEngine) -> dict[str, int]:
+    """logit_bias -100 on the whitespace-only tokens: JSON with any whitespace (what
+    response_format asks) then ends on a random model instead of running to max_tokens;
+    the grammar still decides which tokens are possible."""
+    tok = engine.tokenizer
+    return {str(i): -100 for i in range(len(tok)) if tok.decode([i]).isspace()}
+
+
+def test_response_format_json_schema_and_object(
+    served: tuple[str, AsyncEngine], client: openai.OpenAI
+) -> None:
+    from typing import Literal
+
+    import pydantic
+
+    base, engine = served
+
+    class Forecast(pydantic.BaseModel):
+        city: Literal["paris", "rome", "oslo"]
+        days: int = pydantic.Field(ge=1, le=7)
+        rain: bool
+        tags: list[Literal["a", "b"]] = pydantic.Field(max_length=2)
+
+    bias = _no_whitespace_bias(engine)
+    for seed in range(4):
+        done = client.chat.completions.parse(
+            model=MODEL, messages=CHAT, response_format=Forecast, max_completion_tokens=60,
+            seed=seed, logit_bias=bias,
+        )  # fmt: skip
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Forecast)
+    doc_schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
+    schema = {"type": "json_schema", "json_schema": {"name": "F", "schema": doc_schema}}
+    for endpoint, body in (
+        ("completions", {"prompt": "x"}),
+        ("chat/completions", {"messages": CHAT}),
+    ):
+        for fmt in (schema, {"type": "json_object"}):
+            for stream in (False, True):
+                r = httpx.post(f"{base}/v1/{endpoint}", json={
+                    **body, "response_format": fmt, "max_tokens": 60, "seed": 3,
+                    "logit_bias": bias, "stream": stream}, timeout=30)  # fmt: skip
+                assert r.status_code == 200, r.text
+                if stream:
+                    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                              if line.startswith("data: {")]  # fmt: skip
+                    parts = [c["choices"][0] for c in chunks if c["choices"]]
+                    text = "".join(
+                        c["text"] if "text" in c else c["delta"].get("content") or "" for c in parts
+                    )
+                    reason = parts[-1]["finish_reason"]
+                else:
+                    ch = r.json()["choices"][0]
+                    text = ch["text"] if "text" in ch else ch["message"]["content"]
+                    reason = ch["finish_reason"]
+                if fmt is schema:  # a short document: always complete
+                    assert reason == "stop" and json.loads(text)["n"] in (1, 2, 3)
+                elif reason == "stop":  # any object: random strings may reach max_tokens
+                    assert isinstance(json.loads(text, strict=False), dict)
+                else:
+                    assert reason == "length" and text.startswith("{")
+    # Bad formats and schemas the engine cannot compile: 400 naming response_format.
+    bad_formats: list[Any] = [
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        {"type": "json_schema", "json_schema": {"schema": {}}},  # no name
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
+        {"type": "yaml"},
+    ]
+    for fmt in bad_formats:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.chat.completions.create(
+                    model=MODEL, messages=CHAT, max_tokens=5, response_format=fmt, stream=stream
+                )
+            assert bad.value.body["param"] == "response_format", bad.value.body  # type: ignore[index]
+    ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert ok.choices[0].message.content is not None
+    wait_for(lambda: idle(engine))
+    assert len(engine._engine.grammar_matchers) == 0

@@ -449,13 +449,19 @@ class Scheduler:
             tokens += head.num_tokens - head.num_computed_tokens
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: Mapping[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, int],
+        finished: Mapping[str, RequestStatus] | None = None,
     ) -> list[RequestUpdate]:
         """Advance the requests of a finished step and apply stop conditions.
 
         Args:
             output: the plan that ran.
             sampled: request id -> the token sampled for it (chunks with ``sample``).
+            finished: request id -> a finished status the worker decided for the sampled
+                token (a grammar that is complete), applied after the token is appended and
+                before the request's own stop conditions.
 
         Returns:
             One update per sampled request still running; finished requests' blocks are freed.
@@ -477,6 +483,8 @@ class Scheduler:
                 continue
             token = sampled[chunk.request_id]
             status = request.append_token(token)
+            if finished and chunk.request_id in finished:
+                status = finished[chunk.request_id]
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

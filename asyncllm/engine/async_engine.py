@@ -17,7 +17,10 @@ the caller's id.
 Text prompts and chat templates are tokenized on a small thread pool of the front end (never
 on the event loop, never on the engine's compute thread, which alone does torch work); a
 text too long to fit ``max_model_len`` is refused before any tokenization
-(``LLMEngine.check_prompt_chars``).
+(``LLMEngine.check_prompt_chars``). Grammars (``SamplingParams.structured_outputs``) are
+compiled on another thread of the front end, with a cache (``LLMEngine.compile_grammar``),
+before the request is queued: a grammar that does not compile fails only its call, and a
+slow compile holds neither the step loop nor tokenization.
 """
 
 from __future__ import annotations
@@ -67,12 +70,13 @@ class _Call:
         live: requests whose state has no finish reason yet.
     """
 
-    __slots__ = ("live", "queued", "requests")
+    __slots__ = ("grammar", "live", "queued", "requests")
 
-    def __init__(self, requests: list[Request]) -> None:
+    def __init__(self, requests: list[Request], grammar: Any = None) -> None:
         self.requests = requests
         self.queued = True
         self.live = len(requests)
+        self.grammar = grammar  # the compiled structured_outputs grammar, or None
 
 
 class AsyncEngine:
@@ -114,6 +118,7 @@ class AsyncEngine:
         # Tokenization and chat-template rendering, off the loop (one thread, as vLLM's
         # server: transformers' fast tokenizers are not meant for concurrent encodes).
         self._tokenize_pool: ThreadPoolExecutor | None = None
+        self._grammar_pool: ThreadPoolExecutor | None = None  # compiles structured_outputs
 
     @classmethod
     def from_pretrained(cls, model: str = "default", **config: Any) -> AsyncEngine:
@@ -148,6 +153,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._closing = False
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-tokenize")
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-grammar")
         self._engine.driven_by_async = True
         self._task = asyncio.create_task(self._run(), name="asyncllm-engine-loop")
         return self
@@ -178,10 +184,12 @@ class AsyncEngine:
             pass
         finally:
             self._task = None
-            if self._tokenize_pool is not None:
-                # A tokenization still running ends on its own; its call then sees _closing.
-                self._tokenize_pool.shutdown(wait=False)
-                self._tokenize_pool = None
+            for pool in (self._tokenize_pool, self._grammar_pool):
+                if pool is not None:
+                    # A tokenization or compile still running ends on its own; its call
+                    # then sees _closing.
+                    pool.shutdown(wait=False)
+            self._tokenize_pool = self._grammar_pool = None
             self._engine.stop_compute_thread()  # joins a step a cancelled task left running
             self._engine.driven_by_async = False
             if self._dead is not None:
@@ -494,10 +502,12 @@ class AsyncEngine:
                 "(from another thread: asyncio.run_coroutine_threadsafe, or the LLM facade)"
             )
 
-    async def _off_loop(self, fn: Callable[[], _T]) -> _T:
-        """``fn()`` on the tokenizer thread; then check the engine still takes calls."""
-        assert self._loop is not None and self._tokenize_pool is not None
-        result = await self._loop.run_in_executor(self._tokenize_pool, fn)
+    async def _off_loop(self, fn: Callable[[], _T], *, grammar: bool = False) -> _T:
+        """``fn()`` on the tokenizer thread (the grammar thread when ``grammar``); then
+        check the engine still takes calls."""
+        pool = self._grammar_pool if grammar else self._tokenize_pool
+        assert self._loop is not None and pool is not None
+        result = await self._loop.run_in_executor(pool, fn)
         self._check_running()
         return result
 
@@ -529,6 +539,12 @@ class AsyncEngine:
             raise InvalidRequestError(
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
+        grammar = None
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            params = msgspec.structs.replace(params)  # validated, and safe from the caller
+            grammar = await self._off_loop(
+                functools.partial(self._engine.compile_grammar, params), grammar=True
+            )
         make = functools.partial(
             self._engine.make_requests,
             f"{request_id}{SAMPLE_ID_SEP}{next(self._ids)}",  # unique for the engine's life
@@ -543,15 +559,15 @@ class AsyncEngine:
         else:
             self._engine.check_prompt_chars(len(text))
             requests = await self._off_loop(make)
-            if request_id in self._calls:  # taken while this one was tokenized
-                raise InvalidRequestError(f"duplicate request id {request_id!r}")
         limit = self.config.max_waiting
         if limit is not None and self._num_waiting() + len(requests) > limit:
             raise QueueFull(
                 f"{self._num_waiting()} requests are waiting and this one adds "
                 f"{len(requests)} (EngineConfig.max_waiting={limit}); try again later"
             )
-        call = _Call(requests)
+        if request_id in self._calls:  # taken while this one was tokenized or compiled
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        call = _Call(requests, grammar)
         self._calls[request_id] = call
         states = []
         for i, request in enumerate(requests):
@@ -584,9 +600,9 @@ class AsyncEngine:
             # Requests that ended while queued (abort, timeout) never reach the core.
             live = [r for r in call.requests if r.request_id in self._states]
             if len(call.requests) == 1 and live:
-                self._engine.add_request(live[0])
+                self._engine.add_request(live[0], call.grammar)
             elif live:
-                self._engine.add_parallel_requests(live)
+                self._engine.add_parallel_requests(live, call.grammar)
         self._inbox_add.clear()
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:

@@ -28,6 +28,7 @@ from asyncllm.engine.tool_calls import check_message_tool_calls, template_messag
 from asyncllm.errors import InvalidRequestError
 from asyncllm.models.loader import LoadedModel, load_model
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured_output import GrammarCompiler, GrammarMatchers
 from asyncllm.worker.kv_cache import KVCache, default_kv_cache_bytes
 from asyncllm.worker.model_runner import ModelRunner, kv_cache_spec
 from asyncllm.worker.offload import CPUOffloadPool
@@ -205,6 +206,10 @@ class LLMEngine:
             seed=config.seed,
             attention_backend=config.attention_backend,
         )
+        #: Compiles ``structured_outputs`` (cached; never on the compute thread).
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        #: The grammar matchers of the constrained requests, by internal request id.
+        self.grammar_matchers = GrammarMatchers(self.vocab_size, config.max_num_seqs)
         self.num_steps = 0
         self.num_generated_tokens = 0
 
@@ -541,14 +546,54 @@ class LLMEngine:
             r.group_id = request_id
         return samples
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request made by :meth:`make_request`."""
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of ``params.structured_outputs`` (xgrammar's
+        ``CompiledGrammar``, cached by the grammar's text), or None when unconstrained.
+        Takes milliseconds to seconds for a new grammar: call it off the event loop.
+
+        Raises:
+            InvalidRequestError: a schema, regex or grammar the backend cannot compile
+                (the message names ``structured_outputs.<field>``).
+            RuntimeError: called on the compute thread (it must never wait for a compile).
+        """
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        thread = self._compute_thread
+        if thread is not None and threading.get_ident() == thread.ident:
+            raise RuntimeError("grammars are compiled off the engine's compute thread")
+        return self.grammar_compiler.compile(spec)
+
+    def add_request(self, request: Request, grammar: Any = None) -> None:
+        """Queue a request made by :meth:`make_request`.
+
+        Args:
+            request: the request.
+            grammar: its :meth:`compile_grammar`, when its params have
+                ``structured_outputs``; compiled here when None.
+
+        Raises:
+            InvalidRequestError: its grammar cannot be compiled (nothing is queued).
+        """
+        self._add_matchers([request], grammar)
         self.scheduler.add_request(request)
 
-    def add_parallel_requests(self, samples: Sequence[Request]) -> None:
+    def _add_matchers(self, requests: Sequence[Request], grammar: Any) -> None:
+        """A grammar matcher for each request, when their params are constrained."""
+        params = requests[0].params
+        if params.structured_outputs is None:
+            return
+        if grammar is None:
+            grammar = self.compile_grammar(params)
+        for r in requests:
+            self.grammar_matchers.add(r.request_id, grammar)
+
+    def add_parallel_requests(self, samples: Sequence[Request], grammar: Any = None) -> None:
         """Queue the samples of one call made by :meth:`make_requests` so that they share
-        the prompt's KV blocks. Samples that score their prompt (``prompt_logprobs``) each
-        compute it, as separate requests."""
+        the prompt's KV blocks (each with a grammar matcher of its own when constrained;
+        ``grammar`` as in :meth:`add_request`). Samples that score their prompt
+        (``prompt_logprobs``) each compute it, as separate requests."""
+        self._add_matchers(samples, grammar)
         if samples[0].params.prompt_logprobs is not None:
             for r in samples:
                 self.scheduler.add_request(r)
@@ -561,6 +606,7 @@ class LLMEngine:
         """Finish a request from outside a step (an abort; a stop string the front end
         matched, with ``FINISHED_STOPPED``) and free its blocks; False if it was not in the
         engine."""
+        self.grammar_matchers.free((request_id,))
         return self.scheduler.abort_request(request_id, status) is not None
 
     def reset_prefix_cache(self) -> int:
@@ -600,8 +646,13 @@ class LLMEngine:
         if self.offload is not None and (plan.swap_out or plan.swap_in):
             self.offload.swap(plan.swap_out, plan.swap_in)
         self.kv_cache.copy_blocks(plan.copies)
-        out = self.runner.execute(plan) if plan.chunks else RunnerOutput({})
-        updates = self.scheduler.update_from_output(plan, out.sampled)
+        matchers = self.grammar_matchers
+        mask = matchers.fill([c.request_id for c in plan.chunks if c.sample])
+        out = self.runner.execute(plan, mask) if plan.chunks else RunnerOutput({})
+        finished = matchers.accept(out.sampled) if mask is not None else None
+        updates = self.scheduler.update_from_output(plan, out.sampled, finished)
+        if mask is not None:
+            matchers.free(u.request_id for u in updates if u.finish_reason is not None)
         self.num_steps += 1
         self.num_generated_tokens += len(updates)
         return StepOutput(updates, out)

@@ -55,11 +55,16 @@ Endpoints:
   of token-id lists (one choice per prompt and sample, index = prompt x n + sample).
   ``max_tokens`` defaults to 16. ``echo`` prepends the prompt; ``logprobs`` (0-20) returns
   OpenAI's legacy logprobs object. ``suffix``, and ``echo`` with ``logprobs``, answer 400.
+- ``response_format`` (both generation endpoints): ``{"type": "text"}`` (the default),
+  ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema", "json_schema":
+  {"name": ..., "schema": {...}}}`` constrains decoding (``SamplingParams.structured_outputs``,
+  xgrammar); a complete document ends with ``finish_reason`` "stop", one cut by
+  ``max_tokens`` with "length". Another type, a malformed ``json_schema`` or a schema the
+  grammar engine cannot compile answers 400 with ``param`` "response_format".
 - ``POST /v1/chat/completions``: ``messages`` are rendered by the model's chat template
   (text content parts are joined; the "developer" role is sent as "system");
   ``max_completion_tokens`` (or ``max_tokens``) defaults to the rest of ``max_model_len``;
-  ``logprobs`` with ``top_logprobs`` (0-20). A ``response_format`` other than text answers
-  400. Tool calling as OpenAI's: ``tools`` (function tools; a malformed one, e.g.
+  ``logprobs`` with ``top_logprobs`` (0-20). Tool calling as OpenAI's: ``tools`` (function tools; a malformed one, e.g.
   ``parameters`` that is not a JSON schema of an object, answers 400 with ``param``
   "tools"), ``tool_choice`` ("auto", "none", "required" or a named function; a name no tool
   has answers 400, ``param`` "tool_choice") and ``parallel_tool_calls``; the conversation may

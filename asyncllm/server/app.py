@@ -108,7 +108,9 @@ def api_error(exc: BaseException) -> p.APIError:
     if isinstance(exc, RecursionError):  # a deeply nested value from the body
         return p.APIError("the request is nested too deeply")
     if isinstance(exc, (InvalidRequestError, ValueError)):
-        return p.APIError(str(exc), 400)
+        # A grammar the engine cannot compile came from the request's response_format.
+        grammar = isinstance(exc, InvalidRequestError) and str(exc).startswith("structured_outputs")
+        return p.APIError(str(exc), 400, param="response_format" if grammar else None)
     logger.error("unexpected error in a request", exc_info=exc)
     return p.APIError(INTERNAL_ERROR, 500, type="server_error")
 
@@ -563,12 +565,6 @@ class OpenAIServer:
             self._check_model(req.model)
             n = p.check_common(req, 1)
             p.check_tools(req)
-            fmt = (req.response_format or {}).get("type", "text")
-            if fmt != "text":
-                shown = repr(fmt) if isinstance(fmt, str) else "other than text"
-                raise p.APIError(
-                    f"response_format {shown} is not supported", param="response_format"
-                )
             messages = p.chat_messages(req.messages)
             top = req.top_logprobs
             if top is not None and not req.logprobs:

@@ -22,7 +22,7 @@ import msgspec
 from asyncllm.engine import tool_calls
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import PositionLogprobs, ToolCall
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 #: The most choices one request may ask for (``n`` times the number of prompts).
 MAX_CHOICES = 128
@@ -94,6 +94,7 @@ class _RequestBase(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     priority: int | None = None
     cache_salt: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_RequestBase, kw_only=True):
@@ -123,7 +124,6 @@ class ChatCompletionRequest(_RequestBase, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     chat_template: str | None = None
@@ -197,6 +197,43 @@ def _sampling_error(e: ValueError, rename: Mapping[str, str]) -> APIError:
     return APIError(msg, param=param)
 
 
+def structured_outputs(response_format: Mapping[str, Any] | None) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format`` as :class:`StructuredOutputsParams`: ``{"type": "text"}``
+    (or none) is unconstrained, ``{"type": "json_object"}`` any JSON object, and
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``
+    the schema (vLLM's mapping; ``strict`` is accepted and the schema always enforced).
+
+    Raises:
+        APIError: 400 (``param`` "response_format") for another type or a malformed
+            ``json_schema``. Whether the schema compiles is checked by the engine.
+    """
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise APIError(
+            "response_format type must be 'text', 'json_object' or 'json_schema', got "
+            + (repr(kind[:50]) if isinstance(kind, str) else "a non-string"),
+            param="response_format",
+        )
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise APIError(
+            "response_format json_schema must be an object with a str 'name' and a 'schema' object",
+            param="response_format",
+        )
+    schema = spec.get("schema", {})  # OpenAI: no schema means any JSON
+    if not isinstance(schema, Mapping):
+        raise APIError(
+            "response_format json_schema.schema must be an object", param="response_format"
+        )
+    return StructuredOutputsParams(json=dict(schema))
+
+
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
     *,
@@ -235,6 +272,7 @@ def sampling_params(
         "stop_token_ids": req.stop_token_ids,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
+        "structured_outputs": structured_outputs(req.response_format),
     }
     kwargs = {k: v for k, v in fields.items() if v is not None}
     kwargs["max_tokens"] = max_tokens  # None means "until max_model_len"
@@ -245,7 +283,8 @@ def sampling_params(
     try:
         return SamplingParams(**kwargs, output_kind="delta")
     except (InvalidRequestError, ValueError, TypeError) as e:
-        raise _sampling_error(ValueError(str(e)), rename or {}) from None
+        rename = {"structured_outputs": "response_format", **(rename or {})}
+        raise _sampling_error(ValueError(str(e)), rename) from None
 
 
 def check_common(req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> int:

@@ -114,11 +114,21 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self,
+        plan: SchedulerOutput,
+        token_bitmask: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> RunnerOutput:
         """Run one step.
 
         Logits are kept for the sampled rows and, for requests with ``prompt_logprobs``, for
         the rows of their chunk that score prompt tokens.
+
+        Args:
+            plan: the scheduler's plan.
+            token_bitmask: the grammar mask of the sampled rows (in the order of the plan's
+                chunks with ``sample`` set), from ``GrammarMatchers.fill``; None: no row is
+                constrained.
 
         Returns:
             the sampled token of each chunk with ``sample`` set, and the logprobs asked for.
@@ -166,7 +176,11 @@ class ModelRunner:
         logits = self._forward(input_ids, positions, meta, keep)
         n = len(sample_rows)
         sampled = [c for c in plan.chunks if c.sample]
-        out = sample_chunks(self.sampler, logits[:n], sampled, dev) if n else RunnerOutput({})
+        out = (
+            sample_chunks(self.sampler, logits[:n], sampled, dev, token_bitmask)
+            if n
+            else RunnerOutput({})
+        )
         if prompt_rows:
             out.prompt_logprobs = prompt_logprobs(logits[n:], prompt_rows)
         return out

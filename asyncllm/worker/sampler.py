@@ -9,6 +9,12 @@ order (see :mod:`asyncllm.sampling_params` for each parameter's definition and s
 3. penalties: per-row token counts of the output (and a prompt mask for the repetition
    penalty) are built with one ``index_put_`` each over the flattened ids of the penalized
    rows, then applied as ``[B, V]`` tensor arithmetic;
+3b. ``structured_outputs``: the step's token bitmask (one per constrained row, filled by the
+   engine's grammar matchers) sets the tokens the grammar forbids to -inf, in one call of
+   xgrammar's kernel, after everything that could raise a logit and before everything that
+   picks a token: temperature, min-p, top-k and top-p only ever see allowed tokens. When a
+   grammar allows only tokens ``min_tokens`` bans (its output is complete: only EOS may
+   follow), the grammar wins for that row;
 4. greedy rows take the argmax; the others divide by their temperature, apply min-p on the
    probabilities, then top-k and top-p (:func:`top_k_top_p`: a cut-off logit per row found
    among its best few hundred logits, a full sort only for rows too flat to decide there),
@@ -78,6 +84,8 @@ class SamplingBatch:
         bias: ``([M], [M], [M])`` (row int64, token id int64, value float32) or None.
         banned: ``([K], [K])`` (row, token id) set to -inf (``min_tokens``), or None.
         num_logprobs: per row, None or how many top alternatives to return.
+        token_bitmask: ``(bitmask [>= B, ceil(V / 32)] int32 on CPU, constrained rows)``
+            from ``GrammarMatchers.fill`` (bit 0: the token is not allowed), or None.
     """
 
     temperatures: torch.Tensor
@@ -98,6 +106,7 @@ class SamplingBatch:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     num_logprobs: Sequence[int | None] = ()
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -106,8 +115,14 @@ class SamplingBatch:
         return max(asked) if asked else None
 
     @classmethod
-    def from_chunks(cls, chunks: Sequence[Any], device: torch.device) -> SamplingBatch:
-        """Build the batch of a step's sampled chunks (``ScheduledChunk`` s, in row order).
+    def from_chunks(
+        cls,
+        chunks: Sequence[Any],
+        device: torch.device,
+        token_bitmask: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> SamplingBatch:
+        """Build the batch of a step's sampled chunks (``ScheduledChunk`` s, in row order);
+        ``token_bitmask`` is kept as is (see the attribute).
 
         Reads each chunk's ``params`` (:class:`SamplingParams`), ``num_output_tokens``,
         ``stop_token_ids``, and, for penalized rows, the ``prompt_token_ids`` and
@@ -171,6 +186,7 @@ class SamplingBatch:
             bias=bias,
             banned=banned,
             num_logprobs=[p.logprobs for p in params],
+            token_bitmask=token_bitmask,
         )
 
 
@@ -294,6 +310,8 @@ class Sampler:
         if batch.repetition is not None:
             # An extreme (still valid) penalty can overflow to +-inf; keep softmax finite.
             logits = logits.clamp(-_MAX_LOGIT, _MAX_LOGIT)
+        if batch.token_bitmask is not None:
+            logits = _apply_grammar(logits, raw, batch)
         tokens = logits.argmax(dim=-1)
         if not batch.all_greedy:
             rows = [r for r, t in enumerate(batch.temperatures.tolist()) if t > 0]
@@ -327,6 +345,27 @@ class Sampler:
                 noise[i].uniform_(generator=self._row_generator)
         noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
         return (probs / noise).argmax(dim=-1)
+
+
+def _apply_grammar(logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask the tokens the rows' grammars forbid (see the module docstring, 3b)."""
+    from asyncllm.structured_output import apply_token_bitmask
+
+    assert batch.token_bitmask is not None
+    bitmask, rows = batch.token_bitmask
+    # float32 logits untouched so far are the raw ones: keep those for logprobs and for the
+    # rows below (else mask in place: a copy of a [64, 49152] batch costs milliseconds).
+    keep_raw = batch.max_num_logprobs is not None or batch.banned is not None
+    if keep_raw and logits.data_ptr() == raw.data_ptr():
+        logits = logits.clone()
+    apply_token_bitmask(logits, bitmask, rows)
+    if batch.banned is not None:
+        best = logits[rows].amax(dim=-1).tolist()
+        dead = [r for r, m in zip(rows, best, strict=True) if m == float("-inf")]
+        if dead:  # the grammar allows only banned (stop) tokens: the grammar wins
+            logits[dead] = raw[dead].float()
+            apply_token_bitmask(logits, bitmask, dead)
+    return logits
 
 
 #: Candidates :func:`top_k_top_p` examines before falling back to a full sort of a row.
@@ -459,11 +498,16 @@ def prompt_logprobs(
 
 
 def sample_chunks(
-    sampler: Sampler, logits: torch.Tensor, chunks: Sequence[Any], device: torch.device
+    sampler: Sampler,
+    logits: torch.Tensor,
+    chunks: Sequence[Any],
+    device: torch.device,
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None,
 ) -> RunnerOutput:
     """Sample the rows of ``chunks`` (the step's chunks with ``sample`` set, ``logits`` their
-    rows in order) and collect the logprobs they ask for."""
-    batch = SamplingBatch.from_chunks(chunks, device)
+    rows in order; ``token_bitmask`` the grammars' mask of those rows, or None) and collect
+    the logprobs they ask for."""
+    batch = SamplingBatch.from_chunks(chunks, device, token_bitmask)
     result = sampler(logits, batch)
     tokens = result.token_ids.tolist()
     out = RunnerOutput({c.request_id: t for c, t in zip(chunks, tokens, strict=True)})
