@@ -61,26 +61,26 @@ Endpoints:
   xgrammar); a complete document ends with ``finish_reason`` "stop", one cut by
   ``max_tokens`` with "length". Another type, a malformed ``json_schema`` or a schema the
   grammar engine cannot compile answers 400 with ``param`` "response_format".
-- ``POST /v1/chat/completions``: ``messages`` are rendered by the model's chat template
-  (text content parts are joined; the "developer" role is sent as "system");
+- ``POST /v1/chat/completions``: ``messages`` are rendered by the model's chat template (text
+  content parts are joined; the "developer" role is sent as "system");
   ``max_completion_tokens`` (or ``max_tokens``) defaults to the rest of ``max_model_len``;
-  ``logprobs`` with ``top_logprobs`` (0-20). Tool calling as OpenAI's: ``tools`` (function tools; a malformed one, e.g.
-  ``parameters`` that is not a JSON schema of an object, answers 400 with ``param``
-  "tools"), ``tool_choice`` ("auto", "none", "required" or a named function; a name no tool
-  has answers 400, ``param`` "tool_choice") and ``parallel_tool_calls``; the conversation may
-  hold assistant messages with ``tool_calls`` and ``role: "tool"`` messages with
-  ``tool_call_id``. The model's calls are parsed from its output in its chat template's
-  format (see ``asyncllm.engine.tool_calls``; a template without tool support answers
-  400): ``message.tool_calls`` (``content`` null when the message was only calls) and
+  ``logprobs`` with ``top_logprobs`` (0-20). Tool calling as OpenAI's: ``tools`` (function
+  tools; a malformed one, e.g. ``parameters`` that is not a JSON schema of an object, answers
+  400 with ``param`` "tools"), ``tool_choice`` ("auto", "none", "required" or a named function;
+  a name no tool has answers 400, ``param`` "tool_choice") and ``parallel_tool_calls``; the
+  conversation may hold assistant messages with ``tool_calls`` and ``role: "tool"`` messages
+  with ``tool_call_id``. The model's calls are parsed from its output in its chat template's
+  format (see ``asyncllm.engine.tool_calls``; a template without tool support answers 400):
+  ``message.tool_calls`` (``content`` null when the message was only calls) and
   ``finish_reason`` "tool_calls"; streamed, each call is one ``delta.tool_calls`` item
-  (``index``, ``id``, ``type``, ``function`` with ``name`` and the whole ``arguments``),
-  sent when its JSON is complete. "required" and a named function are asked for through
-  the prompt only (no grammar constraint yet), so the model may answer without a call.
-  ``add_generation_prompt`` and ``chat_template_kwargs`` go to the
-  template; ``chat_template_kwargs`` holds template variables only (``enable_thinking``...):
-  an ``apply_chat_template`` option (``chat_template``, ``tokenize``, ``return_dict``,
-  ``tools``, ``documents``, ``truncation``...) there answers 400 (``chat_template`` is
-  allowed with ``--trust-request-chat-template``, as is a top-level ``chat_template``).
+  (``index``, ``id``, ``type``, ``function`` with ``name`` and the whole ``arguments``), sent
+  when its JSON is complete. "required" and a named function are asked for through the prompt
+  only (no grammar constraint yet), so the model may answer without a call.
+  ``add_generation_prompt`` and ``chat_template_kwargs`` go to the template;
+  ``chat_template_kwargs`` holds template variables only (``enable_thinking``...): an
+  ``apply_chat_template`` option (``chat_template``, ``tokenize``, ``return_dict``, ``tools``,
+  ``documents``, ``truncation``...) there answers 400 (``chat_template`` is allowed with
+  ``--trust-request-chat-template``, as is a top-level ``chat_template``).
 - Logprobs name each token by its own bytes (the tokenizer's token-to-bytes mapping): chat
   ``bytes`` are those bytes, and a token that holds part of a UTF-8 character is named
   OpenAI's way, ``"bytes:\\xe6"`` (``bytes`` ``[230]``); the legacy ``text_offset`` is in
