@@ -327,3 +327,38 @@ async def test_an_engine_closed_while_tokenizing_refuses_the_call(tiny_llama_dir
 
     with pytest.raises(EngineNotRunningError):
         await task
+
+
+async def test_a_chat_too_long_in_fields_check_chat_does_not_count_is_never_tokenized(
+    tiny_llama_dir, make_engine
+):
+    """A template renders more than message contents (roles here; names, template
+    variables): the rendered text is measured before it is tokenized, so a 3.5 MB role is
+    refused without holding the tokenizer thread for seconds."""
+    engine = make_engine(tiny_llama_dir, **SMALL)
+    core = engine._engine
+    tokenized: list[int] = []  # lengths of every text the tokenizer encoded
+    real_call = type(core.tokenizer).__call__
+
+    def spy_call(self: Any, text: Any = None, *args: Any, **kw: Any) -> Any:
+        tokenized.append(len(text) if isinstance(text, str) else -1)
+        return real_call(self, text, *args, **kw)
+
+    huge = "x" * 3_500_000
+    template = "{{ big }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        type(core.tokenizer).__call__ = spy_call  # type: ignore[method-assign]
+        async with engine:
+            with pytest.raises(InvalidRequestError, match="cannot fit max_model_len"):
+                await collect_chat(engine, [{"role": huge, "content": "Hi"}])
+            with pytest.raises(InvalidRequestError, match="cannot fit max_model_len"):
+                kw = {"chat_template": template, "big": huge}  # a template variable
+                async for _ in engine.chat(
+                    [{"role": "user", "content": "Hi"}], _greedy(4), chat_template_kwargs=kw
+                ):
+                    pass
+            ok = await collect_chat(engine, [{"role": "user", "content": "Hi"}])
+    finally:
+        type(core.tokenizer).__call__ = real_call  # type: ignore[method-assign]
+    assert len(ok) == 4
+    assert tokenized and max(tokenized) < 1000  # only the small chat was tokenized
