@@ -268,6 +268,38 @@ def test_malformed_bodies_answer_400(base: str, engine: AsyncEngine) -> None:
     wait_for(lambda: idle(engine))
 
 
+def test_echo_decodes_token_ids_off_the_loop_after_the_length_check(
+    base: str, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``echo`` with token ids decodes them for the response: a prompt longer than
+    max_model_len is refused before that (600,000 ids took 0.4 s to decode on the loop),
+    and a fitting one is decoded on the tokenizer thread."""
+    import threading
+
+    tok = engine.tokenizer
+    real = tok.decode
+    decoded: list[tuple[str, int]] = []  # (thread name, ids) of each decode of 8+ ids
+
+    def spy(ids: Any, *args: Any, **kw: Any) -> Any:
+        if len(ids) >= 8:
+            decoded.append((threading.current_thread().name, len(ids)))
+        return real(ids, *args, **kw)
+
+    monkeypatch.setattr(tok, "decode", spy)
+    limit = engine._engine.max_model_len
+    for ids in ([5] * (limit + 1), [5] * 100_000):
+        body = {"prompt": ids, "echo": True, "max_tokens": 1}
+        err = assert_error(post(f"{base}/v1/completions", body), 400, "prompt")
+        assert f"max_model_len is {limit}" in err["message"]
+    assert decoded == []
+    ids = list(range(100, 110))
+    r = post(f"{base}/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 1})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"].startswith(real(ids))
+    assert [n for _, n in decoded] == [10]
+    assert decoded[0][0].startswith("asyncllm-tokenize")
+
+
 def test_unexpected_errors_leak_nothing(
     base: str, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -347,6 +347,26 @@ class AsyncEngine:
         kind = params.output_kind if isinstance(params, SamplingParams) else "delta"
         return await collect(stream, kind)
 
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (``tokenizer.decode``, special tokens kept), decoded on
+        the front end's tokenizer thread: time proportional to the ids never runs on the loop.
+
+        Raises:
+            InvalidRequestError: more than ``max_model_len`` ids (no prompt or output is
+                longer), or ids outside the vocabulary.
+            EngineNotRunningError: outside ``async with engine``.
+        """
+        self._check_running()
+        core = self._engine
+        if len(token_ids) > core.max_model_len:
+            raise InvalidRequestError(
+                f"{len(token_ids)} token ids to decode; max_model_len is {core.max_model_len}"
+            )
+        ids = [int(t) for t in token_ids]
+        if any(not 0 <= t < core.vocab_size for t in ids):
+            raise InvalidRequestError(f"token ids must be ints in [0, {core.vocab_size})")
+        return str(await self._off_loop(functools.partial(core.tokenizer.decode, ids)))
+
     def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort" and its blocks are
         freed before the next step. Callable from any task, and from other threads (then
