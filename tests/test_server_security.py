@@ -300,6 +300,17 @@ def test_echo_decodes_token_ids_off_the_loop_after_the_length_check(
     assert decoded[0][0].startswith("asyncllm-tokenize")
 
 
+def test_too_many_stop_strings_answer_400(base: str) -> None:
+    """350,000 stop strings (3.5 MB) with n=8 stalled the loop over 5 s per step."""
+    stops = [f"q{i}" for i in range(65)]
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi", "stop": stops, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": CHAT, "stop": stops, "n": 8, "max_tokens": 2}),
+    ):
+        err = assert_error(post(base + path, body), 400, "stop")
+        assert "at most 64" in err["message"]
+
+
 def test_unexpected_errors_leak_nothing(
     base: str, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
