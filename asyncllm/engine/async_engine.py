@@ -113,6 +113,9 @@ class AsyncEngine:
         # Tokenization and chat-template rendering, off the loop (one thread, as vLLM's
         # server: transformers' fast tokenizers are not meant for concurrent encodes).
         self._tokenize_pool: ThreadPoolExecutor | None = None
+        # Requests of calls being tokenized (or rendered) now: they count as waiting, so
+        # max_waiting bounds the tokenizer's queue too.
+        self._tokenizing = 0
 
     @classmethod
     def from_pretrained(cls, model: str = "default", **config: Any) -> AsyncEngine:
@@ -308,7 +311,8 @@ class AsyncEngine:
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
-            )
+            ),
+            _num_samples(params),
         )
         gen = self.stream(
             prompt,
@@ -401,7 +405,7 @@ class AsyncEngine:
         return s
 
     def _num_queued(self) -> int:
-        return sum(len(call.requests) for call in self._inbox_add)
+        return sum(len(call.requests) for call in self._inbox_add) + self._tokenizing
 
     def _num_waiting(self) -> int:
         return self._num_queued() + self._engine.scheduler.num_waiting
@@ -464,10 +468,28 @@ class AsyncEngine:
                 "(from another thread: asyncio.run_coroutine_threadsafe, or the LLM facade)"
             )
 
-    async def _off_loop(self, fn: Callable[[], _T]) -> _T:
-        """``fn()`` on the tokenizer thread; then check the engine still takes calls."""
+    def _check_queue(self, num_requests: int) -> None:
+        """Raise QueueFull if ``num_requests`` more would exceed ``max_waiting``."""
+        limit = self.config.max_waiting
+        if limit is not None and self._num_waiting() + num_requests > limit:
+            raise QueueFull(
+                f"{self._num_waiting()} requests are waiting and this one adds "
+                f"{num_requests} (EngineConfig.max_waiting={limit}); try again later"
+            )
+
+    async def _off_loop(self, fn: Callable[[], _T], num_requests: int = 0) -> _T:
+        """``fn()`` on the tokenizer thread; then check the engine still takes calls.
+
+        ``num_requests``: the requests of the call being prepared; they are refused at once
+        (QueueFull) when the queue is full, and count as waiting while ``fn`` waits or runs.
+        """
         assert self._loop is not None and self._tokenize_pool is not None
-        result = await self._loop.run_in_executor(self._tokenize_pool, fn)
+        self._check_queue(num_requests)
+        self._tokenizing += num_requests
+        try:
+            result = await self._loop.run_in_executor(self._tokenize_pool, fn)
+        finally:
+            self._tokenizing -= num_requests
         self._check_running()
         return result
 
@@ -512,15 +534,10 @@ class AsyncEngine:
             requests = make()
         else:
             self._engine.check_prompt_chars(len(text))
-            requests = await self._off_loop(make)
+            requests = await self._off_loop(make, _num_samples(params))
             if request_id in self._calls:  # taken while this one was tokenized
                 raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        limit = self.config.max_waiting
-        if limit is not None and self._num_waiting() + len(requests) > limit:
-            raise QueueFull(
-                f"{self._num_waiting()} requests are waiting and this one adds "
-                f"{len(requests)} (EngineConfig.max_waiting={limit}); try again later"
-            )
+        self._check_queue(len(requests))
         call = _Call(requests)
         self._calls[request_id] = call
         states = []
@@ -638,6 +655,13 @@ class AsyncEngine:
                 self._engine.abort_request(request_id)
         except Exception:  # the failure may have left the core inconsistent
             logger.exception("asyncllm: could not release the requests of a dead engine")
+
+
+def _num_samples(params: object) -> int:
+    """The core requests a call with ``params`` makes (its ``n``; 1 for bad params, which
+    are refused later with their own error)."""
+    n = getattr(params, "n", 1) if isinstance(params, SamplingParams) else 1
+    return n if isinstance(n, int) and n >= 1 else 1
 
 
 async def collect(stream: AsyncIterator[RequestOutput], output_kind: str) -> RequestOutput:
