@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from asyncllm import AsyncEngine
+from asyncllm import AsyncEngine, InvalidRequestError
 from asyncllm.server import add_serve_arguments, app_options_from_args, create_app
 from asyncllm.server import app as server_app
 from asyncllm.server.app import DEFAULT_MAX_REQUEST_BYTES, TENANT_KEY, default_served_name
@@ -298,6 +298,13 @@ def test_echo_decodes_token_ids_off_the_loop_after_the_length_check(
     assert r.json()["choices"][0]["text"].startswith(real(ids))
     assert [n for _, n in decoded] == [10]
     assert decoded[0][0].startswith("asyncllm-tokenize")
+
+    async def bad_ids() -> None:
+        for ids in ([5.5], ["5"], [True], [-1], [engine._engine.vocab_size]):
+            with pytest.raises(InvalidRequestError, match="token ids"):
+                await engine.decode(ids)  # type: ignore[arg-type]
+
+    asyncio.run_coroutine_threadsafe(bad_ids(), engine._loop).result(10)  # type: ignore[arg-type]
 
 
 def test_too_many_stop_strings_answer_400(base: str) -> None:

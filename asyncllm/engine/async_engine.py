@@ -28,6 +28,7 @@ import functools
 import itertools
 import logging
 import math
+import operator
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -366,7 +367,10 @@ class AsyncEngine:
             raise InvalidRequestError(
                 f"{len(token_ids)} token ids to decode; max_model_len is {core.max_model_len}"
             )
-        ids = [int(t) for t in token_ids]
+        try:
+            ids = [operator.index(t) if not isinstance(t, bool) else -1 for t in token_ids]
+        except TypeError:
+            raise InvalidRequestError("token ids must be integers") from None
         if any(not 0 <= t < core.vocab_size for t in ids):
             raise InvalidRequestError(f"token ids must be ints in [0, {core.vocab_size})")
         return str(await self._off_loop(functools.partial(core.tokenizer.decode, ids)))
