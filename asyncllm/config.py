@@ -45,8 +45,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "triton" on a CPU raises ValueError when the engine is built unless
             ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests).
         max_waiting: the most requests waiting to be scheduled (submitted, not yet
-            running); past it ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at
-            once instead of queueing. None: unbounded.
+            running; calls waiting for or in tokenization included); past it
+            ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at once instead of
+            queueing. None: unbounded.
         shutdown_mode: what leaving ``async with engine`` does with requests still in
             flight: "abort" ends them at once with finish_reason "abort"; "drain" stops
             accepting new ones and lets them finish first. Either way the background task

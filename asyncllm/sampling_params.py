@@ -54,6 +54,11 @@ OUTPUT_KINDS = ("delta", "cumulative", "final")
 MAX_TOP_K = 2**31 - 1
 #: The most parallel samples one request may ask for.
 MAX_N = 256
+#: The most stop strings one request may give. Each is searched for in every text delta of
+#: every sample on the event loop (350,000 of them, with n=8, stalled a server's loop for
+#: over 5 s per step); TGI's ``--max-stop-sequences`` caps them likewise (default 4, as
+#: OpenAI's API).
+MAX_STOP_STRINGS = 64
 
 OutputKind = Literal["delta", "cumulative", "final"]
 
@@ -232,7 +237,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         stop: strings that end generation when they appear in the output text, matched
             across token boundaries; stored as a list (a str is one stop string). The text
             of a stream is held back while it could be the start of a stop string. Each
-            must be a non-empty str.
+            must be a non-empty str; at most ``MAX_STOP_STRINGS`` (64) of them.
         stop_token_ids: token ids that end generation like EOS (finish_reason "stop",
             ``stop_reason`` the id). Each >= 0 and in the vocabulary. Stored as a list.
         include_stop_str_in_output: keep the matched stop string (or the stop token's
@@ -339,6 +344,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, (list, tuple)):
             raise InvalidRequestError(f"stop must be a str or a list of str, got {stop!r}")
+        if len(items) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"stop holds {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed"
+            )
         for s in items:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop must hold non-empty strings, got {s!r}")

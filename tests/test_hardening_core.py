@@ -307,8 +307,8 @@ async def collect_chat(engine: Any, messages: list[dict[str, Any]]) -> list[int]
     return [t async for out in engine.chat(messages, _greedy(4)) for t in out.token_ids]
 
 
-async def test_an_engine_closed_while_tokenizing_refuses_the_call(tiny_llama_dir, make_engine):
-    engine = make_engine(tiny_llama_dir, **SMALL)
+def hold_tokenization(engine: Any) -> threading.Event:
+    """Make the engine's tokenization of text prompts wait until the returned event is set."""
     core = engine._engine
     release = threading.Event()
     real = core.make_requests
@@ -317,7 +317,13 @@ async def test_an_engine_closed_while_tokenizing_refuses_the_call(tiny_llama_dir
         release.wait(10)
         return real(*args, **kw)
 
-    core.make_requests = slow_make_requests  # type: ignore[method-assign]
+    core.make_requests = slow_make_requests
+    return release
+
+
+async def test_an_engine_closed_while_tokenizing_refuses_the_call(tiny_llama_dir, make_engine):
+    engine = make_engine(tiny_llama_dir, **SMALL)
+    release = hold_tokenization(engine)
     async with engine:
         task = asyncio.create_task(engine.generate("Hello", _greedy(4)))
         await asyncio.sleep(0)
@@ -327,3 +333,61 @@ async def test_an_engine_closed_while_tokenizing_refuses_the_call(tiny_llama_dir
 
     with pytest.raises(EngineNotRunningError):
         await task
+
+
+async def test_a_chat_too_long_in_fields_check_chat_does_not_count_is_never_tokenized(
+    tiny_llama_dir, make_engine
+):
+    """A template renders more than message contents (roles here; names, template
+    variables): the rendered text is measured before it is tokenized, so a 3.5 MB role is
+    refused without holding the tokenizer thread for seconds."""
+    engine = make_engine(tiny_llama_dir, **SMALL)
+    core = engine._engine
+    tokenized: list[int] = []  # lengths of every text the tokenizer encoded
+    real_call = type(core.tokenizer).__call__
+
+    def spy_call(self: Any, text: Any = None, *args: Any, **kw: Any) -> Any:
+        tokenized.append(len(text) if isinstance(text, str) else -1)
+        return real_call(self, text, *args, **kw)
+
+    huge = "x" * 3_500_000
+    template = "{{ big }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        type(core.tokenizer).__call__ = spy_call  # type: ignore[method-assign]
+        async with engine:
+            with pytest.raises(InvalidRequestError, match="cannot fit max_model_len"):
+                await collect_chat(engine, [{"role": huge, "content": "Hi"}])
+            with pytest.raises(InvalidRequestError, match="cannot fit max_model_len"):
+                kw = {"chat_template": template, "big": huge}  # a template variable
+                async for _ in engine.chat(
+                    [{"role": "user", "content": "Hi"}], _greedy(4), chat_template_kwargs=kw
+                ):
+                    pass
+            ok = await collect_chat(engine, [{"role": "user", "content": "Hi"}])
+    finally:
+        type(core.tokenizer).__call__ = real_call  # type: ignore[method-assign]
+    assert len(ok) == 4
+    assert tokenized and max(tokenized) < 1000  # only the small chat was tokenized
+
+
+async def test_max_waiting_counts_calls_waiting_for_the_tokenizer(tiny_llama_dir, make_engine):
+    """Calls queued for the one tokenizer thread count as waiting: past max_waiting a new
+    text or chat call raises QueueFull at once instead of queueing behind them unbounded."""
+    from asyncllm import QueueFull
+
+    engine = make_engine(tiny_llama_dir, max_waiting=2, **SMALL)
+    release = hold_tokenization(engine)
+    async with engine:
+        held = [asyncio.create_task(engine.generate(f"Hello {i}", _greedy(3))) for i in range(2)]
+        await wait_until(lambda: engine.stats()["num_waiting"] == 2)
+        with pytest.raises(QueueFull):
+            await engine.generate("one more", _greedy(3))
+        with pytest.raises(QueueFull):
+            await collect_chat(engine, [{"role": "user", "content": "Hi"}])
+        with pytest.raises(QueueFull):  # token ids need no tokenizer, but the queue is full
+            await engine.generate([5, 6, 7], _greedy(3))
+        release.set()
+        outs = await asyncio.gather(*held)
+        assert [len(o.token_ids) for o in outs] == [3, 3]
+        assert engine.stats()["num_waiting"] == 0
+        assert len(await collect_chat(engine, [{"role": "user", "content": "Hi"}])) == 4

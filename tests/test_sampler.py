@@ -213,3 +213,58 @@ def test_top_k_top_p_on_candidates_equals_a_full_sort(seed):
     want = _top_k_top_p_by_full_sort(scaled, top_k, top_p)
     assert torch.equal(got.isinf(), want.isinf())
     assert torch.equal(got[~got.isinf()], scaled[~got.isinf()])
+
+
+def test_request_tensors_are_built_once_per_request(tiny_llama_dir, monkeypatch):
+    """A request's logit_bias and stop token ids (up to a vocabulary each) become tensors
+    once per request, not at every step: 64 samples with a full-vocabulary logit_bias spent
+    5 s per step converting them, stalling every stream."""
+    from asyncllm.config import EngineConfig
+    from asyncllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_llama_dir), max_num_seqs=8))
+    big: list[int] = []  # sizes of the large lists turned into tensors
+    real = torch.tensor
+
+    def spy(data, *args, **kw):
+        if isinstance(data, (list, tuple)) and len(data) >= 5000:
+            big.append(len(data))
+        return real(data, *args, **kw)
+
+    monkeypatch.setattr(torch, "tensor", spy)
+    bias = {t: 0.5 for t in range(10_000)}
+    stops = list(range(20_000, 30_000))
+    params = SamplingParams(
+        max_tokens=6, min_tokens=6, temperature=1.0, ignore_eos=True, n=4,
+        logit_bias=bias, stop_token_ids=stops,
+    )  # fmt: skip
+    engine.add_parallel_requests(engine.make_requests("r", [5, 6, 7, 8], params))
+    while engine.has_unfinished():
+        engine.step()
+    engine.stop_compute_thread()
+    # per sample: the bias ids and values, the sorted stop ids -- whatever the step count
+    assert big == [10_000] * 12
+
+
+def test_request_tensors_cache_evicts_least_recently_used():
+    from asyncllm.worker.sampler import RequestTensors
+
+    cache = RequestTensors(max_elements=10)
+    a, b, c = {1: 1.0}, {2: 2.0}, {3: 3.0}
+    built: list[int] = []
+
+    def build(n):
+        def make():
+            built.append(n)
+            return (torch.zeros(4),)
+
+        return make
+
+    cpu = torch.device("cpu")
+    cache.get(a, "x", cpu, build(1))
+    cache.get(b, "x", cpu, build(2))
+    cache.get(a, "x", cpu, build(1))  # hit: a is now the most recent
+    cache.get(c, "x", cpu, build(3))  # 12 elements > 10: b goes
+    cache.get(a, "x", cpu, build(1))
+    cache.get(b, "x", cpu, build(2))
+    assert built == [1, 2, 3, 2]

@@ -44,6 +44,7 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
         st.dictionaries(st.text(), st.text(), min_size=1),
         st.lists(st.one_of(st.integers(), st.none(), st.just("")), min_size=1),
         st.lists(st.text(min_size=1), max_size=3).map(lambda xs: [*xs, ""]),
+        st.lists(st.text(min_size=1), min_size=65, max_size=80),  # over MAX_STOP_STRINGS
     ),
     "stop_token_ids": st.one_of(
         st.integers(),
@@ -141,7 +142,9 @@ VALID = st.fixed_dictionaries(
         "frequency_penalty": st.floats(-2, 2),
         "repetition_penalty": st.floats(0, 100, exclude_min=True),
         "seed": st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
-        "stop": st.one_of(st.none(), st.text(min_size=1), st.lists(st.text(min_size=1))),
+        "stop": st.one_of(
+            st.none(), st.text(min_size=1), st.lists(st.text(min_size=1), max_size=64)
+        ),
         "stop_token_ids": st.one_of(st.none(), st.lists(st.integers(0, 10**6))),
         "include_stop_str_in_output": st.booleans(),
         "ignore_eos": st.booleans(),
@@ -185,3 +188,15 @@ def test_normalisation():
     assert SamplingParams(min_tokens=3, max_tokens=3).min_tokens == 3
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=4, max_tokens=3)
+
+
+def test_stop_strings_are_capped():
+    """Every stop string is searched for in each text delta on the event loop: a request
+    may give at most MAX_STOP_STRINGS of them (a list or a tuple)."""
+    from asyncllm.sampling_params import MAX_STOP_STRINGS
+
+    assert MAX_STOP_STRINGS == 64
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(64)]).stop) == 64
+    for stop in ([f"s{i}" for i in range(65)], ("x",) * 350_000):
+        with pytest.raises(InvalidRequestError, match=r"^stop holds \d+ strings; at most 64"):
+            SamplingParams(stop=stop)

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from asyncllm import AsyncEngine
+from asyncllm import AsyncEngine, InvalidRequestError
 from asyncllm.server import add_serve_arguments, app_options_from_args, create_app
 from asyncllm.server import app as server_app
 from asyncllm.server.app import DEFAULT_MAX_REQUEST_BYTES, TENANT_KEY, default_served_name
@@ -266,6 +266,56 @@ def test_malformed_bodies_answer_400(base: str, engine: AsyncEngine) -> None:
     if r.status_code == 400:
         assert_error(r, 400)
     wait_for(lambda: idle(engine))
+
+
+def test_echo_decodes_token_ids_off_the_loop_after_the_length_check(
+    base: str, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``echo`` with token ids decodes them for the response: a prompt longer than
+    max_model_len is refused before that (600,000 ids took 0.4 s to decode on the loop),
+    and a fitting one is decoded on the tokenizer thread."""
+    import threading
+
+    tok = engine.tokenizer
+    real = tok.decode
+    decoded: list[tuple[str, int]] = []  # (thread name, ids) of each decode of 8+ ids
+
+    def spy(ids: Any, *args: Any, **kw: Any) -> Any:
+        if len(ids) >= 8:
+            decoded.append((threading.current_thread().name, len(ids)))
+        return real(ids, *args, **kw)
+
+    monkeypatch.setattr(tok, "decode", spy)
+    limit = engine._engine.max_model_len
+    for ids in ([5] * (limit + 1), [5] * 100_000):
+        body = {"prompt": ids, "echo": True, "max_tokens": 1}
+        err = assert_error(post(f"{base}/v1/completions", body), 400, "prompt")
+        assert f"max_model_len is {limit}" in err["message"]
+    assert decoded == []
+    ids = list(range(100, 110))
+    r = post(f"{base}/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 1})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"].startswith(real(ids))
+    assert [n for _, n in decoded] == [10]
+    assert decoded[0][0].startswith("asyncllm-tokenize")
+
+    async def bad_ids() -> None:
+        for ids in ([5.5], ["5"], [True], [-1], [engine._engine.vocab_size]):
+            with pytest.raises(InvalidRequestError, match="token ids"):
+                await engine.decode(ids)  # type: ignore[arg-type]
+
+    asyncio.run_coroutine_threadsafe(bad_ids(), engine._loop).result(10)  # type: ignore[arg-type]
+
+
+def test_too_many_stop_strings_answer_400(base: str) -> None:
+    """350,000 stop strings (3.5 MB) with n=8 stalled the loop over 5 s per step."""
+    stops = [f"q{i}" for i in range(65)]
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi", "stop": stops, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": CHAT, "stop": stops, "n": 8, "max_tokens": 2}),
+    ):
+        err = assert_error(post(base + path, body), 400, "stop")
+        assert "at most 64" in err["message"]
 
 
 def test_unexpected_errors_leak_nothing(

@@ -31,6 +31,7 @@ import functools
 import itertools
 import logging
 import math
+import operator
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -119,6 +120,9 @@ class AsyncEngine:
         # server: transformers' fast tokenizers are not meant for concurrent encodes).
         self._tokenize_pool: ThreadPoolExecutor | None = None
         self._grammar_pool: ThreadPoolExecutor | None = None  # compiles structured_outputs
+        # Requests of calls being tokenized (or rendered) now: they count as waiting, so
+        # max_waiting bounds the tokenizer's queue too.
+        self._tokenizing = 0
 
     @classmethod
     def from_pretrained(cls, model: str = "default", **config: Any) -> AsyncEngine:
@@ -366,7 +370,8 @@ class AsyncEngine:
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
-            )
+            ),
+            _num_samples(params),
         )
         gen = self.stream(
             prompt,
@@ -405,6 +410,29 @@ class AsyncEngine:
         kind = params.output_kind if isinstance(params, SamplingParams) else "delta"
         return await collect(stream, kind)
 
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (``tokenizer.decode``, special tokens kept), decoded on
+        the front end's tokenizer thread: time proportional to the ids never runs on the loop.
+
+        Raises:
+            InvalidRequestError: more than ``max_model_len`` ids (no prompt or output is
+                longer), or ids outside the vocabulary.
+            EngineNotRunningError: outside ``async with engine``.
+        """
+        self._check_running()
+        core = self._engine
+        if len(token_ids) > core.max_model_len:
+            raise InvalidRequestError(
+                f"{len(token_ids)} token ids to decode; max_model_len is {core.max_model_len}"
+            )
+        try:
+            ids = [operator.index(t) if not isinstance(t, bool) else -1 for t in token_ids]
+        except TypeError:
+            raise InvalidRequestError("token ids must be integers") from None
+        if any(not 0 <= t < core.vocab_size for t in ids):
+            raise InvalidRequestError(f"token ids must be ints in [0, {core.vocab_size})")
+        return str(await self._off_loop(functools.partial(core.tokenizer.decode, ids)))
+
     def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort" and its blocks are
         freed before the next step. Callable from any task, and from other threads (then
@@ -439,7 +467,7 @@ class AsyncEngine:
         return s
 
     def _num_queued(self) -> int:
-        return sum(len(call.requests) for call in self._inbox_add)
+        return sum(len(call.requests) for call in self._inbox_add) + self._tokenizing
 
     def _num_waiting(self) -> int:
         return self._num_queued() + self._engine.scheduler.num_waiting
@@ -502,12 +530,32 @@ class AsyncEngine:
                 "(from another thread: asyncio.run_coroutine_threadsafe, or the LLM facade)"
             )
 
-    async def _off_loop(self, fn: Callable[[], _T], *, grammar: bool = False) -> _T:
-        """``fn()`` on the tokenizer thread (the grammar thread when ``grammar``); then
-        check the engine still takes calls."""
+    def _check_queue(self, num_requests: int) -> None:
+        """Raise QueueFull if ``num_requests`` more would exceed ``max_waiting``."""
+        limit = self.config.max_waiting
+        if limit is not None and self._num_waiting() + num_requests > limit:
+            raise QueueFull(
+                f"{self._num_waiting()} requests are waiting and this one adds "
+                f"{num_requests} (EngineConfig.max_waiting={limit}); try again later"
+            )
+
+    async def _off_loop(
+        self, fn: Callable[[], _T], num_requests: int = 0, *, grammar: bool = False
+    ) -> _T:
+        """``fn()`` on the tokenizer thread (the grammar thread when ``grammar``); then check
+        the engine still takes calls.
+
+        ``num_requests``: the requests of the call being prepared; they are refused at once
+        (QueueFull) when the queue is full, and count as waiting while ``fn`` waits or runs.
+        """
         pool = self._grammar_pool if grammar else self._tokenize_pool
         assert self._loop is not None and pool is not None
-        result = await self._loop.run_in_executor(pool, fn)
+        self._check_queue(num_requests)
+        self._tokenizing += num_requests
+        try:
+            result = await self._loop.run_in_executor(pool, fn)
+        finally:
+            self._tokenizing -= num_requests
         self._check_running()
         return result
 
@@ -543,7 +591,9 @@ class AsyncEngine:
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             params = msgspec.structs.replace(params)  # validated, and safe from the caller
             grammar = await self._off_loop(
-                functools.partial(self._engine.compile_grammar, params), grammar=True
+                functools.partial(self._engine.compile_grammar, params),
+                _num_samples(params),
+                grammar=True,
             )
         make = functools.partial(
             self._engine.make_requests,
@@ -558,15 +608,10 @@ class AsyncEngine:
             requests = make()
         else:
             self._engine.check_prompt_chars(len(text))
-            requests = await self._off_loop(make)
-        limit = self.config.max_waiting
-        if limit is not None and self._num_waiting() + len(requests) > limit:
-            raise QueueFull(
-                f"{self._num_waiting()} requests are waiting and this one adds "
-                f"{len(requests)} (EngineConfig.max_waiting={limit}); try again later"
-            )
+            requests = await self._off_loop(make, _num_samples(params))
         if request_id in self._calls:  # taken while this one was tokenized or compiled
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        self._check_queue(len(requests))
         call = _Call(requests, grammar)
         self._calls[request_id] = call
         states = []
@@ -684,6 +729,13 @@ class AsyncEngine:
                 self._engine.abort_request(request_id)
         except Exception:  # the failure may have left the core inconsistent
             logger.exception("asyncllm: could not release the requests of a dead engine")
+
+
+def _num_samples(params: object) -> int:
+    """The core requests a call with ``params`` makes (its ``n``; 1 for bad params, which
+    are refused later with their own error)."""
+    n = getattr(params, "n", 1) if isinstance(params, SamplingParams) else 1
+    return n if isinstance(n, int) and n >= 1 else 1
 
 
 async def collect(stream: AsyncIterator[RequestOutput], output_kind: str) -> RequestOutput:

@@ -411,15 +411,17 @@ class OpenAIServer:
             )
         return value
 
-    def _echo_text(self, prompt: str | list[int]) -> str:
-        """A prompt's text for ``echo``; token ids are checked first (the tokenizer
-        would raise on ids outside the vocabulary before the engine refuses them)."""
+    async def _echo_text(self, prompt: str | list[int]) -> str:
+        """A prompt's text for ``echo``. Token ids are checked first, by count (a prompt
+        longer than ``max_model_len`` is refused before any work proportional to it) and
+        range (the tokenizer would raise on ids outside the vocabulary), then decoded off
+        the event loop."""
         if isinstance(prompt, str):
             return prompt
-        vocab = self.engine._engine.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise p.APIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return str(self.engine.tokenizer.decode(prompt))
+        try:
+            return await self.engine.decode(prompt)
+        except InvalidRequestError as e:
+            raise p.APIError(str(e), param="prompt") from None
 
     def _cache_salt(self, request: Request, salt: str | None) -> str | None:
         """The client's ``cache_salt`` within its API key's own prefix-cache space."""
@@ -482,7 +484,7 @@ class OpenAIServer:
             max_tokens = 16 if req.max_tokens is None else req.max_tokens
             params = p.sampling_params(req, n=n, max_tokens=max_tokens, logprobs=req.logprobs)
             priority = self._priority(req.priority)
-            echoed = [self._echo_text(prompt) for prompt in prompts] if req.echo else None
+            echoed = [await self._echo_text(prompt) for prompt in prompts] if req.echo else None
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
