@@ -13,6 +13,8 @@ import pathlib
 import shutil
 from typing import Any
 
+import jsonschema
+import msgspec
 import pytest
 from transformers import AutoTokenizer
 
@@ -141,13 +143,6 @@ async def test_malformed_call_is_content_with_an_error(hermes_dir, make_engine):
         out = await collect(engine.chat(ASK, PARAMS, tools=TOOLS), "delta")
         assert out.text == bad and out.tool_calls is None
         assert out.finish_reason == "stop" and "invalid JSON" in out.tool_call_error
-        # "required" that the model did not honour: said so (no grammar yet)
-        script_output(engine, "No call.")
-        named = {"type": "function", "function": {"name": "get_time"}}
-        out = await collect(engine.chat(ASK, PARAMS, tools=TOOLS, tool_choice=named), "delta")
-        assert out.text == "No call." and "made none" in out.tool_call_error
-        prompt = engine.tokenizer.decode(out.prompt_token_ids)
-        assert '"get_time"' in prompt and '"get_weather"' not in prompt  # the named tool only
 
 
 async def test_tool_messages_reach_the_template(hermes_dir, make_engine):
@@ -319,3 +314,138 @@ def test_server_bad_tools_are_400(hermes_server, body, param, message):
     assert engine.health() == "running"
     ok = _client(base).chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+# ------------------------------------------------- "required" / named: grammar-constrained
+
+SET_TEMP = {
+    "type": "function",
+    "function": {
+        "name": "set_temp",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["c", "f"]},
+                "level": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["unit", "level"],
+        },
+    },
+}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}},
+            "required": ["city"],
+        },
+    },
+}
+SMALL_TOOLS = [SET_TEMP, LOOKUP]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in SMALL_TOOLS}
+LOOKUP_ONLY = {"type": "function", "function": {"name": "lookup"}}
+# Llama 3 style in few tokens (LLAMA3_TEMPLATE's prompt nearly fills the tiny model's 256).
+LLAMA3_SHORT = """\
+{%- if tools %}Call one as {"name": ..., "parameters": {...}}:\
+{% for t in tools %} {{ t.function.name }}{% endfor %}
+{% endif %}{% for message in messages %}{{ message.content }}
+{% endfor %}"""
+
+
+@pytest.fixture(scope="module")
+def llama3_short_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: pathlib.Path):
+    return _with_template(tiny_llama_dir, tmp_path_factory.mktemp("llama3s"), LLAMA3_SHORT)
+
+
+async def _chat_samples(engine: Any, params: SamplingParams, stream: bool, **kw: Any) -> list:
+    """Each sample's (text, calls, finish_reason, tool_call_error), streamed or final."""
+    if not stream:
+        params = SamplingParams(**{**msgspec.structs.asdict(params), "output_kind": "final"})
+    text: dict[int, str] = {}
+    calls: dict[int, list] = {}
+    last: dict[int, Any] = {}
+    async for out in engine.chat(ASK, params, **kw):
+        text[out.index] = text.get(out.index, "") + out.text
+        calls.setdefault(out.index, []).extend(out.tool_calls or ())
+        last[out.index] = out
+    return [(text[i], calls[i], last[i].finish_reason, last[i].tool_call_error) for i in last]
+
+
+@pytest.mark.parametrize("template", ["hermes", "llama3_short"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_required_and_named_calls_follow_the_schema(request, make_engine, template, stream):
+    """Random weights: the grammar alone makes every finished output valid tool calls."""
+    engine = make_engine(request.getfixturevalue(f"{template}_dir"), **SMALL)
+    async with engine:
+        for choice, allowed in [("required", {"set_temp", "lookup"}), (LOOKUP_ONLY, {"lookup"})]:
+            results = []
+            for seed in range(3):
+                params = SamplingParams(max_tokens=60, seed=seed, n=2)
+                results += await _chat_samples(
+                    engine, params, stream, tools=SMALL_TOOLS, tool_choice=choice
+                )
+            finished = [r for r in results if r[2] == "tool_calls"]
+            assert len(finished) >= len(results) // 2, results
+            for text, calls, reason, error in results:
+                if reason != "tool_calls":
+                    assert reason == "length" and error, (text, reason)
+                    continue
+                assert error is None and text.strip() == "", (text, error)
+                assert calls
+                for call in calls:
+                    assert call.name in allowed
+                    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+                if template == "llama3_short":
+                    assert len(calls) == 1
+
+
+async def test_required_single_call_and_conflicts(hermes_dir, make_engine):
+    engine = make_engine(hermes_dir, **SMALL)
+    async with engine:
+        for seed in range(3):
+            params = SamplingParams(max_tokens=60, seed=seed)
+            [(_, calls, reason, _)] = await _chat_samples(
+                engine, params, False, tools=SMALL_TOOLS, tool_choice="required",
+                parallel_tool_calls=False,
+            )  # fmt: skip
+            assert reason != "tool_calls" or len(calls) == 1
+        # cut short: no complete call, said so
+        out = await collect(
+            engine.chat(ASK, SamplingParams(max_tokens=3), tools=SMALL_TOOLS,
+                        tool_choice=LOOKUP_ONLY), "delta",
+        )  # fmt: skip
+        assert out.finish_reason == "length" and "no complete one" in out.tool_call_error
+        prompt = engine.tokenizer.decode(out.prompt_token_ids)
+        assert '"lookup"' in prompt and '"set_temp"' not in prompt  # the named tool only
+        with pytest.raises(InvalidRequestError, match="cannot be combined with structured_outputs"):
+            own = SamplingParams(max_tokens=4, structured_outputs={"json_object": True})
+            await collect(engine.chat(ASK, own, tools=SMALL_TOOLS, tool_choice="required"), "delta")
+        # "auto" leaves the output free (and the caller's own grammar allowed)
+        own = SamplingParams(max_tokens=4, structured_outputs={"choice": ["hi"]})
+        out = await collect(engine.chat(ASK, own, tools=SMALL_TOOLS), "delta")
+        assert out.text == "hi" and out.tool_calls is None
+
+
+def test_server_required_gives_a_valid_call(hermes_dir):
+    from asyncllm import AsyncEngine
+    from asyncllm.server import create_app
+    from tests.conftest import check_pool_whole
+    from tests.test_server import serving
+
+    engine = AsyncEngine.from_pretrained(str(hermes_dir), **SMALL)
+    with serving(create_app(engine, "tiny")) as base:
+        resp = _client(base).chat.completions.create(
+            model="tiny", messages=ASK, tools=SMALL_TOOLS, tool_choice="required",
+            max_tokens=60, seed=1, n=2,
+        )  # fmt: skip
+        for choice in resp.choices:
+            if choice.finish_reason != "tool_calls":
+                assert choice.finish_reason == "length"
+                continue
+            for call in choice.message.tool_calls:
+                args = json.loads(call.function.arguments)
+                jsonschema.validate(args, SCHEMAS[call.function.name])
+        assert any(c.finish_reason == "tool_calls" for c in resp.choices)
+    check_pool_whole(engine)

@@ -319,11 +319,13 @@ class AsyncEngine:
                 "description", "parameters": JSON schema of an object}}]``.
             tool_choice: "auto" (the default with tools), "none" (tools rendered, output
                 not parsed), "required", or ``{"type": "function", "function": {"name":
-                ...}}`` (only that tool rendered). "required" and a named function are
-                asked for through the prompt only: output is not yet constrained by a
-                grammar, so the model may not call (then ``tool_call_error`` says so);
-                ``asyncllm.engine.tool_calls.call_schema`` is the schema such a
-                constraint will use.
+                ...}}`` (only that tool rendered). "required" and a named function
+                constrain the output with a grammar (``structured_outputs``, set here):
+                the whole output is tool calls in the template's format, each naming an
+                allowed function with arguments that match its parameter schema
+                (``asyncllm.engine.tool_calls.ChatTools.structured_outputs``); only
+                ``max_tokens`` can cut a call short (finish_reason "length",
+                ``tool_call_error`` set).
             parallel_tool_calls: False keeps only the model's first call.
             Other arguments as in :meth:`stream`.
 
@@ -335,7 +337,8 @@ class AsyncEngine:
             InvalidRequestError: malformed messages (``tool_calls`` included), contents
                 too long to fit ``max_model_len``, no chat template, or a template error;
                 malformed ``tools`` (the message names the field), a ``tool_choice``
-                naming no tool, tools for a template without tool support; and everything
+                naming no tool, tools for a template without tool support, "required" or
+                a named function with ``params.structured_outputs`` set; and everything
                 :meth:`stream` raises.
         """
         self._check_running()
@@ -364,6 +367,14 @@ class AsyncEngine:
                 params = msgspec.structs.replace(params, skip_special_tokens=False)
         elif tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError(f"tool_choice {tool_choice!r:.80} needs tools")
+        if calls is not None and calls.constrained:
+            if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+                raise InvalidRequestError(
+                    f"tool_choice {calls.choice!r} constrains the output to tool calls; "
+                    "it cannot be combined with structured_outputs (response_format)"
+                )
+            spec = await self._off_loop(calls.structured_outputs)  # imports xgrammar
+            params = msgspec.structs.replace(params or SamplingParams(), structured_outputs=spec)
         prompt = await self._off_loop(
             functools.partial(
                 self._engine.render_chat,

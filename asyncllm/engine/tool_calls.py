@@ -38,6 +38,7 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import RequestOutput, ToolCall
+from asyncllm.sampling_params import StructuredOutputsParams
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
@@ -79,6 +80,11 @@ Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+
+# _LENIENT: calls are read with strict=False (raw control characters allowed in strings):
+# xgrammar 0.2.9 lets a string with maxLength hold them (mlc-ai/xgrammar#800), and a
+# grammar-constrained call must still parse. Arguments are re-encoded by json.dumps, so
+# callers get valid JSON either way.
 
 #: OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -435,7 +441,7 @@ class ToolCallParser:
 
     def _hermes_call(self, body: str, number: int) -> ToolCall | None:
         try:
-            obj = json.loads(body)
+            obj = json.loads(body, strict=False)  # see _LENIENT
         except ValueError as e:
             self._note(f"tool call {number}: invalid JSON ({e})")
             return None
@@ -465,7 +471,7 @@ class ToolCallParser:
         if self._mode == "content":
             text, self._buf = self._buf, ""
             return ("" if self._dropping() else text), []
-        decoder = json.JSONDecoder()
+        decoder = json.JSONDecoder(strict=False)  # see _LENIENT
         while True:
             buf = self._buf
             rest = buf.lstrip()
@@ -590,6 +596,37 @@ class ChatTools:
             tools = [t for t in tools if t["function"]["name"] == self.choice]
         return {**(kwargs or {}), "tools": tools, "tool_choice": self.choice}
 
+    @property
+    def constrained(self) -> bool:
+        """True when the output must be tool calls: ``tool_choice`` "required" or a named
+        function (see :meth:`structured_outputs`)."""
+        return self.fmt is not None and self.choice not in ("none", "auto")
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar that makes the whole output tool calls, when :attr:`constrained`
+        (else None): for "hermes", ``<tool_call>\\n{json}\\n</tool_call>`` blocks joined by
+        newlines (one or more; exactly one when not :attr:`parallel`), for "llama3_json" one
+        bare JSON object; each call object follows :func:`call_schema`, so its name is an
+        allowed one and its arguments match that function's parameter schema. JSON is
+        compact (bounded whitespace), so a model cannot pad it forever. Builds the grammar
+        text with xgrammar (imported on first use: call it off the event loop).
+
+        Raises:
+            InvalidRequestError: a parameter schema xgrammar cannot convert.
+        """
+        if not self.constrained:
+            return None
+        assert self.fmt is not None
+        schema = call_schema(self.tools, self.choice, self.fmt)
+        if self.fmt == LLAMA3_JSON:
+            return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        from asyncllm.structured_output import tagged_json_grammar
+
+        grammar = tagged_json_grammar(
+            schema, HERMES_START + "\n", "\n" + HERMES_END, "\n", at_most_one=not self.parallel
+        )
+        return StructuredOutputsParams(grammar=grammar)
+
     def keep_special_tokens(self, tokenizer: Any) -> bool:
         """True when the format's markers are special tokens of ``tokenizer``, which
         ``skip_special_tokens`` would drop from the text the parser reads (vLLM's hermes
@@ -627,9 +664,8 @@ class ChatTools:
             error = parser.error
             if not parser.calls and self.choice != "auto":
                 error = error or (
-                    f"tool_choice {self.choice!r} asked for a tool call but the model made "
-                    "none (tool_choice is passed to the prompt; grammar-constrained "
-                    "decoding of the call is not implemented yet)"
+                    f"tool_choice {self.choice!r} asked for a tool call but the output has "
+                    f"no complete one (finish_reason {out.finish_reason!r})"
                 )
             elif self.choice not in ("auto", "required"):
                 other = [c.name for c in parser.calls if c.name != self.choice]

@@ -74,8 +74,10 @@ Endpoints:
   ``message.tool_calls`` (``content`` null when the message was only calls) and
   ``finish_reason`` "tool_calls"; streamed, each call is one ``delta.tool_calls`` item
   (``index``, ``id``, ``type``, ``function`` with ``name`` and the whole ``arguments``), sent
-  when its JSON is complete. "required" and a named function are asked for through the prompt
-  only (no grammar constraint yet), so the model may answer without a call.
+  when its JSON is complete. "required" and a named function constrain decoding with a
+  grammar: the message is only tool calls, each naming an allowed function with
+  ``arguments`` that match its ``parameters`` schema (``finish_reason`` "length" if
+  ``max_tokens`` cuts one short); combined with a ``response_format`` they answer 400.
   ``add_generation_prompt`` and ``chat_template_kwargs`` go to the template;
   ``chat_template_kwargs`` holds template variables only (``enable_thinking``...): an
   ``apply_chat_template`` option (``chat_template``, ``tokenize``, ``return_dict``, ``tools``,

@@ -157,6 +157,46 @@ class GrammarCompiler:
             ) from None
 
 
+def tagged_json_grammar(
+    schema: Mapping[str, Any], begin: str, end: str, separator: str, *, at_most_one: bool
+) -> str:
+    """EBNF text (xgrammar's syntax, ``root`` rule) for one or more ``begin JSON end`` blocks
+    separated by ``separator``, each JSON value following ``schema``: the shape of tool calls
+    in tagged formats (Hermes' ``<tool_call>\\n{...}\\n</tool_call>``). Built with
+    xgrammar's structural tags (``tags_with_separator``, the format its own tool-call
+    templates use) and printed as EBNF, so it travels as ``StructuredOutputsParams.grammar``
+    and is cached by its text. Whitespace inside the JSON is at most one character per
+    place (a random model cannot write whitespace forever).
+
+    Args:
+        schema: the JSON schema of each block's content.
+        begin, end, separator: the literal text around and between blocks.
+        at_most_one: exactly one block (else one or more).
+
+    Raises:
+        InvalidRequestError: xgrammar cannot convert the schema (its reason).
+    """
+    import json
+
+    content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    tag = {"type": "tag", "begin": begin, "content": content, "end": end}
+    fmt = {
+        "type": "tags_with_separator",
+        "tags": [tag],
+        "separator": separator,
+        "at_least_one": True,
+        "stop_after_first": at_most_one,
+    }
+    try:
+        grammar = _xgr().Grammar.from_structural_tag(
+            json.dumps({"type": "structural_tag", "format": fmt})
+        )
+    except RuntimeError as e:
+        reason = _CPP_PREFIX.sub("", str(e).strip()).strip()
+        raise InvalidRequestError(f"tool parameters cannot be compiled: {reason}") from None
+    return str(grammar)
+
+
 def _json_str(s: str) -> str:
     import json
 
