@@ -236,7 +236,8 @@ class AsyncEngine:
             priority: lower is served first.
             cache_salt: requests share prefix-cache blocks only with requests of the same
                 salt (None included); give tenants that must not share cache their own.
-            timeout: seconds from the call; when they pass the request ends with
+            timeout: seconds from when the request is queued (after its prompt is
+                tokenized, and its grammar compiled); when they pass the request ends with
                 finish_reason "timeout" (what was generated is kept) and its blocks are
                 freed. None: no limit.
 
