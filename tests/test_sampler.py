@@ -268,3 +268,72 @@ def test_request_tensors_cache_evicts_least_recently_used():
     cache.get(a, "x", cpu, build(1))
     cache.get(b, "x", cpu, build(2))
     assert built == [1, 2, 3, 2]
+
+
+def test_grammar_mask_skips_greedy_rows_whose_best_token_is_allowed(monkeypatch):
+    """A greedy row whose argmax the grammar allows keeps that token unmasked (the mask costs
+    ~10 ms per [64, 49152] batch on one thread); every other constrained row is masked, and
+    every token is the one masking all rows would give (greedy) or an allowed one."""
+    from asyncllm import structured_output
+
+    torch.manual_seed(0)
+    v = 100
+    logits = torch.randn(6, v)
+    best = logits.argmax(-1)
+    allowed = torch.rand(6, v) < 0.5
+    allowed[[0, 2, 4], best[[0, 2, 4]]] = True  # greedy rows 0, 2: best allowed
+    allowed[[1, 3, 5], best[[1, 3, 5]]] = False  # greedy rows 1, 3: best forbidden
+    words = torch.zeros(6, 4, dtype=torch.int64)
+    for t in range(v):
+        words[:, t >> 5] |= allowed[:, t].long() << (t & 31)
+    bitmask = words.to(torch.int32)  # two's complement wrap, as xgrammar stores it
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)
+    params = [greedy, greedy, greedy, greedy, hot, hot]
+    chunks = [_chunk(p, rid=f"r{i}") for i, p in enumerate(params)]
+    batch = SamplingBatch.from_chunks(chunks, CPU, (bitmask, list(range(6))))
+    masked: list[list[int]] = []
+    real = structured_output.apply_token_bitmask
+
+    def spy(lg, bm, rows):
+        masked.append(list(rows))
+        real(lg, bm, rows)
+
+    monkeypatch.setattr(structured_output, "apply_token_bitmask", spy)
+    tokens = Sampler(0, CPU)(logits.clone(), batch).token_ids.tolist()
+    assert masked == [[1, 3, 4, 5]]
+    assert all(allowed[r, t] for r, t in enumerate(tokens))
+    reference = logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+    assert tokens[:4] == reference[:4]
+
+
+def test_grammar_mask_first_after_a_step_of_forbidden_picks(monkeypatch):
+    """When most greedy picks were forbidden, checking them first cost an extra argmax: the
+    sampler then masks first for MASK_FIRST_STEPS steps, with the same tokens."""
+    from asyncllm import structured_output
+    from asyncllm.worker import sampler as sampler_mod
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, 64)
+    allowed = torch.zeros(3, 64, dtype=torch.bool)
+    allowed[:, 40:] = True
+    allowed[torch.arange(3), logits.argmax(-1)] = False
+    words = torch.zeros(3, 2, dtype=torch.int64)
+    for t in range(64):
+        words[:, t >> 5] |= allowed[:, t].long() << (t & 31)
+    batch = SamplingBatch.from_chunks(
+        [_chunk(SamplingParams(temperature=0.0), rid=f"r{i}") for i in range(3)],
+        CPU,
+        (words.to(torch.int32), [0, 1, 2]),
+    )
+    calls = []
+    real = structured_output.apply_token_bitmask
+    monkeypatch.setattr(
+        structured_output, "apply_token_bitmask", lambda *a: (calls.append(a[2]), real(*a))
+    )
+    sampler = Sampler(0, CPU)
+    expected = logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+    assert sampler(logits.clone(), batch).token_ids.tolist() == expected
+    assert sampler._mask_first_steps == sampler_mod.MASK_FIRST_STEPS
+    assert sampler(logits.clone(), batch).token_ids.tolist() == expected
+    assert sampler._mask_first_steps == sampler_mod.MASK_FIRST_STEPS - 1
+    assert calls == [[0, 1, 2], [0, 1, 2]]

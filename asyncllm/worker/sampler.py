@@ -15,7 +15,8 @@ order (see :mod:`asyncllm.sampling_params` for each parameter's definition and s
    xgrammar's kernel, after everything that could raise a logit and before everything that
    picks a token: temperature, min-p, top-k and top-p only ever see allowed tokens. When a
    grammar allows only tokens ``min_tokens`` bans (its output is complete: only EOS may
-   follow), the grammar wins for that row;
+   follow), the grammar wins for that row. A greedy row whose best token the grammar allows
+   is not masked (its argmax is the same);
 4. greedy rows take the argmax; the others divide by their temperature, apply min-p on the
    probabilities, then top-k and top-p (:func:`top_k_top_p`: a cut-off logit per row found
    among its best few hundred logits, a full sort only for rows too flat to decide there),
@@ -359,6 +360,10 @@ class Sampler:
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
+        # Steps left that mask every constrained row first: set when most greedy rows' best
+        # tokens were forbidden by their grammars, so checking them first did not pay (see
+        # _apply_grammar); then checking is tried again.
+        self._mask_first_steps = 0
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample.
@@ -382,9 +387,19 @@ class Sampler:
         if batch.repetition is not None:
             # An extreme (still valid) penalty can overflow to +-inf; keep softmax finite.
             logits = logits.clamp(-_MAX_LOGIT, _MAX_LOGIT)
-        if batch.token_bitmask is not None:
-            logits = _apply_grammar(logits, raw, batch)
-        tokens = logits.argmax(dim=-1)
+        if batch.token_bitmask is None:
+            tokens = logits.argmax(dim=-1)
+        elif self._mask_first_steps == 0:
+            tokens = logits.argmax(dim=-1)
+            logits, redo, checked = _apply_grammar(logits, raw, batch, tokens)
+            if redo:  # greedy picks the grammar forbids: pick again among the allowed
+                tokens[redo] = logits[redo].argmax(dim=-1)
+            if len(redo) > checked // 2:
+                self._mask_first_steps = MASK_FIRST_STEPS
+        else:
+            self._mask_first_steps -= 1
+            logits, _, _ = _apply_grammar(logits, raw, batch, None)
+            tokens = logits.argmax(dim=-1)
         if not batch.all_greedy:
             rows = [r for r, t in enumerate(batch.temperatures.tolist()) if t > 0]
             tokens[rows] = self._sample(logits[rows], batch, rows)
@@ -419,12 +434,39 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def _apply_grammar(logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Mask the tokens the rows' grammars forbid (see the module docstring, 3b)."""
+def _apply_grammar(
+    logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch, best: torch.Tensor | None
+) -> tuple[torch.Tensor, list[int], int]:
+    """Mask the tokens the rows' grammars forbid (see the module docstring, 3b).
+
+    Given ``best`` (the argmax of ``logits``), a greedy row whose best token its grammar
+    allows is left as it is: masking only lowers other tokens, so that token stays the first
+    maximum and greedy sampling reads nothing else. While a model follows its grammar that
+    skips most of the mask's cost (1 CPU thread, 64 greedy rows of 49,152 logits: sampling
+    takes 6.0 ms with every pick allowed, 8.6 ms with 90%, against 18.8 ms masking every
+    row); the masked rows' argmax is taken again (27.7 ms with no pick allowed, so after a
+    step where most picks were forbidden the sampler passes None, masking every row, for
+    :data:`MASK_FIRST_STEPS` steps).
+
+    Returns:
+        the logits, the greedy rows masked (with ``best``: their argmax must be taken again),
+        and how many greedy rows were checked against ``best`` (0 without it).
+    """
     from asyncllm.structured_output import apply_token_bitmask
 
     assert batch.token_bitmask is not None
     bitmask, rows = batch.token_bitmask
+    temps = batch.temperatures.tolist()
+    greedy = [r for r in rows if temps[r] == 0]
+    checked = len(greedy) if best is not None else 0
+    if best is not None and greedy:
+        index = torch.tensor(greedy)
+        picks = best.cpu()[index]
+        bits = (bitmask[index, picks >> 5].long() >> (picks & 31)) & 1
+        allowed = {r for r, ok in zip(greedy, bits.tolist(), strict=True) if ok}
+        rows = [r for r in rows if r not in allowed]
+        if not rows:
+            return logits, [], checked
     # float32 logits untouched so far are the raw ones: keep those for logprobs and for the
     # rows below (else mask in place: a copy of a [64, 49152] batch costs milliseconds).
     keep_raw = batch.max_num_logprobs is not None or batch.banned is not None
@@ -432,12 +474,17 @@ def _apply_grammar(logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch
         logits = logits.clone()
     apply_token_bitmask(logits, bitmask, rows)
     if batch.banned is not None:
-        best = logits[rows].amax(dim=-1).tolist()
-        dead = [r for r, m in zip(rows, best, strict=True) if m == float("-inf")]
+        top = logits[rows].amax(dim=-1).tolist()
+        dead = [r for r, m in zip(rows, top, strict=True) if m == float("-inf")]
         if dead:  # the grammar allows only banned (stop) tokens: the grammar wins
             logits[dead] = raw[dead].float()
             apply_token_bitmask(logits, bitmask, dead)
-    return logits
+    return logits, [r for r in rows if temps[r] == 0], checked
+
+
+#: Steps the sampler masks every constrained row first, after a step where most greedy
+#: rows' best tokens were forbidden (:func:`_apply_grammar`).
+MASK_FIRST_STEPS = 16
 
 
 #: Candidates :func:`top_k_top_p` examines before falling back to a full sort of a row.
