@@ -1,7 +1,9 @@
 """Structured-output costs on the default model's tokenizer (no timed assertions anywhere):
 grammar compile time of a typical tool-like schema, first and cached, and the per-step cost
 of filling the token bitmask for a batch of constrained rows and applying it (xgrammar's CPU
-kernel) to float32 logits.
+kernel) to float32 logits; and the greedy sampler's cost with every row constrained, when
+each row's best token is allowed by its grammar (no mask needed), in 90% of rows, and in none,
+against no constraint (one torch thread; ``asyncllm.worker.sampler._apply_grammar``).
 
     python benchmarks/structured_cost.py [--batch 64] [--steps 50]
 """
@@ -9,14 +11,17 @@ kernel) to float32 logits.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 from transformers import AutoTokenizer
 
 from asyncllm.models.loader import resolve_model_dir
-from asyncllm.sampling_params import StructuredOutputsParams
+from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncllm.structured_output import GrammarCompiler, GrammarMatchers, apply_token_bitmask
+from asyncllm.worker.sampler import Sampler, SamplingBatch
 
 TOOL_SCHEMA = {
     "type": "object",
@@ -83,6 +88,48 @@ def main() -> None:
         f"batch {args.batch}, per step: fill {1e3 * fill / n:.2f} ms, "
         f"apply (CPU kernel) {1e3 * apply / n:.2f} ms, logits clone {1e3 * clone / n:.2f} ms"
     )
+
+    greedy_sampler_cost(args.batch, vocab, args.steps)
+
+
+def greedy_sampler_cost(batch: int, vocab: int, steps: int) -> None:
+    """Median sampler call over ``steps`` for greedy rows under random bitmasks (30% of the
+    tokens allowed) whose rows' best tokens are allowed in a given fraction of rows."""
+    torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    greedy = SamplingParams(temperature=0.0)
+    chunks = [
+        SimpleNamespace(
+            request_id=f"r{i}", params=greedy, prompt_token_ids=[1], output_token_ids=[],
+            num_output_tokens=0, stop_token_ids=frozenset({2}),
+        )
+        for i in range(batch)
+    ]  # fmt: skip
+    logits = torch.randn(batch, vocab)
+    best = logits.argmax(-1)
+
+    def bitmask(allowed_rows: int) -> torch.Tensor:
+        allowed = torch.rand(batch, vocab) < 0.3
+        allowed[torch.arange(batch), best] = torch.arange(batch) < allowed_rows
+        words = allowed.view(batch, -1, 32).long() << torch.arange(32)
+        return words.sum(-1).to(torch.int32)  # two's complement wrap, as xgrammar's
+
+    cases: dict[str, torch.Tensor | None] = {"unconstrained": None}
+    for frac in (1.0, 0.9, 0.0):
+        cases[f"best token allowed in {frac:.0%} of rows"] = bitmask(int(batch * frac))
+    samplers = {name: Sampler(0, cpu) for name in cases}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(steps):
+        for name, bm in cases.items():
+            mask = None if bm is None else (bm, list(range(batch)))
+            b = SamplingBatch.from_chunks(chunks, cpu, mask)
+            work = logits.clone()
+            t = time.perf_counter()
+            samplers[name](work, b)
+            times[name].append(time.perf_counter() - t)
+    for name, ts in times.items():
+        ms = statistics.median(ts) * 1e3
+        print(f"greedy sampler, batch {batch}, 1 thread, {name}: {ms:.2f} ms")
 
 
 if __name__ == "__main__":
