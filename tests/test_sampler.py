@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from asyncllm import SamplingParams
@@ -14,6 +16,7 @@ from asyncllm.worker.sampler import (
     SamplingBatch,
     apply_penalties,
     compute_logprobs,
+    row_argmax,
     top_k_top_p,
 )
 
@@ -337,3 +340,29 @@ def test_grammar_mask_first_after_a_step_of_forbidden_picks(monkeypatch):
     assert sampler(logits.clone(), batch).token_ids.tolist() == expected
     assert sampler._mask_first_steps == sampler_mod.MASK_FIRST_STEPS - 1
     assert calls == [[0, 1, 2], [0, 1, 2]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.sampled_from([7, 256, 1000, 2048, 3072, 5000]),
+    ties=st.integers(0, 3),
+    specials=st.lists(st.sampled_from(["nan", "inf", "-inf"]), max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_row_argmax_equals_torch_argmax(rows, vocab, ties, specials, seed):
+    """Chunked argmax gives torch's indices: the first maximum, the first NaN, ties across
+    and within chunks, rows of -inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g).round(decimals=1)  # coarse values: many ties
+    for _ in range(ties):
+        r, c = (
+            torch.randint(rows, (1,), generator=g).item(),
+            torch.randint(vocab, (1,), generator=g).item(),
+        )
+        x[r, c] = x[r].max()
+    for k, v in enumerate(specials):
+        x[k % rows, (k * 977) % vocab] = float(v)
+    if rows > 1 and seed % 5 == 0:
+        x[1] = float("-inf")
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))

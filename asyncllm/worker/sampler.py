@@ -31,6 +31,7 @@ Unseeded rows draw their noise in one call from the engine's generator.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -59,6 +60,36 @@ def derive_seed(seed: int, token_index: int) -> int:
 
 #: The most elements :class:`RequestTensors` keeps (int64/float32: at most ~64 MiB).
 _CACHE_ELEMENTS = 2**23
+
+
+@functools.lru_cache(maxsize=64)
+def _argmax_chunk(vocab: int) -> int:
+    """The divisor of ``vocab`` nearest 1024 within [256, 4096]; 0 when there is none."""
+    for d in sorted(range(256, 4097), key=lambda d: abs(d - 1024)):
+        if vocab % d == 0:
+            return d
+    return 0
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a ``[B, V]`` tensor, the same indices (the first maximum; the
+    first NaN where a row has one), in two vectorized passes.
+
+    torch's CPU argmax reduces element by element with the running index; ``amax`` is
+    vectorized. So: the max of each of ``V / c`` chunks (``c`` a divisor of ``V`` near 1024),
+    the first chunk holding the row's max, then argmax over that chunk only. 64 rows of
+    49,152 float32 logits, 1 thread (2-core AVX-512 machine, shared): 15-34 ms -> 0.9-1.3 ms.
+
+    Returns:
+        ``[B]`` int64 indices.
+    """
+    rows, vocab = x.shape
+    c = _argmax_chunk(vocab)
+    if rows < 2 or c == 0 or not x.is_contiguous():
+        return x.argmax(dim=-1)
+    starts = x.view(rows, vocab // c, c).amax(dim=-1).argmax(dim=-1) * c
+    offsets = torch.arange(c, device=x.device)
+    return starts + x.gather(1, starts[:, None] + offsets).argmax(dim=-1)
 
 
 class RequestTensors:
@@ -388,18 +419,18 @@ class Sampler:
             # An extreme (still valid) penalty can overflow to +-inf; keep softmax finite.
             logits = logits.clamp(-_MAX_LOGIT, _MAX_LOGIT)
         if batch.token_bitmask is None:
-            tokens = logits.argmax(dim=-1)
+            tokens = row_argmax(logits)
         elif self._mask_first_steps == 0:
-            tokens = logits.argmax(dim=-1)
+            tokens = row_argmax(logits)
             logits, redo, checked = _apply_grammar(logits, raw, batch, tokens)
             if redo:  # greedy picks the grammar forbids: pick again among the allowed
-                tokens[redo] = logits[redo].argmax(dim=-1)
+                tokens[redo] = row_argmax(logits[redo])
             if len(redo) > checked // 2:
                 self._mask_first_steps = MASK_FIRST_STEPS
         else:
             self._mask_first_steps -= 1
             logits, _, _ = _apply_grammar(logits, raw, batch, None)
-            tokens = logits.argmax(dim=-1)
+            tokens = row_argmax(logits)
         if not batch.all_greedy:
             rows = [r for r, t in enumerate(batch.temperatures.tolist()) if t > 0]
             tokens[rows] = self._sample(logits[rows], batch, rows)
@@ -431,7 +462,7 @@ class Sampler:
                 self._row_generator.manual_seed(derive_seed(seed, batch.token_indices[r]))
                 noise[i].uniform_(generator=self._row_generator)
         noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
-        return (probs / noise).argmax(dim=-1)
+        return row_argmax(probs / noise)
 
 
 def _apply_grammar(
