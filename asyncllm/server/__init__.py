@@ -10,6 +10,10 @@ or in code, as any ASGI app (its lifespan starts and stops the engine)::
     app = create_app(AsyncEngine.from_pretrained("default"), served_model_name="smollm2")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
+With ``--replicas N`` (the ``ray`` extra) the same app runs on Ray Serve in front of N
+replicas, with prefix-cache-aware routing (:mod:`asyncllm.integrations.ray_serve`,
+docs/scaling.md).
+
 Any OpenAI client works against it::
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
