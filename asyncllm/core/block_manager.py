@@ -48,6 +48,35 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None 
     return h.digest()
 
 
+def prompt_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str | None = None,
+    max_blocks: int | None = None,
+) -> list[bytes]:
+    """The chained hashes of the blocks of a prompt that the prefix cache can serve: the full
+    blocks among its first ``len(token_ids) - 1`` tokens (the last token is always computed,
+    as :meth:`BlockManager.find_cached_prefix` says), at most ``max_blocks`` of them.
+
+    The same hashes :class:`BlockManager` gives the prompt's blocks (same ``block_size``,
+    :func:`hash_block` chain, ``salt`` in the first block), so a router outside the engine
+    can tell which replica's cache holds a prompt's prefix.
+
+    Raises:
+        ValueError: ``block_size`` < 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    n = max(len(token_ids) - 1, 0) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    hashes: list[bytes] = []
+    for i in range(n):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt))
+    return hashes
+
+
 class BlockPool:
     """A fixed set of ``num_blocks`` physical blocks with reference counts and hashes.
 

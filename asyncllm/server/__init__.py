@@ -10,6 +10,10 @@ or in code, as any ASGI app (its lifespan starts and stops the engine)::
     app = create_app(AsyncEngine.from_pretrained("default"), served_model_name="smollm2")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
+With ``--replicas N`` (the ``ray`` extra) the same app runs on Ray Serve in front of N
+replicas, with prefix-cache-aware routing (:mod:`asyncllm.integrations.ray_serve`,
+docs/scaling.md).
+
 Any OpenAI client works against it::
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
@@ -201,6 +205,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help='"auto", "cpu", "cuda" or "cuda:N"')
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--log-level", default="info")
+    scale = parser.add_argument_group("replicas on Ray Serve (the ray extra; docs/scaling.md)")
+    scale.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="serve N replicas of the model on Ray Serve (a local Ray instance, or the "
+        "cluster of $RAY_ADDRESS) with prefix-cache-aware routing",
+    )
+    scale.add_argument(
+        "--router",
+        choices=["prefix", "default"],
+        default="prefix",
+        help="with --replicas: prefix-cache-aware routing, or Ray Serve's default "
+        "power-of-two-choices router",
+    )
+    scale.add_argument(
+        "--replica-threads",
+        type=_positive_int,
+        default=1,
+        metavar="T",
+        help="with --replicas: torch threads (and Ray CPUs) per replica (default 1)",
+    )
     sec = parser.add_argument_group("security")
     sec.add_argument(
         "--api-key",
@@ -292,6 +319,16 @@ def app_options_from_args(
 
 def serve(args: argparse.Namespace) -> int:
     """Load the model and serve it with uvicorn until interrupted; returns the exit code."""
+    if getattr(args, "replicas", None) is not None:
+        try:
+            from asyncllm.integrations import ray_serve
+        except ImportError as e:
+            print(
+                f"error: {e}; install the ray extra: pip install 'asyncllm[ray]'", file=sys.stderr
+            )
+            return 2
+        return ray_serve.main(args, engine_config_from_args(args), app_options_from_args(args))
+
     import uvicorn
 
     from asyncllm import AsyncEngine
