@@ -22,6 +22,7 @@ from asyncllm import InvalidRequestError, SamplingParams
 from asyncllm.engine.async_engine import collect
 from asyncllm.engine.tool_calls import HERMES_TEMPLATE
 from tests.conftest import script_output
+from tests.test_tool_calls import _join_deltas
 
 LLAMA3_TEMPLATE = """\
 {%- if tools %}<|start_header_id|>user<|end_header_id|>
@@ -102,6 +103,10 @@ async def test_hermes_calls_streamed_and_whole(hermes_dir, make_engine):
         assert items[-1].finish_reason == "tool_calls" and items[-1].tool_call_error is None
         # each call arrives once, on the item whose text completed it
         assert len({c.id for c in streamed}) == 2
+        # and streams before that: id and name, then its arguments in pieces
+        joined = _join_deltas([d for it in items for d in it.tool_call_deltas or ()])
+        whole_calls = [(c.id, c.name, c.arguments) for c in streamed]
+        assert [tuple(j) for j in joined.values()] == whole_calls
         whole = await collect(engine.chat(ASK, PARAMS, tools=TOOLS), "delta")
         assert _calls(whole) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
         assert whole.text == "Checking.\n" and whole.finish_reason == "tool_calls"
@@ -257,6 +262,8 @@ def test_server_tool_calls(hermes_server):
 
 
 def test_server_streams_tool_calls_as_openai_does(hermes_server):
+    """A call's first delta has its index, id, type and name; its arguments follow in
+    pieces (more than one: they stream as generated) that join to the final arguments."""
     base, _ = hermes_server
     client = _client(base)
     deltas = []
@@ -269,11 +276,12 @@ def test_server_streams_tool_calls_as_openai_does(hermes_server):
             deltas.extend(choice.delta.tool_calls or ())
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
-    assert [(d.index, d.type, d.function.name) for d in deltas] == [
-        (0, "function", "get_weather"),
-        (1, "function", "get_time"),
-    ]
-    assert all(d.id and d.id.startswith("call_") for d in deltas)
+    heads = [(d.index, d.type, d.function.name) for d in deltas if d.id]
+    assert heads == [(0, "function", "get_weather"), (1, "function", "get_time")]
+    assert all(d.id.startswith("call_") for d in deltas if d.id)
+    assert all(d.type is None and d.function.name is None for d in deltas if not d.id)
+    pieces = [d.function.arguments for d in deltas if d.index == 0]
+    assert len(pieces) > 2 and "".join(pieces) == '{"city": "Paris"}'
     # the client's own stream helper reassembles the message
     with client.chat.completions.stream(
         model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0
