@@ -392,8 +392,9 @@ async def test_required_and_named_calls_follow_the_schema(request, make_engine, 
             for seed in range(3):
                 params = SamplingParams(max_tokens=60, seed=seed, n=2)
                 results += await _chat_samples(
-                    engine, params, stream, tools=SMALL_TOOLS, tool_choice=choice
-                )
+                    engine, params, stream, tools=SMALL_TOOLS, tool_choice=choice,
+                    parallel_tool_calls=template == "hermes",  # Llama 3's: one call, in budget
+                )  # fmt: skip
             finished = [r for r in results if r[2] == "tool_calls"]
             assert len(finished) >= len(results) // 2, results
             for text, calls, reason, error in results:
@@ -405,8 +406,38 @@ async def test_required_and_named_calls_follow_the_schema(request, make_engine, 
                 for call in calls:
                     assert call.name in allowed
                     jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-                if template == "llama3_short":
-                    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+async def test_llama3_required_parallel_calls(llama3_short_dir, make_engine, parallel):
+    """Llama 3 JSON under the grammar: with parallel_tool_calls, several objects joined by
+    "; " (vLLM's llama3_json form), each a valid call; without, exactly one. (min_tokens
+    keeps the random model from stopping after its first call.)"""
+    engine = make_engine(llama3_short_dir, **SMALL)
+    async with engine:
+        counts = []
+        for seed in range(3):
+            params = SamplingParams(
+                max_tokens=120, min_tokens=40, seed=seed, n=2, output_kind="final"
+            )
+            async for out in engine.chat(
+                ASK, params, tools=SMALL_TOOLS, tool_choice="required",
+                parallel_tool_calls=parallel,
+            ):  # fmt: skip
+                if out.finish_reason != "tool_calls":
+                    assert out.finish_reason == "length" and out.tool_call_error
+                    continue
+                assert out.tool_call_error is None and out.text == ""
+                text = engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                assert text.count("}; {") == len(out.tool_calls) - 1, text
+                for call in out.tool_calls:
+                    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+                counts.append(len(out.tool_calls))
+    assert counts
+    if parallel:
+        assert max(counts) >= 2, counts
+    else:
+        assert set(counts) == {1}, counts
 
 
 async def test_required_single_call_and_conflicts(hermes_dir, make_engine):

@@ -54,6 +54,9 @@ FORMATS = (HERMES, LLAMA3_JSON)
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+#: What the grammar writes between parallel "llama3_json" calls (the parser takes ``;``
+#: with any whitespace around it).
+LLAMA3_SEPARATOR = "; "
 
 #: A small Hermes-style chat template (ChatML turns, tools in ``<tools>``, calls as
 #: ``<tool_call>`` JSON, results as ``<tool_response>``): for a model whose own template has
@@ -723,8 +726,10 @@ class ChatTools:
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar that makes the whole output tool calls, when :attr:`constrained`
         (else None): for "hermes", ``<tool_call>\\n{json}\\n</tool_call>`` blocks joined by
-        newlines (one or more; exactly one when not :attr:`parallel`), for "llama3_json" one
-        bare JSON object; each call object follows :func:`call_schema`, so its name is an
+        newlines, for "llama3_json" bare JSON objects joined by ``"; "`` (the separator
+        vLLM's llama3_json parser reads; Llama 3.1's own template renders one call per
+        message, and a model may stop after any call); one or more calls, exactly one when
+        not :attr:`parallel`. Each call object follows :func:`call_schema`, so its name is an
         allowed one and its arguments match that function's parameter schema. JSON is
         compact (bounded whitespace), so a model cannot pad it forever. Builds the grammar
         text with xgrammar (imported on first use: call it off the event loop).
@@ -736,13 +741,15 @@ class ChatTools:
             return None
         assert self.fmt is not None
         schema = call_schema(self.tools, self.choice, self.fmt)
-        if self.fmt == LLAMA3_JSON:
+        if self.fmt == LLAMA3_JSON and not self.parallel:
             return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         from asyncllm.structured_output import tagged_json_grammar
 
-        grammar = tagged_json_grammar(
-            schema, HERMES_START + "\n", "\n" + HERMES_END, "\n", at_most_one=not self.parallel
-        )
+        if self.fmt == LLAMA3_JSON:
+            begin, end, separator = "", "", LLAMA3_SEPARATOR
+        else:
+            begin, end, separator = HERMES_START + "\n", "\n" + HERMES_END, "\n"
+        grammar = tagged_json_grammar(schema, begin, end, separator, at_most_one=not self.parallel)
         return StructuredOutputsParams(grammar=grammar)
 
     def keep_special_tokens(self, tokenizer: Any) -> bool:
