@@ -13,7 +13,7 @@ from asyncllm.errors import (
     UnsupportedModelError,
 )
 from asyncllm.llm import LLM
-from asyncllm.outputs import Logprob, RequestMetrics, RequestOutput, ToolCall
+from asyncllm.outputs import Logprob, RequestMetrics, RequestOutput, ToolCall, ToolCallDelta
 from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
     "ToolCall",
+    "ToolCallDelta",
     "UnsupportedModelError",
 ]
 __version__ = "0.1.0"

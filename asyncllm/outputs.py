@@ -79,6 +79,29 @@ class ToolCall(msgspec.Struct, frozen=True):
     arguments: str
 
 
+class ToolCallDelta(msgspec.Struct, frozen=True):
+    """A piece of a tool call as it is generated (vLLM's ``DeltaToolCall``, OpenAI's
+    streamed ``delta.tool_calls[]`` item): the first piece of call ``index`` has its ``id``
+    and ``name`` (and ``arguments`` ""), the later ones ``arguments`` text only.
+
+    Joined in order, a call's ``arguments`` pieces equal its :attr:`ToolCall.arguments`
+    (the same id, delivered whole on the item that completes the call). A call whose text
+    turns out malformed after its first pieces were sent is not delivered as a
+    :class:`ToolCall` (see :attr:`RequestOutput.tool_call_error`); its index is not reused.
+
+    Attributes:
+        index: the call's position among the sample's calls (0-based).
+        id: the call's id, on its first piece; None after.
+        name: the function's name, on its first piece; None after.
+        arguments: the next characters of the arguments JSON text.
+    """
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
 class RequestOutput(msgspec.Struct, kw_only=True):
     """One item of a stream, or the whole result of ``generate()``.
 
@@ -122,6 +145,11 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         tool_call_error: from ``chat(..., tools=...)``, on the last item: None, or what was
             wrong with the model's tool calls (malformed JSON, no call where
             ``tool_choice`` asked for one); the text in question is kept in ``text``.
+        tool_call_deltas: from ``chat(..., tools=...)`` with ``output_kind="delta"``: the
+            pieces of tool calls generated in this item (:class:`ToolCallDelta`: a call's
+            id and name as soon as its name is complete, then its arguments text as it
+            grows, as OpenAI streams ``delta.tool_calls``); None when there are none, and
+            always with other output kinds.
     """
 
     request_id: str
@@ -141,6 +169,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     samples: list[RequestOutput] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_error: str | None = None
+    tool_call_deltas: list[ToolCallDelta] | None = None
 
     @property
     def finished(self) -> bool:

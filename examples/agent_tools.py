@@ -14,8 +14,11 @@ gets a Hermes-style template (``<tool_call>`` JSON, the format Qwen and Hermes m
 trained on) through ``chat_template_kwargs``; the script says so. A small model may answer
 without calling anything, call a function that does not exist or pass bad arguments: the
 script prints what the model did rather than pretending (a bad call is answered with an
-error message as the tool result). ``tool_choice="required"`` is only asked for through the
-prompt until grammar-constrained decoding covers tool calls.
+error message as the tool result).
+
+``--tool-choice required`` makes the first turn a tool call for sure: the output is
+constrained by a grammar to calls naming one of the functions, with arguments that match
+its schema (later turns are "auto", so the model can answer).
 """
 
 from __future__ import annotations
@@ -52,8 +55,18 @@ def get_weather(city: str) -> str:
     return f"sunny, 21 C in {city}"
 
 
+def bounded(tool: dict[str, Any], max_length: int = 64) -> dict[str, Any]:
+    """The tool with its string parameters at most ``max_length`` characters: under
+    ``tool_choice="required"`` the grammar then closes every string in time, so a small
+    model cannot ramble inside one until ``max_tokens``."""
+    for prop in tool["function"]["parameters"].get("properties", {}).values():
+        if prop.get("type") == "string":
+            prop.setdefault("maxLength", max_length)
+    return tool
+
+
 FUNCTIONS: dict[str, Callable[..., Any]] = {"add": add, "get_weather": get_weather}
-TOOLS = [get_json_schema(fn) for fn in FUNCTIONS.values()]
+TOOLS = [bounded(get_json_schema(fn)) for fn in FUNCTIONS.values()]
 
 
 def run_tool(name: str, arguments: str) -> str:
@@ -77,15 +90,25 @@ def template_kwargs(engine: AsyncEngine) -> dict[str, Any] | None:
         return {"chat_template": HERMES_TEMPLATE}
 
 
-async def agent(engine: AsyncEngine, question: str, params: SamplingParams, max_turns: int):
-    """Run the loop; returns a summary (turns, calls made, the final answer)."""
+async def agent(
+    engine: AsyncEngine,
+    question: str,
+    params: SamplingParams,
+    max_turns: int,
+    tool_choice: str = "auto",
+):
+    """Run the loop (``tool_choice`` for the first turn, "auto" after); returns a summary
+    (turns, calls made as (name, arguments), the final answer)."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
     kwargs = template_kwargs(engine)
-    calls_made: list[str] = []
+    calls_made: list[tuple[str, str]] = []
     answer = None
     for turn in range(1, max_turns + 1):
         out = None  # params.output_kind is "final": one item, the whole answer
-        async for item in engine.chat(messages, params, tools=TOOLS, chat_template_kwargs=kwargs):
+        choice = tool_choice if turn == 1 else "auto"
+        async for item in engine.chat(
+            messages, params, tools=TOOLS, tool_choice=choice, chat_template_kwargs=kwargs
+        ):
             out = item
         assert out is not None
         if out.tool_call_error:
@@ -107,7 +130,7 @@ async def agent(engine: AsyncEngine, question: str, params: SamplingParams, max_
         )  # fmt: skip
         for call in out.tool_calls:
             result = run_tool(call.name, call.arguments)
-            calls_made.append(call.name)
+            calls_made.append((call.name, call.arguments))
             print(f"turn {turn}: {call.name}({call.arguments}) -> {result}")
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     else:
@@ -119,7 +142,7 @@ async def run(args: argparse.Namespace, engine: AsyncEngine | None = None) -> di
     engine = engine or AsyncEngine.from_pretrained(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, output_kind="final")
     async with engine:
-        return await agent(engine, args.question, params, args.max_turns)
+        return await agent(engine, args.question, params, args.max_turns, args.tool_choice)
 
 
 def main(argv: Sequence[str] | None = None, engine: AsyncEngine | None = None) -> dict[str, Any]:
@@ -128,6 +151,7 @@ def main(argv: Sequence[str] | None = None, engine: AsyncEngine | None = None) -
     parser.add_argument("--question", default="What is the weather in Paris, and 17 + 25?")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--tool-choice", choices=["auto", "required"], default="auto")
     return asyncio.run(run(parser.parse_args(argv), engine))
 
 

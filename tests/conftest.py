@@ -46,6 +46,16 @@ def tiny_llama_dir(
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_512_dir(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: pathlib.Path
+) -> pathlib.Path:
+    """The tiny Llama with 512 positions (room for tools in the prompt and a call)."""
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-llama-512"), default_model_dir, max_positions=512
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(
     tmp_path_factory: pytest.TempPathFactory, default_model_dir: pathlib.Path
 ) -> pathlib.Path:

@@ -172,7 +172,9 @@ def test_doc_links_resolve() -> None:
             assert (page.parent / target).exists(), f"{page.name}: {target}"
 
 
-def test_agent_tools_runs_and_calls_tools(tiny_llama_dir: pathlib.Path, make_engine: Any) -> None:
+def test_agent_tools_runs_and_calls_tools(
+    tiny_llama_dir: pathlib.Path, tiny_llama_512_dir: pathlib.Path, make_engine: Any
+) -> None:
     """On the random tiny model (a template without tools: the example brings one) it runs
     and reports what the model did; with the model's output scripted to a call, the loop
     runs the function and sends the result back."""
@@ -182,9 +184,25 @@ def test_agent_tools_runs_and_calls_tools(tiny_llama_dir: pathlib.Path, make_eng
     args = ["--max-tokens", "4", "--max-turns", "1", "--question", "17+25?"]
     summary = agent_tools.main(args, make_engine(tiny_llama_dir, max_num_seqs=2))
     assert summary["turns"] == 1
-    engine = make_engine(tiny_llama_dir, max_num_seqs=2)
+    engine = make_engine(tiny_llama_512_dir, max_num_seqs=2)  # the tools fill 256 positions
     script_output(engine, '<tool_call>{"name": "add", "arguments": {"a": 17, "b": 25}}</tool_call>')
     summary = agent_tools.main(
         ["--max-tokens", "40", "--max-turns", "1", "--question", "17+25?"], engine
     )
-    assert summary["calls"] == ["add"] and summary["answer"] is None
+    assert summary["calls"] == [("add", '{"a": 17, "b": 25}')] and summary["answer"] is None
+
+
+def test_agent_tools_required_makes_valid_calls(tiny_llama_512_dir: pathlib.Path, make_engine: Any):
+    """tool_choice="required" end to end on the random model (512 positions: the tools in
+    the prompt and a call fit): the grammar alone makes the first turn valid calls, each
+    naming a function and matching its parameter schema, which the loop runs."""
+    import jsonschema
+
+    agent_tools = load("agent_tools")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in agent_tools.TOOLS}
+    engine = make_engine(tiny_llama_512_dir, max_num_seqs=2)
+    args = ["--tool-choice", "required", "--max-tokens", "200", "--max-turns", "1"]
+    summary = agent_tools.main([*args, "--question", "17+25?"], engine)
+    assert summary["calls"], summary
+    for name, arguments in summary["calls"]:
+        jsonschema.validate(json.loads(arguments), schemas[name])

@@ -70,19 +70,45 @@ def test_parse_whole(fmt, text, content, calls, error):
     _check(tc.parse_tool_calls(text, fmt), content, calls, error)
 
 
-def _streamed(fmt: str, text: str, cuts: list[int]) -> tuple[str, list, str | None]:
-    parser = tc.ToolCallParser(fmt)
-    content, calls = [], []
+def _streamed(
+    fmt: str, text: str, cuts: list[int], parallel: bool = True
+) -> tuple[str, list, str | None]:
+    parser = tc.ToolCallParser(fmt, parallel=parallel)
+    content, calls, deltas = [], [], []
     bounds = [0, *sorted(set(cuts)), len(text)]
     for a, b in itertools.pairwise(bounds):
         part, new = parser.feed(text[a:b])
         content.append(part)
         calls.extend(new)
+        deltas.extend(parser.take_deltas())
     part, new = parser.finish()
     content.append(part)
     calls.extend(new)
+    deltas.extend(parser.take_deltas())
     assert calls == parser.calls
+    _check_deltas(deltas, calls)
     return "".join(content), calls, parser.error
+
+
+def _join_deltas(deltas: list) -> dict[int, list[str]]:
+    """OpenAI's accumulation: index -> [id, name, arguments joined]."""
+    joined: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.id is not None:  # the first piece of a call: its id and name
+            assert d.index not in joined and d.name is not None
+            joined[d.index] = [d.id, d.name, ""]
+        assert d.index in joined
+        joined[d.index][2] += d.arguments
+    return joined
+
+
+def _check_deltas(deltas: list, calls: list) -> None:
+    """Every delivered call was streamed whole, under its id, at increasing indexes."""
+    joined = _join_deltas(deltas)
+    streamed = {j[0]: (i, j[1], j[2]) for i, j in joined.items()}
+    indexes = [streamed[c.id][0] for c in calls]
+    assert indexes == sorted(indexes)
+    assert [streamed[c.id][1:] for c in calls] == [(c.name, c.arguments) for c in calls]
 
 
 @pytest.mark.parametrize(("fmt", "text", "content", "calls", "error"), CASES)
@@ -106,6 +132,81 @@ def test_streamed_calls_arrive_when_complete():
     llama = tc.ToolCallParser(tc.LLAMA3_JSON)
     assert llama.feed('{"name": "f", "parameters": {"x": 1}') == ("", [])
     assert [c.name for c in llama.feed("}")[1]] == ["f"]
+
+
+ODD = (  # spacing, escapes and numbers that json.dumps writes otherwise
+    '{"name": "f", "arguments": { "a" :[1 ,2.50, -0, 1E2] ,\n "b": "\\u00e9\\ud83d\\ude00\\/\t",'
+    ' "c": {"d": [true, null, {}]}, "e": "\\"{x}\\""}}'
+)
+
+
+@pytest.mark.parametrize("fmt", tc.FORMATS)
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_argument_deltas_join_to_the_arguments(fmt, data):
+    """Streamed argument pieces join to exactly the call's arguments (which are what the
+    whole text gives, json.dumps of the decoded object), however the text is split;
+    parallel calls get indexes 0, 1."""
+    if fmt == tc.HERMES:
+        text = f"Hi <tool_call>{ODD}</tool_call>\n<tool_call>{ODD}</tool_call>"
+    else:
+        text = f"<|python_tag|>{ODD.replace('arguments', 'parameters')}; {ODD}"
+    args = json.loads(ODD, strict=False)["arguments"]  # a raw tab, as the parser allows
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=20))
+    _, calls, error = _streamed(fmt, text, cuts)
+    assert error is None and len(calls) == 2
+    assert [c.arguments for c in calls] == [json.dumps(args, ensure_ascii=False)] * 2
+    _, whole, _ = tc.parse_tool_calls(text, fmt)
+    assert [c.arguments for c in whole] == [c.arguments for c in calls]
+    one = _streamed(fmt, text, cuts, parallel=False)[1]  # deltas of the first call only
+    assert len(one) == 1
+
+
+def test_argument_deltas_stream_before_the_call_ends():
+    """The id and name come as soon as the name is complete, the arguments as they grow
+    (a number once it has ended); the complete call comes with the last piece."""
+    parser = tc.ToolCallParser(tc.HERMES)
+    parser.feed('<tool_call>\n{"name": "get_weather", "argu')
+    (head,) = parser.take_deltas()
+    assert (head.index, head.name, head.arguments) == (0, "get_weather", "")
+    assert head.id and head.id.startswith("call_")
+    parser.feed('ments": {"city": "Par')
+    assert [d.arguments for d in parser.take_deltas()] == ['{"city": "Par']
+    parser.feed('is", "days": 1')  # 1 may still become 10
+    assert [d.arguments for d in parser.take_deltas()] == ['is", "days": ']
+    assert parser.feed("2}}\n</tool") == ("", [])
+    assert [(d.id, d.arguments) for d in parser.take_deltas()] == [(None, "12}")]
+    _, (call,) = parser.feed("_call>")
+    assert parser.take_deltas() == []
+    assert (call.id, call.arguments) == (head.id, '{"city": "Paris", "days": 12}')
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [
+        (tc.HERMES, '<tool_call>{"name": "f", "arguments": {"x": }}</tool_call>'
+         '<tool_call>{"name": "g", "arguments": {}}</tool_call>'),
+        (tc.LLAMA3_JSON, '{"name": "f", "parameters": {"x": 1, "y": [}}'),
+    ],
+)  # fmt: skip
+def test_a_streamed_call_that_turns_out_malformed(fmt, text):
+    """Its pieces stay sent, it is no call, an error says why, and the next call gets the
+    next index."""
+    parser = tc.ToolCallParser(fmt)
+    _, calls = parser.feed(text)
+    _, last = parser.finish()
+    deltas = parser.take_deltas()
+    assert parser.error is not None and "f" not in [c.name for c in calls + last]
+    assert deltas[0].name == "f" and deltas[0].index == 0
+    assert [d.index for d in deltas if d.name == "g"] == ([1] if fmt == tc.HERMES else [])
+
+
+def test_arguments_as_a_json_string_come_whole():
+    parser = tc.ToolCallParser(tc.HERMES)
+    parser.feed('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1')
+    assert [(d.name, d.arguments) for d in parser.take_deltas()] == [("f", "")]
+    parser.feed('}"}</tool_call>')
+    assert [d.arguments for d in parser.take_deltas()] == ['{"a": 1}']
 
 
 def test_parallel_off_keeps_the_first_call():
@@ -200,3 +301,54 @@ def test_template_messages_decode_arguments():
         tc.check_message_tool_calls(
             0, {"tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}
         )
+
+
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**20), 10**20)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6)
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    obj=st.dictionaries(st.text(max_size=4), _VALUES, max_size=4),
+    ascii_=st.booleans(),
+    indent=st.sampled_from([None, 0, 2]),
+    data=st.data(),
+)
+def test_json_canon_stream(obj, ascii_, indent, data):
+    """JsonCanonStream: any JSON text of an object, in any pieces, gives json.dumps of its
+    value, and every emitted prefix stays a prefix (nothing is taken back)."""
+    from asyncllm.engine.json_stream import JsonCanonStream
+
+    raw = json.dumps(obj, ensure_ascii=ascii_, indent=indent)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12)))
+    stream, seen = JsonCanonStream(), ""
+    for a, b in itertools.pairwise([0, *cuts, len(raw)]):
+        stream.feed(raw[a:b])
+        assert stream.text.startswith(seen)
+        seen = stream.text
+    assert stream.done and not stream.broken
+    assert stream.text == json.dumps(obj, ensure_ascii=False)
+    assert {k: json.loads(stream.text[a:b]) for k, (a, b) in stream.values.items()} == obj
+
+
+@pytest.mark.parametrize("raw", ['{"a": }', '{"a":1,}', '{"a" 1}', '{"a": [1}', '{"a": tru }',
+                                 '{"a": "\\x"}', "{,}", '{"a": 1]'])  # fmt: skip
+def test_json_canon_stream_stops_on_bad_json(raw):
+    from asyncllm.engine.json_stream import JsonCanonStream
+
+    stream = JsonCanonStream()
+    for c in raw:
+        stream.feed(c)
+    assert stream.broken and not stream.done

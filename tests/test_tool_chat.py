@@ -22,6 +22,7 @@ from asyncllm import InvalidRequestError, SamplingParams
 from asyncllm.engine.async_engine import collect
 from asyncllm.engine.tool_calls import HERMES_TEMPLATE
 from tests.conftest import script_output
+from tests.test_tool_calls import _join_deltas
 
 LLAMA3_TEMPLATE = """\
 {%- if tools %}<|start_header_id|>user<|end_header_id|>
@@ -102,6 +103,10 @@ async def test_hermes_calls_streamed_and_whole(hermes_dir, make_engine):
         assert items[-1].finish_reason == "tool_calls" and items[-1].tool_call_error is None
         # each call arrives once, on the item whose text completed it
         assert len({c.id for c in streamed}) == 2
+        # and streams before that: id and name, then its arguments in pieces
+        joined = _join_deltas([d for it in items for d in it.tool_call_deltas or ()])
+        whole_calls = [(c.id, c.name, c.arguments) for c in streamed]
+        assert [tuple(j) for j in joined.values()] == whole_calls
         whole = await collect(engine.chat(ASK, PARAMS, tools=TOOLS), "delta")
         assert _calls(whole) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
         assert whole.text == "Checking.\n" and whole.finish_reason == "tool_calls"
@@ -257,6 +262,8 @@ def test_server_tool_calls(hermes_server):
 
 
 def test_server_streams_tool_calls_as_openai_does(hermes_server):
+    """A call's first delta has its index, id, type and name; its arguments follow in
+    pieces (more than one: they stream as generated) that join to the final arguments."""
     base, _ = hermes_server
     client = _client(base)
     deltas = []
@@ -269,11 +276,12 @@ def test_server_streams_tool_calls_as_openai_does(hermes_server):
             deltas.extend(choice.delta.tool_calls or ())
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
-    assert [(d.index, d.type, d.function.name) for d in deltas] == [
-        (0, "function", "get_weather"),
-        (1, "function", "get_time"),
-    ]
-    assert all(d.id and d.id.startswith("call_") for d in deltas)
+    heads = [(d.index, d.type, d.function.name) for d in deltas if d.id]
+    assert heads == [(0, "function", "get_weather"), (1, "function", "get_time")]
+    assert all(d.id.startswith("call_") for d in deltas if d.id)
+    assert all(d.type is None and d.function.name is None for d in deltas if not d.id)
+    pieces = [d.function.arguments for d in deltas if d.index == 0]
+    assert len(pieces) > 2 and "".join(pieces) == '{"city": "Paris"}'
     # the client's own stream helper reassembles the message
     with client.chat.completions.stream(
         model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0
@@ -384,8 +392,9 @@ async def test_required_and_named_calls_follow_the_schema(request, make_engine, 
             for seed in range(3):
                 params = SamplingParams(max_tokens=60, seed=seed, n=2)
                 results += await _chat_samples(
-                    engine, params, stream, tools=SMALL_TOOLS, tool_choice=choice
-                )
+                    engine, params, stream, tools=SMALL_TOOLS, tool_choice=choice,
+                    parallel_tool_calls=template == "hermes",  # Llama 3's: one call, in budget
+                )  # fmt: skip
             finished = [r for r in results if r[2] == "tool_calls"]
             assert len(finished) >= len(results) // 2, results
             for text, calls, reason, error in results:
@@ -397,8 +406,38 @@ async def test_required_and_named_calls_follow_the_schema(request, make_engine, 
                 for call in calls:
                     assert call.name in allowed
                     jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-                if template == "llama3_short":
-                    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+async def test_llama3_required_parallel_calls(llama3_short_dir, make_engine, parallel):
+    """Llama 3 JSON under the grammar: with parallel_tool_calls, several objects joined by
+    "; " (vLLM's llama3_json form), each a valid call; without, exactly one. (min_tokens
+    keeps the random model from stopping after its first call.)"""
+    engine = make_engine(llama3_short_dir, **SMALL)
+    async with engine:
+        counts = []
+        for seed in range(3):
+            params = SamplingParams(
+                max_tokens=120, min_tokens=40, seed=seed, n=2, output_kind="final"
+            )
+            async for out in engine.chat(
+                ASK, params, tools=SMALL_TOOLS, tool_choice="required",
+                parallel_tool_calls=parallel,
+            ):  # fmt: skip
+                if out.finish_reason != "tool_calls":
+                    assert out.finish_reason == "length" and out.tool_call_error
+                    continue
+                assert out.tool_call_error is None and out.text == ""
+                text = engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                assert text.count("}; {") == len(out.tool_calls) - 1, text
+                for call in out.tool_calls:
+                    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+                counts.append(len(out.tool_calls))
+    assert counts
+    if parallel:
+        assert max(counts) >= 2, counts
+    else:
+        assert set(counts) == {1}, counts
 
 
 async def test_required_single_call_and_conflicts(hermes_dir, make_engine):

@@ -26,13 +26,22 @@ TINY_CONFIG: dict[str, Any] = dict(
 )
 
 
-def save_tiny_llama(path: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int = 0) -> pathlib.Path:
+def save_tiny_llama(
+    path: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int = 0, max_positions: int = 256
+) -> pathlib.Path:
     """Build the tiny Llama with ``torch.manual_seed(seed)`` and save it, with the tokenizer
-    of ``tokenizer_dir`` (a Hugging Face directory), as a Hugging Face directory at ``path``."""
+    of ``tokenizer_dir`` (a Hugging Face directory), as a Hugging Face directory at ``path``.
+
+    Args:
+        max_positions: its ``max_position_embeddings`` (the longest sequence, tokens): 256
+            by default; 512 holds an agent turn with tools in the prompt and a
+            grammar-constrained call (the tool-calling example's CI run).
+    """
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).save_pretrained(path)
+    config = LlamaConfig(**{**TINY_CONFIG, "max_position_embeddings": max_positions})
+    LlamaForCausalLM(config).save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
     return path

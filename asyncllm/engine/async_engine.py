@@ -303,7 +303,9 @@ class AsyncEngine:
         (``<tool_call>`` JSON as Hermes/Qwen write it, or Llama 3's JSON; see
         :mod:`asyncllm.engine.tool_calls`): items carry them in ``tool_calls`` (a call is
         delivered whole, on the item whose text completed it; ``text`` holds only the
-        content outside calls), and the last item has ``finish_reason`` "tool_calls" when
+        content outside calls); with ``output_kind`` "delta" they also stream in
+        ``tool_call_deltas`` (id and name, then the arguments text in pieces, as OpenAI
+        streams ``delta.tool_calls``), and the last item has ``finish_reason`` "tool_calls" when
         the model made calls and stopped on its own. Output that is not a valid call stays
         in ``text`` and is described in ``tool_call_error``; it never raises.
 

@@ -18,10 +18,15 @@ A template that never mentions ``tools`` has no tool support: passing tools rais
 
 Streaming: :class:`ToolCallParser` is fed text deltas and returns the content outside calls
 as it comes (holding back only text that could still begin a call marker) and each call
-once its JSON is complete (whole arguments, not argument deltas). Output the model gets
-wrong is never an error raised: a call whose JSON does not parse, or that is not an object
-with a string ``name`` and object arguments, is kept as content (its raw text, markers
-included) and described in :attr:`ToolCallParser.error`.
+once its JSON is complete; meanwhile it streams each call as OpenAI does
+(:meth:`ToolCallParser.take_deltas`: id and name once the name is complete, then the
+arguments text as it grows, canonical JSON from
+:class:`~asyncllm.engine.json_stream.JsonCanonStream`, so the pieces join to the call's
+``arguments``). Output the model gets wrong is never an error raised: a call whose JSON
+does not parse, or that is not an object with a string ``name`` and object arguments, is
+kept as content (its raw text, markers included) and described in
+:attr:`ToolCallParser.error` (pieces of it already streamed stay sent; its index is not
+reused).
 
 Pure Python (``json``); no torch.
 """
@@ -36,8 +41,9 @@ from typing import Any
 
 import msgspec
 
+from asyncllm.engine.json_stream import JsonCanonStream
 from asyncllm.errors import InvalidRequestError
-from asyncllm.outputs import RequestOutput, ToolCall
+from asyncllm.outputs import RequestOutput, ToolCall, ToolCallDelta
 from asyncllm.sampling_params import StructuredOutputsParams
 
 HERMES = "hermes"
@@ -48,6 +54,9 @@ FORMATS = (HERMES, LLAMA3_JSON)
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+#: What the grammar writes between parallel "llama3_json" calls (the parser takes ``;``
+#: with any whitespace around it).
+LLAMA3_SEPARATOR = "; "
 
 #: A small Hermes-style chat template (ChatML turns, tools in ``<tools>``, calls as
 #: ``<tool_call>`` JSON, results as ``<tool_response>``): for a model whose own template has
@@ -293,16 +302,18 @@ def check_message_tool_calls(i: int, message: Mapping[str, Any]) -> None:
             raise InvalidRequestError(f"{where}.function.arguments must be a JSON object")
 
 
-def _as_call(obj: object, args_keys: tuple[str, ...]) -> ToolCall | None:
-    """A ToolCall from a decoded call object, or None when it is not one."""
+def _as_call(
+    obj: object, args_keys: tuple[str, ...], stream: _CallStream | None = None
+) -> ToolCall | None:
+    """A ToolCall from a decoded call object, or None when it is not one. With the
+    ``stream`` that read the call's text: its id, and its canonical arguments text."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    for key in args_keys:
-        if key in obj:
-            args = obj[key]
-            break
-    else:
-        args = {}
+    key = next((k for k in args_keys if k in obj), None)
+    args = obj[key] if key is not None else {}
+    streamed = stream.arguments(key) if stream is not None and key is not None else None
+    if streamed is not None and isinstance(args, dict):
+        return ToolCall(id=stream.id, name=obj["name"], arguments=streamed)  # type: ignore[union-attr]
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
@@ -311,7 +322,67 @@ def _as_call(obj: object, args_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     arguments = json.dumps(args, ensure_ascii=False)
-    return ToolCall(id=new_call_id(), name=obj["name"], arguments=arguments)
+    return ToolCall(
+        id=stream.id if stream else new_call_id(), name=obj["name"], arguments=arguments
+    )
+
+
+class _CallStream:
+    """The call being generated, read as it streams: its id, and the canonical text of its
+    JSON object (:class:`JsonCanonStream`), from which its name and arguments are taken."""
+
+    def __init__(self, args_keys: tuple[str, ...]) -> None:
+        self.id = new_call_id()
+        self.json = JsonCanonStream()
+        self.fed = 0  # characters of the call's raw text fed
+        self.args_keys = args_keys
+        self.name: str | None = None
+        self.header_sent = False
+        self.args_sent = ""  # the arguments text sent so far
+
+    def _span(self, key: str) -> tuple[int, int | None] | None:
+        span = self.json.values.get(key)
+        return None if span is None else (span[0], span[1])  # type: ignore[return-value]
+
+    def arguments(self, key: str) -> str | None:
+        """The canonical text of the complete object value of ``key``, or None."""
+        span = self._span(key)
+        if span is None or span[1] is None or self.json.first_char[key] != "{":
+            return None
+        return self.json.text[span[0] : span[1]]
+
+    def pending(self, index: int) -> ToolCallDelta | None:
+        """The piece that can be sent now, if any: the id and name once the name is
+        complete, with the arguments text that follows what was sent. Arguments stream once
+        their key is known (the first of ``args_keys`` that appears) and their value is an
+        object (arguments written as a JSON string are sent whole, at the end)."""
+        name = None
+        if not self.header_sent:
+            span = self._span("name")
+            if span is None or span[1] is None or self.json.first_char["name"] != '"':
+                return None
+            name = json.loads(self.json.text[span[0] : span[1]])
+            self.header_sent = True
+        args = ""
+        key = next((k for k in self.args_keys if k in self.json.values), None)
+        if key is not None and self.json.first_char[key] == "{":
+            start, end = self._span(key)  # type: ignore[misc]
+            args = self.json.text[start + len(self.args_sent) : end]
+            self.args_sent += args
+        if name is not None:
+            return ToolCallDelta(index=index, id=self.id, name=name, arguments=args)
+        return ToolCallDelta(index=index, arguments=args) if args else None
+
+    def last(self, index: int, call: ToolCall) -> ToolCallDelta | None:
+        """The piece that completes ``call`` (read by this stream), or None when nothing is
+        left to send; raises ValueError when what was sent does not begin its arguments
+        (an object with both "arguments" and "parameters", say)."""
+        if not self.header_sent:
+            return ToolCallDelta(index=index, id=self.id, name=call.name, arguments=call.arguments)
+        if not call.arguments.startswith(self.args_sent):
+            raise ValueError("the streamed arguments are not those of the call")
+        rest = call.arguments[len(self.args_sent) :]
+        return ToolCallDelta(index=index, arguments=rest) if rest else None
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -355,6 +426,12 @@ class ToolCallParser:
         self._mode = "undecided"  # llama3_json: "undecided", "calls" or "content"
         self._raw = ""  # llama3_json: the text since the calls began (kept for errors)
         self._finished = False
+        self._keys = (
+            ("parameters", "arguments") if fmt == LLAMA3_JSON else ("arguments", "parameters")
+        )
+        self._stream: _CallStream | None = None  # the call being generated
+        self._index = 0  # the streamed index of the next call
+        self._deltas: list[ToolCallDelta] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Take the next piece of generated text.
@@ -367,8 +444,9 @@ class ToolCallParser:
         self._buf += text
         if self.fmt == HERMES:
             return self._hermes(final=False)
-        if self._mode == "calls" and "}" not in text:
-            return "", []  # no JSON object can have ended: no need to decode again
+        if self._mode == "calls" and self._stream is not None and "}" not in text:
+            self._stream_feed(self._buf)  # no JSON object can have ended: no need to decode
+            return "", []
         return self._llama(final=False)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -379,12 +457,47 @@ class ToolCallParser:
             return self._hermes(final=True)
         return self._llama(final=True)
 
+    def take_deltas(self) -> list[ToolCallDelta]:
+        """The pieces of calls (:class:`~asyncllm.outputs.ToolCallDelta`) read since the last
+        call: a call's id and name once its name is complete, then its arguments text as it
+        grows; joined, a call's pieces give its :attr:`ToolCall.arguments`. With
+        ``parallel`` off, only the first call's."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
     # ------------------------------------------------------------------ internals
+
+    def _stream_feed(self, text: str) -> None:
+        """Feed the call being generated its text so far (from its start)."""
+        if self._stream is None:
+            self._stream = _CallStream(self._keys)
+        st = self._stream
+        st.json.feed(text[st.fed :])
+        st.fed = len(text)
+        delta = None if self._dropping() else st.pending(self._index)
+        if delta is not None:
+            self._deltas.append(delta)
 
     def _deliver(self, call: ToolCall, calls: list[ToolCall]) -> None:
         if self.parallel or not self.calls:
+            assert self._stream is not None
+            try:
+                delta = self._stream.last(self._index, call)
+            except ValueError as e:
+                self._note(f"tool call {len(self.calls) + 1}: {e}")
+                delta = None
+            if delta is not None:
+                self._deltas.append(delta)
+            self._index += 1
             self.calls.append(call)
             calls.append(call)
+        self._stream = None
+
+    def _drop_stream(self) -> None:
+        """The call being generated is not one: its index stays used if it was sent."""
+        if self._stream is not None and self._stream.header_sent:
+            self._index += 1
+        self._stream = None
 
     def _note(self, message: str) -> None:
         if self.error is None:
@@ -402,14 +515,18 @@ class ToolCallParser:
             if self._in_call:
                 end = buf.find(HERMES_END)
                 if end < 0 and not final:
+                    self._stream_feed(buf)
                     break
                 body = buf if end < 0 else buf[:end]
+                self._stream_feed(body)
                 self._buf = "" if end < 0 else buf[end + len(HERMES_END) :]
                 self._in_call = False
                 call = self._hermes_call(body, len(self.calls) + 1)
                 if call is not None:
                     self._deliver(call, calls)
-                elif not self._dropping():
+                    continue
+                self._drop_stream()
+                if not self._dropping():
                     closing = "" if end < 0 else HERMES_END
                     if end < 0:
                         self._note(f"tool call {len(self.calls) + 1}: no closing {HERMES_END}")
@@ -445,7 +562,7 @@ class ToolCallParser:
         except ValueError as e:
             self._note(f"tool call {number}: invalid JSON ({e})")
             return None
-        call = _as_call(obj, ("arguments", "parameters"))
+        call = _as_call(obj, self._keys, self._stream)
         if call is None:
             self._note(f"tool call {number}: not an object with a string name and object arguments")
         return call
@@ -484,12 +601,16 @@ class ToolCallParser:
             try:
                 obj, end = decoder.raw_decode(rest)
             except ValueError as e:
+                self._stream_feed(rest)
                 if final:  # incomplete until now; at the end, malformed
                     self._note(f"tool call {len(self.calls) + 1}: invalid JSON ({e})")
+                    self._drop_stream()
                     self._to_content(content)
                 break
-            call = _as_call(obj, ("parameters", "arguments"))
+            self._stream_feed(rest[:end])
+            call = _as_call(obj, self._keys, self._stream)
             if call is None:
+                self._drop_stream()
                 if isinstance(obj, dict) and "name" in obj:  # meant as a call; other JSON is
                     self._note(  # an answer
                         f"tool call {len(self.calls) + 1}: not an object with a string name "
@@ -605,8 +726,10 @@ class ChatTools:
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar that makes the whole output tool calls, when :attr:`constrained`
         (else None): for "hermes", ``<tool_call>\\n{json}\\n</tool_call>`` blocks joined by
-        newlines (one or more; exactly one when not :attr:`parallel`), for "llama3_json" one
-        bare JSON object; each call object follows :func:`call_schema`, so its name is an
+        newlines, for "llama3_json" bare JSON objects joined by ``"; "`` (the separator
+        vLLM's llama3_json parser reads; Llama 3.1's own template renders one call per
+        message, and a model may stop after any call); one or more calls, exactly one when
+        not :attr:`parallel`. Each call object follows :func:`call_schema`, so its name is an
         allowed one and its arguments match that function's parameter schema. JSON is
         compact (bounded whitespace), so a model cannot pad it forever. Builds the grammar
         text with xgrammar (imported on first use: call it off the event loop).
@@ -618,13 +741,15 @@ class ChatTools:
             return None
         assert self.fmt is not None
         schema = call_schema(self.tools, self.choice, self.fmt)
-        if self.fmt == LLAMA3_JSON:
+        if self.fmt == LLAMA3_JSON and not self.parallel:
             return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         from asyncllm.structured_output import tagged_json_grammar
 
-        grammar = tagged_json_grammar(
-            schema, HERMES_START + "\n", "\n" + HERMES_END, "\n", at_most_one=not self.parallel
-        )
+        if self.fmt == LLAMA3_JSON:
+            begin, end, separator = "", "", LLAMA3_SEPARATOR
+        else:
+            begin, end, separator = HERMES_START + "\n", "\n" + HERMES_END, "\n"
+        grammar = tagged_json_grammar(schema, begin, end, separator, at_most_one=not self.parallel)
         return StructuredOutputsParams(grammar=grammar)
 
     def keep_special_tokens(self, tokenizer: Any) -> bool:
@@ -640,7 +765,8 @@ class ChatTools:
         """One output of the call with its tool calls parsed out of ``text`` (see
         :attr:`RequestOutput.tool_calls`); the last item gets ``finish_reason``
         "tool_calls" when the model made calls and stopped on its own, and
-        ``tool_call_error`` when something was wrong."""
+        ``tool_call_error`` when something was wrong. With ``output_kind`` "delta", each
+        item also gets the pieces of calls it generated (``tool_call_deltas``)."""
         if self.fmt is None:
             return out
         parser = self._parsers.get(out.index)
@@ -655,8 +781,10 @@ class ChatTools:
             more, last = parser.finish()
             content, calls = content + more, calls + last
         fields: dict[str, Any] = {}
+        deltas = parser.take_deltas()
         if self.output_kind == "delta":
             fields["text"], fields["tool_calls"] = content, calls or None
+            fields["tool_call_deltas"] = deltas or None
         else:
             content = self._content[out.index] = self._content.get(out.index, "") + content
             fields["text"], fields["tool_calls"] = content, list(parser.calls) or None

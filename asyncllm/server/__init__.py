@@ -76,9 +76,10 @@ Endpoints:
   with ``tool_call_id``. The model's calls are parsed from its output in its chat template's
   format (see ``asyncllm.engine.tool_calls``; a template without tool support answers 400):
   ``message.tool_calls`` (``content`` null when the message was only calls) and
-  ``finish_reason`` "tool_calls"; streamed, each call is one ``delta.tool_calls`` item
-  (``index``, ``id``, ``type``, ``function`` with ``name`` and the whole ``arguments``), sent
-  when its JSON is complete. "required" and a named function constrain decoding with a
+  ``finish_reason`` "tool_calls"; streamed, a call's first ``delta.tool_calls`` item has
+  ``index``, ``id``, ``type`` and ``function.name`` (sent once the name is generated), and
+  later items ``function.arguments`` pieces as they are generated, which join to the
+  call's arguments. "required" and a named function constrain decoding with a
   grammar: the message is only tool calls, each naming an allowed function with
   ``arguments`` that match its ``parameters`` schema (``finish_reason`` "length" if
   ``max_tokens`` cuts one short); combined with a ``response_format`` they answer 400.

@@ -15,7 +15,8 @@ KV blocks before the next step.
 
 Chat tool calls come from the engine already parsed (``RequestOutput.tool_calls``, see
 ``AsyncEngine.chat``); this module only shapes them as OpenAI's ``message.tool_calls`` and
-``delta.tool_calls`` (numbered per choice).
+``delta.tool_calls`` (from ``RequestOutput.tool_call_deltas``: a call's id and name as soon
+as its name is generated, then its arguments text in pieces, numbered per choice).
 """
 
 from __future__ import annotations
@@ -667,17 +668,14 @@ class OpenAIServer:
         def chunks(c: _Choice, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
             if (
                 not out.text
-                and not out.tool_calls
+                and not out.tool_call_deltas
                 and out.finish_reason is None
                 and not (req.logprobs and out.token_ids)
             ):
                 return []
             delta: dict[str, Any] = {"content": out.text} if out.text else {}
-            if out.tool_calls:  # accumulate() has counted them: number them from there
-                k = len(c.tool_calls) - len(out.tool_calls)
-                delta["tool_calls"] = [
-                    p.tool_call_json(t, k + j) for j, t in enumerate(out.tool_calls)
-                ]
+            if out.tool_call_deltas:  # calls stream as OpenAI's: name, then argument pieces
+                delta["tool_calls"] = p.tool_call_deltas_json(out.tool_call_deltas)
             return [
                 {
                     **head,

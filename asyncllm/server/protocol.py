@@ -21,7 +21,7 @@ import msgspec
 
 from asyncllm.engine import tool_calls
 from asyncllm.errors import InvalidRequestError
-from asyncllm.outputs import PositionLogprobs, ToolCall
+from asyncllm.outputs import PositionLogprobs, ToolCall, ToolCallDelta
 from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 #: The most choices one request may ask for (``n`` times the number of prompts).
@@ -148,14 +148,26 @@ def check_tools(req: ChatCompletionRequest) -> None:
         raise APIError(str(e), param="tool_choice") from None
 
 
-def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    """A call as OpenAI's ``message.tool_calls[]`` item, or with ``index`` as a streamed
-    ``delta.tool_calls[]`` item (the whole arguments in the call's one delta)."""
-    out: dict[str, Any] = {} if index is None else {"index": index}
-    out.update(
-        {"id": call.id, "type": "function",
-         "function": {"name": call.name, "arguments": call.arguments}}
-    )  # fmt: skip
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    """A call as OpenAI's ``message.tool_calls[]`` item."""
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
+
+
+def tool_call_deltas_json(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """Streamed call pieces as OpenAI's ``delta.tool_calls[]`` items: a call's first item
+    has ``index``, ``id``, ``type`` and ``function.name`` (and the arguments so far), later
+    ones ``index`` and ``function.arguments`` only; a call's pieces of one engine item are
+    merged into one entry (vLLM and OpenAI send the same shapes)."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d.index:
+            out[-1]["function"]["arguments"] += d.arguments
+        elif d.id is not None:
+            out.append({"index": d.index, "id": d.id, "type": "function",
+                        "function": {"name": d.name, "arguments": d.arguments}})  # fmt: skip
+        else:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
     return out
 
 
