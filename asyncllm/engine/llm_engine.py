@@ -80,6 +80,14 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)  # type: ignore[no-any-return]
 
 
+def resolve_compile(compile: str | bool, model: torch.nn.Module) -> bool:
+    """``EngineConfig.compile`` -> whether to compile: "auto" is off on CPU (measured no
+    faster there, docs/tuning.md) and on elsewhere."""
+    if compile != "auto":
+        return bool(compile)
+    return next(model.parameters()).device.type != "cpu"
+
+
 def default_num_threads() -> int:
     """Torch intra-op threads on CPU: one per core this process may run on (docs/tuning.md)."""
     if hasattr(os, "sched_getaffinity"):
@@ -205,6 +213,7 @@ class LLMEngine:
             self.kv_cache,
             seed=config.seed,
             attention_backend=config.attention_backend,
+            compile=resolve_compile(config.compile, loaded.model),
         )
         #: Compiles ``structured_outputs`` (cached; never on the compute thread).
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
