@@ -48,7 +48,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             attention and the packed linears as opaque custom ops). The engine serves eagerly
             while it compiles on a background thread and switches between two steps when
             ready; a failed compile leaves it eager with one warning. "auto": where compiling
-            is measured faster (see docs/tuning.md), True: always, False: never.
+            is measured faster, which is nowhere yet (docs/tuning.md), True: always,
+            False: never.
         max_waiting: the most requests waiting to be scheduled (submitted, not yet
             running; calls waiting for or in tokenization included); past it
             ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at once instead of

@@ -80,12 +80,11 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)  # type: ignore[no-any-return]
 
 
-def resolve_compile(compile: str | bool, model: torch.nn.Module) -> bool:
-    """``EngineConfig.compile`` -> whether to compile: "auto" is off on CPU (measured no
-    faster there, docs/tuning.md) and on elsewhere."""
-    if compile != "auto":
-        return bool(compile)
-    return next(model.parameters()).device.type != "cpu"
+def resolve_compile(compile: str | bool) -> bool:
+    """``EngineConfig.compile`` -> whether to compile. "auto" is off on every device for
+    now: on the 2-core CPU it was not faster (docs/tuning.md), and on CUDA the compiled
+    forward has not been run yet."""
+    return compile is True
 
 
 def default_num_threads() -> int:
@@ -213,7 +212,7 @@ class LLMEngine:
             self.kv_cache,
             seed=config.seed,
             attention_backend=config.attention_backend,
-            compile=resolve_compile(config.compile, loaded.model),
+            compile=resolve_compile(config.compile),
         )
         #: Compiles ``structured_outputs`` (cached; never on the compute thread).
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
