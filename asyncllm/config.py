@@ -44,6 +44,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             it builds, docs/benchmarks.md), "torch" (the plain torch path) or "triton";
             "triton" on a CPU raises ValueError when the engine is built unless
             ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests).
+        compile: compile the model's forward with ``torch.compile`` (Inductor; paged
+            attention and the packed linears as opaque custom ops). The engine serves eagerly
+            while it compiles on a background thread and switches between two steps when
+            ready; a failed compile leaves it eager with one warning. "auto": where compiling
+            is measured faster, which is nowhere yet (docs/tuning.md), True: always,
+            False: never.
         max_waiting: the most requests waiting to be scheduled (submitted, not yet
             running; calls waiting for or in tokenization included); past it
             ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at once instead of
@@ -72,6 +78,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     cpu_offload_bytes: int | None = None
     num_threads: int | None = None
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    compile: Literal["auto"] | bool = "auto"
     max_waiting: int | None = 1024
     shutdown_mode: Literal["abort", "drain"] = "abort"
 
@@ -91,6 +98,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"EngineConfig.attention_backend must be one of {_ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if not (self.compile == "auto" or isinstance(self.compile, bool)):
+            raise ValueError(
+                f"EngineConfig.compile must be 'auto', True or False, got {self.compile!r}"
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(

@@ -3,12 +3,14 @@
     python benchmarks/profile_step.py [--batch 64] [--threads 1] [--steps 10]
     python benchmarks/profile_step.py --ab packed     # oneDNN-packed linears vs plain nn.Linear
     python benchmarks/profile_step.py --ab attention  # the C++ decode attention vs the torch path
+    python benchmarks/profile_step.py --ab compile    # EngineConfig.compile=True vs False
 
 W1's prompts (64 chat-templated "Write a short story about a robot number {i}."), greedy,
 128 tokens, on the default model. The prompts are prefilled first; the profile then covers
 decode steps only, where every request of the batch computes one token. ``--ab`` builds two
 engines on two copies of the model, one with the optimization switched off
-(``ASYNCLLM_CPU_PACKED_LINEAR=0`` or ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``), and alternates
+(``ASYNCLLM_CPU_PACKED_LINEAR=0``, ``ASYNCLLM_CPU_ATTENTION_KERNEL=0`` or
+``compile=False``; the compiled engine is waited for until its compile ended), and alternates
 their steps (the ratio of medians is robust to other load on the machine).
 This is the script behind the step-time notes of docs/benchmarks.md.
 """
@@ -28,12 +30,16 @@ from asyncllm.config import EngineConfig
 from asyncllm.engine.llm_engine import LLMEngine
 
 
-def engine_at_batch(batch: int, threads: int, context: int = 0) -> LLMEngine:
+def engine_at_batch(batch: int, threads: int, context: int = 0, compile: bool = False) -> LLMEngine:
     """An engine with ``batch`` W1 requests whose prompts are computed and which decoded
     until their contexts hold ``context`` tokens (at least 2 decode steps)."""
     eng = LLMEngine.from_config(
-        EngineConfig(max_model_len=1024, kv_cache_bytes=2**30, num_threads=threads)
+        EngineConfig(max_model_len=1024, kv_cache_bytes=2**30, num_threads=threads, compile=compile)
     )
+    if eng.runner.compiled is not None:
+        t = time.perf_counter()
+        eng.runner.compiled.wait()
+        print(f"compiled in {time.perf_counter() - t:.0f} s: {eng.runner.compiled.error or 'ok'}")
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(load_prompts()["W1"]["ids"][:batch]):
         eng.add_request(eng.make_request(f"r{i}", ids, params))
@@ -53,14 +59,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--context", type=int, default=0, help="decode until contexts hold this")
-    ap.add_argument("--ab", choices=["packed", "attention"], default=None)
+    ap.add_argument("--ab", choices=["packed", "attention", "compile"], default=None)
     args = ap.parse_args()
     if args.ab:
-        var = {"packed": "ASYNCLLM_CPU_PACKED_LINEAR", "attention": "ASYNCLLM_CPU_ATTENTION_KERNEL"}
+        var = {
+            "packed": "ASYNCLLM_CPU_PACKED_LINEAR",
+            "attention": "ASYNCLLM_CPU_ATTENTION_KERNEL",
+            "compile": "ASYNCLLM_UNUSED",
+        }
         engines = {}
         for name, flag in (("on", "1"), ("off", "0")):
             os.environ[var[args.ab]] = flag
-            engines[name] = engine_at_batch(args.batch, args.threads, args.context)
+            engines[name] = engine_at_batch(
+                args.batch, args.threads, args.context, args.ab == "compile" and flag == "1"
+            )
         os.environ.pop(var[args.ab])
         times: dict[str, list[float]] = {k: [] for k in engines}
         for i in range(2 * args.steps):

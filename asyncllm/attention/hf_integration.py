@@ -5,11 +5,21 @@ in every attention layer and forwards the model's extra keyword arguments to it.
 switched to :data:`ATTN_IMPLEMENTATION` therefore runs unchanged while its K/V go to our
 paged cache. The per-step state travels as the keyword argument :data:`METADATA_KWARG` of the
 model call, so each engine passes its own cache and nothing lives in a module global.
+
+Under ``torch.compile`` (:mod:`asyncllm.worker.compiled`) the metadata stays out of the
+graph: the attention function calls the custom op ``asyncllm::paged_attention`` with tensors
+and the layer index only, and the op reads the step's metadata from :func:`step_metadata`,
+a thread-local the runner sets around the call (every torch call of an engine runs on its
+one compute thread, so engines on other threads do not see it). Dynamo treats the op as
+opaque (its fake implementation gives the output's shape), so the code around attention
+traces without a graph break and Inductor fuses it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,17 +99,78 @@ def paged_attention_forward(
     Raises:
         RuntimeError: the model was called without the engine's metadata.
     """
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if torch.compiler.is_compiling():
+        return torch.ops.asyncllm.paged_attention(q, k, v, module.layer_idx, scale)[None], None
     meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if meta is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {METADATA_KWARG} kwarg")
-    layer = module.layer_idx
+    return _write_and_attend(meta, module.layer_idx, q, k, v, scale)[None], None
+
+
+def _write_and_attend(
+    meta: AttentionMetadata,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``query [T, H, D]``, ``key/value [T, Hkv, D]`` -> ``[T, H, D]``."""
     k_cache, v_cache = meta.key_caches[layer], meta.value_caches[layer]
-    meta.backend.write(
-        key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
-    )
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = meta.backend.attend(query[0].transpose(0, 1), k_cache, v_cache, meta.plan, scale)
-    return out[None], None
+    meta.backend.write(key, value, k_cache, v_cache, meta.slot_mapping)
+    return meta.backend.attend(query, k_cache, v_cache, meta.plan, scale)
+
+
+_step = threading.local()
+
+
+@contextmanager
+def step_metadata(meta: AttentionMetadata | None, num_tokens: int = 0) -> Iterator[None]:
+    """Make ``meta`` the metadata ``asyncllm::paged_attention`` reads on this thread.
+
+    Args:
+        meta: the step's metadata; None: a dry run (the op writes nothing and returns zeros,
+            for compiling a forward without touching a cache).
+        num_tokens: the step's real tokens; query rows past them are padding (their output
+            rows are zeros and their K/V is not written).
+    """
+    prev = getattr(_step, "state", None)
+    _step.state = (meta, num_tokens)
+    try:
+        yield
+    finally:
+        _step.state = prev
+
+
+@torch.library.custom_op("asyncllm::paged_attention", mutates_args=())
+def paged_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    """Write the new K/V of ``layer`` and attend, with the metadata of :func:`step_metadata`.
+
+    ``query [T, H, D]``, ``key/value [T, Hkv, D]`` -> contiguous ``[T, H, D]``. It writes the
+    layer's caches, which are not arguments (they stay out of the compiled graph); the op
+    runs once per layer and its output feeds the next layer, so it is never reordered or
+    dropped.
+    """
+    meta, n = getattr(_step, "state", None) or (None, 0)
+    rows = query.shape[0]
+    if meta is None:
+        return query.new_zeros(query.shape)
+    if n >= rows:
+        return _write_and_attend(meta, layer, query, key, value, scale).contiguous()
+    out = query.new_zeros(query.shape)
+    out[:n] = _write_and_attend(meta, layer, query[:n], key[:n], value[:n], scale)
+    return out
+
+
+@paged_attention_op.register_fake
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    return query.new_empty(query.shape)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -80,6 +80,13 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)  # type: ignore[no-any-return]
 
 
+def resolve_compile(compile: str | bool) -> bool:
+    """``EngineConfig.compile`` -> whether to compile. "auto" is off on every device for
+    now: on the 2-core CPU it was not faster (docs/tuning.md), and on CUDA the compiled
+    forward has not been run yet."""
+    return compile is True
+
+
 def default_num_threads() -> int:
     """Torch intra-op threads on CPU: one per core this process may run on (docs/tuning.md)."""
     if hasattr(os, "sched_getaffinity"):
@@ -205,6 +212,7 @@ class LLMEngine:
             self.kv_cache,
             seed=config.seed,
             attention_backend=config.attention_backend,
+            compile=resolve_compile(config.compile),
         )
         #: Compiles ``structured_outputs`` (cached; never on the compute thread).
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)

@@ -83,6 +83,8 @@ class PackedLinear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # opaque to Inductor: see packed_linear_op
+            return packed_linear_op(x, self.packed, self.bias, self.in_features, self.out_features)
         if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
             return nn.functional.linear(x, self.weight, self.bias)
         m = x.numel() // self.in_features
@@ -108,6 +110,35 @@ def _onednn_linear(
     rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("asyncllm::packed_linear", mutates_args=())
+def packed_linear_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    in_features: int,
+    out_features: int,
+) -> torch.Tensor:
+    """A :class:`PackedLinear`'s forward as one op for ``torch.compile``
+    (:mod:`asyncllm.worker.compiled`): Inductor cannot trace oneDNN's packed (mkldnn) weight,
+    and as an opaque op the row buckets keep bounding oneDNN's caches."""
+    layer = PackedLinear.__new__(PackedLinear)
+    layer.__dict__.update(
+        packed=packed, bias=bias, _weight=None, in_features=in_features, out_features=out_features
+    )
+    return PackedLinear.forward(layer, x)
+
+
+@packed_linear_op.register_fake
+def _(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    in_features: int,
+    out_features: int,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def packing_supported(model: nn.Module) -> bool:

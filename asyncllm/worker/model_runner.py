@@ -20,9 +20,11 @@ from asyncllm.attention.hf_integration import (
     AttentionBackend,
     AttentionMetadata,
     register,
+    step_metadata,
 )
 from asyncllm.attention.triton_paged import interpreter_enabled
 from asyncllm.core.scheduler import SchedulerOutput
+from asyncllm.worker.compiled import CompiledForward, pad_to
 from asyncllm.worker.cpu_linear import pack_linears
 from asyncllm.worker.kv_cache import KVCache, KVCacheSpec
 from asyncllm.worker.sampler import (
@@ -89,6 +91,8 @@ class ModelRunner:
         kv_cache: the engine's KV cache.
         seed: seeds sampling for requests without their own seed.
         attention_backend: "auto", "torch" or "triton" (:func:`select_attention_backend`).
+        compile: compile the forward with ``torch.compile`` in the background and switch to
+            it between two steps once ready (:mod:`asyncllm.worker.compiled`).
 
     Raises:
         ValueError: an attention backend that cannot run on the model's device.
@@ -101,6 +105,7 @@ class ModelRunner:
         *,
         seed: int,
         attention_backend: str = "auto",
+        compile: bool = False,
     ) -> None:
         model.set_attn_implementation(register())  # type: ignore[operator]
         # float32 on CPU: oneDNN-prepacked linears (docs/benchmarks.md; off with
@@ -112,6 +117,11 @@ class ModelRunner:
         self.attention_backend = select_attention_backend(attention_backend, self.device)
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler(seed, self.device)
+        #: The compiled forward (None: eager only); used once ``ready``.
+        self.compiled: CompiledForward | None = None
+        if compile:
+            self.compiled = CompiledForward(model, self.device)
+            self.compiled.start()
 
     @torch.inference_mode()
     def execute(
@@ -193,6 +203,13 @@ class ModelRunner:
         keep: torch.Tensor,
     ) -> torch.Tensor:
         dev = self.device
+        compiled = self.compiled
+        if compiled is not None and compiled.ready:
+            try:
+                return self._forward_compiled(compiled, input_ids, positions, meta, keep)
+            except Exception as e:  # never a dead engine: eager from now on
+                compiled.fail(e)
+                self.compiled = None
         out = self.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
@@ -201,3 +218,24 @@ class ModelRunner:
             **{METADATA_KWARG: meta},
         )
         return out.logits[0]  # [len(keep), vocab]
+
+    def _forward_compiled(
+        self,
+        compiled: CompiledForward,
+        input_ids: list[int],
+        positions: list[int],
+        meta: AttentionMetadata,
+        keep: torch.Tensor,
+    ) -> torch.Tensor:
+        # Padded to the compiled graph's least sizes: extra tokens (id 0 at position 0) write
+        # no K/V and attend to nothing; extra kept rows (row 0) are dropped.
+        n, k = len(input_ids), keep.numel()
+        pad = pad_to(n) - n
+        ids = torch.tensor([input_ids + [0] * pad], dtype=torch.long)
+        pos = torch.tensor([positions + [0] * pad], dtype=torch.long)
+        if k < pad_to(k):
+            keep = torch.cat([keep, keep.new_zeros(pad_to(k) - k)])
+        dev = self.device
+        with step_metadata(meta, n):
+            logits = compiled(ids.to(dev), pos.to(dev), keep.to(dev))
+        return logits[:k]

@@ -1,0 +1,161 @@
+"""The compiled forward (``EngineConfig.compile``): same tokens as eager, one graph for every
+batch composition, and a failed compile that leaves the engine serving eagerly.
+
+Compiling is slow on a small CPU, so each tiny model is compiled once (module fixture) and
+the engines of a test share that model and its compiled forward (the compiled graph holds no
+KV cache: each engine's caches reach it through the step's metadata).
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from asyncllm import SamplingParams
+from asyncllm.config import EngineConfig
+from asyncllm.engine.llm_engine import LLMEngine
+from asyncllm.worker import compiled as compiled_mod
+from tests.conftest import check_pool_whole
+
+SMALL = dict(max_model_len=256, kv_cache_bytes=2**22, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def compiled_engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
+    """An engine on the tiny model with its forward compiled (waited for)."""
+    path: pathlib.Path = request.getfixturevalue(f"tiny_{request.param}_dir")
+    engine = LLMEngine.from_config(EngineConfig(model=str(path), compile=True, **SMALL))
+    cf = engine.runner.compiled
+    assert cf is not None and cf.wait(600), "compile did not finish"
+    assert cf.ready, cf.error
+    yield engine
+    engine.stop_compute_thread()
+
+
+def twin(base: LLMEngine, *, compiled: bool, **config: Any) -> LLMEngine:
+    """An engine on ``base``'s model (its own KV cache and scheduler), eager or with the
+    compiled forward of ``base``."""
+    cfg = EngineConfig(model=base.config.model, compile=False, **{**SMALL, **config})
+    engine = LLMEngine(cfg, base.loaded)
+    if compiled:
+        engine.runner.compiled = base.runner.compiled
+    return engine
+
+
+def prompts(seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, 49152, (40,), generator=g).tolist()  # prefix-cache hits
+    lens = [1, 5, 17, 33, 2, 70, 9, 24]
+    out = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lens]
+    return [*out, [*shared, 7], [*shared, 8, 9], shared]
+
+
+def run(engine: LLMEngine, n: int = 1, max_tokens: int = 12) -> dict[str, list[int]]:
+    """Requests added over the first steps (mixed prefill and decode batches); greedy;
+    returns each request's tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n)
+    todo = list(enumerate(prompts()))
+    out: dict[str, list[int]] = {}
+    while todo or engine.has_unfinished():
+        for _ in range(2):
+            if todo:
+                i, p = todo.pop(0)
+                for r in engine.make_requests(f"r{i}", p, params):
+                    engine.add_request(r)
+        for u in engine.step():
+            out.setdefault(u.request_id, []).append(u.token_id)
+    engine.compute_thread.call(lambda: None)
+    check_pool_whole_engine(engine)
+    return out
+
+
+def check_pool_whole_engine(engine: LLMEngine) -> None:
+    class _Wrap:
+        _engine = engine
+
+    check_pool_whole(_Wrap())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"kv_cache_bytes": 2**16, "max_model_len": 128, "preemption_mode": "offload"},
+        {"kv_cache_bytes": 2**16, "max_model_len": 128, "preemption_mode": "recompute"},
+    ],
+    ids=["plain", "preempt-offload", "preempt-recompute"],
+)
+def test_compiled_tokens_equal_eager(compiled_engine: LLMEngine, config: dict[str, Any]) -> None:
+    """Greedy outputs token-identical, with prefix-cache hits, n=2 and preemption."""
+    eager = twin(compiled_engine, compiled=False, **config)
+    comp = twin(compiled_engine, compiled=True, **config)
+    cf = comp.runner.compiled
+    assert cf is not None
+    calls = cf.calls
+    want, got = run(eager, n=2), run(comp, n=2)
+    assert got == want
+    assert cf.calls - calls == comp.num_steps  # every step went through the compiled graph
+    assert comp.scheduler.prefix_cache_hits > 0
+    if config:
+        assert comp.scheduler.num_preemptions > 0
+    for e in (eager, comp):
+        e.stop_compute_thread()
+
+
+def test_no_recompilation_across_batch_compositions(compiled_engine: LLMEngine) -> None:
+    """20+ steps of changing token and kept-row counts (1 to 64 tokens, decodes alone,
+    prefill chunks that sample nothing) run the one graph compiled at start."""
+    engine = twin(compiled_engine, compiled=True)
+    before = dict(counters["stats"])
+    run(engine, max_tokens=20)
+    assert engine.num_steps >= 20
+    assert dict(counters["stats"]) == before
+    engine.stop_compute_thread()
+
+
+def test_failed_compile_serves_eagerly(
+    tiny_llama_dir: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A compiler error leaves the engine eager, with one warning, and it keeps serving; so
+    does an error of the compiled forward in a step (that step reruns eagerly)."""
+
+    def broken(gm: Any, inputs: Any) -> Any:
+        raise RuntimeError("injected compile failure")
+
+    monkeypatch.setattr(compiled_mod, "BACKEND", broken)
+    caplog.set_level(logging.WARNING, "asyncllm")
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_llama_dir), compile=True, **SMALL))
+    cf = engine.runner.compiled
+    assert cf is not None and cf.wait(600)
+    assert not cf.ready and cf.error is not None and "injected" in cf.error
+    warnings = [r for r in caplog.records if "serving eagerly" in r.getMessage()]
+    assert len(warnings) == 1
+    eager = twin(engine, compiled=False)
+    want = run(eager)
+    assert run(engine) == want
+
+    def fails_in_step(*args: Any) -> Any:
+        raise RuntimeError("injected step failure")
+
+    again = twin(engine, compiled=True)
+    cf._fn, cf.ready = fails_in_step, True
+    assert run(again) == want
+    assert again.runner.compiled is None and not cf.ready
+    assert len([r for r in caplog.records if "serving eagerly" in r.getMessage()]) == 2
+    for e in (engine, eager, again):
+        e.stop_compute_thread()
+
+
+def test_compile_config_values() -> None:
+    assert EngineConfig().compile == "auto"
+    for bad in ("yes", 1, 0, None):
+        with pytest.raises(ValueError, match="compile"):
+            EngineConfig(compile=bad)  # type: ignore[arg-type]
