@@ -603,7 +603,7 @@ class Bench:
                         "slow peer (~34 tokens/s): run only on "
                         f"{','.join(self.args.hf_cb_workloads)} (--hf-cb-workloads)"
                     )
-                if why is None and variant == "on" and base in ("hf", "hf_cb"):
+                if why is None and variant == "on" and base in ("hf", "hf_cb", "llamacpp"):
                     why = "no prefix caching (its W2 figure is the 'off' variant)"
                 if why:
                     self.record_skip(e, wl, variant, why)
