@@ -482,7 +482,7 @@ class Bench:
                 specs["llamacpp"] = (
                     [str(venv / "bin" / "python"), str(WORKER), "--engine", "llamacpp",
                      "--threads", str(a.threads), "--prompts", str(a.prompts_path), *common,
-                     "--model", gguf],
+                     "--model", gguf, *(["--extra-bufts"] if a.llamacpp_extra_bufts else [])],
                     peer_env(venv),
                 )  # fmt: skip
             elif peer == "hf_cb":
@@ -838,6 +838,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--llamacpp-gguf",
         default=None,
         help="GGUF file for llama.cpp (default: the default model's own Q4_1 file)",
+    )
+    ap.add_argument(
+        "--llamacpp-extra-bufts",
+        action="store_true",
+        help="llama.cpp's extra weight buffer types (AMX; off: they die with SIGILL on some VMs)",
     )
     ap.add_argument(
         "--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: 1 core kept)"

@@ -872,9 +872,21 @@ class LlamaCppWorker:
         self.threads = args.threads
         self.path = args.model
         ll.llama_backend_init()
+
+        def log(level: int, text: bytes, _: Any) -> None:  # warnings and errors only
+            if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+                sys.stderr.write(text.decode(errors="replace"))
+
+        self._log = ll.llama_log_callback(log)  # kept alive: llama.cpp holds the pointer
+        ll.llama_log_set(self._log, None)
         t = time.perf_counter()
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = 0
+        # Extra buffer types repack weights for AMX or AVX kernels. On the benchmark's VM
+        # (Xeon with AMX, Firecracker) the AMX kernels die at their first tileloadd (SIGILL)
+        # although the kernel grants AMX: off unless asked for.
+        mp.use_extra_bufts = bool(args.extra_bufts)
+        self.extra_bufts = bool(args.extra_bufts)
         self.model = ll.llama_model_load_from_file(args.model.encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {args.model}")
@@ -953,6 +965,7 @@ class LlamaCppWorker:
             "n_ctx": cp.n_ctx,
             "n_batch": cp.n_batch,
             "n_ubatch": cp.n_ubatch,
+            "extra_bufts": self.extra_bufts,
             "threads": self.threads,
         }
         self.decode([(0, 0, 0, True)])  # first use allocates; keep it off the clock
@@ -1066,6 +1079,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--config", default=None, help="asyncllm: EngineConfig fields as JSON")
     ap.add_argument("--prompts", default=None, help="llamacpp: prompts.json (tokenizer check)")
+    ap.add_argument(
+        "--extra-bufts", action="store_true", help="llamacpp: its extra buffer types (AMX)"
+    )
     ap.add_argument("--result-fd", type=int, default=None, help="write results to this fd")
     args = ap.parse_args(argv)
     global _OUT
