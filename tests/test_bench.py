@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import subprocess
 
 import pytest
 
@@ -312,6 +313,9 @@ def test_llamacpp_worker_batched_decode(tmp_path):
     gguf, why = runner.llamacpp_gguf("default", None)
     if venv is None or gguf is None:
         pytest.skip(f"no llama.cpp venv (../shared/bench/peers/llamacpp_setup.sh) or {why}")
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import llama_cpp"], check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"{venv} has no llama_cpp (yet)")
     cmd = [str(venv / "bin" / "python"), str(runner.WORKER), "--engine", "llamacpp",
            "--threads", "1", "--prompts", str(workloads.PROMPTS_FILE), "--model", gguf]  # fmt: skip
     w = runner.WorkerProc("llamacpp", cmd, runner.peer_env(venv), tmp_path / "log")
