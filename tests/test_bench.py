@@ -117,7 +117,8 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
     assert engines["asyncllm"]["info"]["precision"] == "float32"
     half = engines["asyncllm-bfloat16"]["info"]
     assert half["precision"] == "bfloat16"
-    assert half["weight_bytes"] * 2 == engines["asyncllm"]["info"]["weight_bytes"]
+    # Half the bytes, give or take buffers kept in float32 (rotary frequencies).
+    assert 0.45 < half["weight_bytes"] / engines["asyncllm"]["info"]["weight_bytes"] < 0.55
     w6 = [d for d in summary["agreement_detail"] if d["workload"] == "W6"]
     assert {(d["engine"], d["reference"]) for d in w6} == {
         ("hf", "asyncllm"), ("hf", "asyncllm-bfloat16"), ("asyncllm-bfloat16", "asyncllm")
