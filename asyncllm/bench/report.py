@@ -71,7 +71,10 @@ def build_summary(
         for r in bench.records
         if "skipped" in r
     ]
-    skips += [{"engine": e, "workload": "all", "reason": why} for e, why in bench.skipped.items()]
+    skips += [
+        {"engine": e, "label": bench.label(e), "workload": "all", "reason": why}
+        for e, why in bench.skipped.items()
+    ]
 
     # Greedy agreement with asyncllm's outputs (first counted run of each); a peer is also
     # compared with each asyncllm precision variant (llama.cpp's Q4_1 with asyncllm's gguf).
@@ -596,10 +599,8 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             if k in seen:
                 continue
             seen.add(k)
-            lines.append(
-                f"- {s['engines'].get(sk['engine'], {}).get('label', sk['engine'])}, "
-                f"{sk['workload']}: {sk['reason']}"
-            )
+            who = s["engines"].get(sk["engine"], {}).get("label") or sk.get("label")
+            lines.append(f"- {who or sk['engine']}, {sk['workload']}: {sk['reason']}")
     if s.get("cold_start", {}).get("samples_s"):
         lines += [
             "",
