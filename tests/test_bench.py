@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import subprocess
 
 import pytest
 
@@ -80,7 +81,9 @@ def test_asyncllm_worker_traces_and_restores(tiny_llama_dir):
 
 
 def test_bench_command_quick(tiny_llama_dir, tmp_path):
-    """``python -m asyncllm bench`` end to end on the tiny model, asyncllm and transformers."""
+    """``python -m asyncllm bench`` end to end on the tiny model: asyncllm in float32 and, as
+    a second column, in bfloat16; transformers; llama.cpp skipped with its reason (the tiny
+    model has no GGUF file; or no venv)."""
     pytest.importorskip("matplotlib")
     from asyncllm.__main__ import main
     from asyncllm.engine.llm_engine import default_num_threads
@@ -88,21 +91,41 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
     out = tmp_path / "out"
     code = main(
         ["bench", "--quick", "--model", str(tiny_llama_dir), "--workloads", "W3,W6",
-         "--peers", "hf", "--no-cold-start", "--ceiling-mib", "16", "--out", str(out)]
+         "--peers", "hf,llamacpp", "--asyncllm-variants", "float32;bfloat16", "--no-cold-start",
+         "--ceiling-mib", "16", "--out", str(out)]
     )  # fmt: skip
     assert code == 0
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     counted = [x for x in lines if x.get("counted")]
+    # "float32" is the main column's precision: no second float32 column.
     assert {(x["engine"], x["workload"]) for x in counted} == {
-        ("asyncllm", "W3"), ("asyncllm", "W6"), ("hf", "W3"), ("hf", "W6")
+        ("asyncllm", "W3"), ("asyncllm", "W6"), ("hf", "W3"), ("hf", "W6"),
+        ("asyncllm-bfloat16", "W3"), ("asyncllm-bfloat16", "W6"),
     }  # fmt: skip
     for x in counted:
         assert x["machine"]["cores"] and x["threads"] == default_num_threads()
-        assert x["tokens_per_s"] > 0
+        assert x["tokens_per_s"] > 0 and x["weight_bytes"] > 0
+        assert x["machine"]["dtype"] == (
+            "bfloat16" if x["engine"] == "asyncllm-bfloat16" else "float32"
+        )
     report = (out / "report.md").read_text()
     assert "W6 tokens/s" in report and "## Targets" in report and "## Step time" not in report
+    assert "| asyncllm (bfloat16) |" in report and "| precision | weights MB |" in report
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["agreement"]["W6"]["hf"] <= 1.0
+    engines = summary["engines"]
+    assert engines["asyncllm"]["info"]["precision"] == "float32"
+    half = engines["asyncllm-bfloat16"]["info"]
+    assert half["precision"] == "bfloat16"
+    # Half the bytes, give or take buffers kept in float32 (rotary frequencies).
+    assert 0.45 < half["weight_bytes"] / engines["asyncllm"]["info"]["weight_bytes"] < 0.55
+    w6 = [d for d in summary["agreement_detail"] if d["workload"] == "W6"]
+    assert {(d["engine"], d["reference"]) for d in w6} == {
+        ("hf", "asyncllm"), ("hf", "asyncllm-bfloat16"), ("asyncllm-bfloat16", "asyncllm")
+    }  # fmt: skip
+    skipped = {x["engine"]: x["reason"] for x in summary["skips"] if x["workload"] == "all"}
+    assert "GGUF" in skipped["llamacpp"] or "venv" in skipped["llamacpp"]
+    assert "llama.cpp" in report  # its reason is listed under Skipped
     assert sorted(p.name for p in (out / "img").iterdir()) == [
         "kv_cache_waste.png", "throughput_vs_concurrency.png"
     ]  # fmt: skip
@@ -120,6 +143,134 @@ def test_bench_reports_a_missing_peer(tmp_path, monkeypatch):
     assert runner.find_vllm_venv(str(venv)) == venv
     env = runner.vllm_env(venv, 1, "auto")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+
+
+def test_llamacpp_peer_is_found_or_skipped_with_a_reason(tmp_path, monkeypatch):
+    from asyncllm.bench import runner
+
+    monkeypatch.setattr(runner, "REPO", tmp_path / "repo")
+    monkeypatch.setenv("ASYNCLLM_BENCH_LLAMACPP_VENV", str(tmp_path / "nowhere"))
+    assert runner.find_llamacpp_venv(None) is None
+    venv = tmp_path / ".venv-llamacpp"  # the repository's parent's, the default place
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    assert runner.find_llamacpp_venv(None) == venv
+    monkeypatch.setenv("ASYNCLLM_BENCH_LLAMACPP_VENV", str(tmp_path / "other"))
+    assert runner.find_llamacpp_venv(None) == venv  # a missing one is passed over
+    gguf = tmp_path / "m.gguf"
+    assert runner.llamacpp_gguf(str(gguf), None)[0] is None
+    assert "no such file" in runner.llamacpp_gguf("default", str(gguf))[1]
+    gguf.write_bytes(b"GGUF")
+    assert runner.llamacpp_gguf(str(gguf), None) == (str(gguf), "")
+    assert "not a GGUF file" in runner.llamacpp_gguf(str(tmp_path), None)[1]
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    assert "PYTHONPATH" not in runner.peer_env(venv)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("float32;dtype=bfloat16;quantization=gguf",
+         [{"dtype": "float32"}, {"dtype": "bfloat16"}, {"quantization": "gguf"}]),
+        (" bfloat16 , int8 ; ", [{"dtype": "bfloat16", "quantization": "int8"}]),
+        ("quantization=none", [{"quantization": "none"}]),
+        (None, []),
+        ("none", []),
+    ],
+)  # fmt: skip
+def test_asyncllm_variants_parse(text, expected):
+    from asyncllm.bench.runner import parse_variants
+
+    assert parse_variants(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("fp8", "unknown 'fp8'"),
+        ("bits=4", "unknown key 'bits'"),
+        ("dtype=float32,bfloat16", "dtype given twice"),
+        (";", "names no variant"),
+    ],
+)
+def test_asyncllm_variants_reject_bad_text(text, message):
+    from asyncllm.bench.runner import parse_variants
+
+    with pytest.raises(SystemExit, match=message):
+        parse_variants(text)
+
+
+def test_precision_config_passes_only_what_is_given():
+    from asyncllm.bench.runner import precision_config, variant_name
+
+    assert precision_config(None, None) == {}
+    assert precision_config("bfloat16", "none") == {"dtype": "bfloat16"}
+    # EngineConfig's own check, before any worker starts (a quantization this asyncllm
+    # lacks, or does not know, is refused the same way).
+    with pytest.raises(SystemExit, match="asyncllm rejects dtype=float64"):
+        precision_config("float64", None)
+    with pytest.raises(SystemExit, match="asyncllm rejects quantization=fp3"):
+        precision_config(None, "fp3")
+    assert variant_name({"dtype": "bfloat16", "quantization": "gguf"}) == (
+        "asyncllm-bfloat16-gguf", "asyncllm (bfloat16, gguf)"
+    )  # fmt: skip
+
+
+def test_output_agreement():
+    from asyncllm.bench.report import output_agreement
+
+    a = output_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 9], [5, 6]])
+    assert a == {"identical": 0.5, "prefix": pytest.approx((0.5 + 1.0) / 2)}
+    assert output_agreement([[1]], [[2]]) == {"identical": 0.0, "prefix": 0.0}
+
+
+def test_precision_targets_compare_the_right_columns():
+    from asyncllm.bench import report
+
+    def eng(dtype, quant=None, precision=None):
+        return {"failed": None, "info": {"dtype": dtype, "quantization": quant,
+                                         "precision": precision or dtype}}  # fmt: skip
+
+    s = {
+        "engines": {
+            "asyncllm": eng("float32"),
+            "asyncllm-t1": eng("float32"),
+            "asyncllm-bfloat16": eng("bfloat16"),
+            "asyncllm-gguf": eng("float32", "gguf"),
+            "llamacpp": {"failed": None, "info": {"precision": "Q4_1 (GGUF)"}},
+            "vllm": eng(None, precision="bfloat16"),
+        },
+        "figures": {
+            "asyncllm": {"W1": {"tokens_per_s": 100.0}, "W3": {"tpot_mean_s": 0.04,
+                                                              "rss_mb_max": 1000}},
+            "asyncllm-bfloat16": {"W1": {"tokens_per_s": 170.0}, "W3": {"tpot_mean_s": 0.03}},
+            "asyncllm-gguf": {"W1": {"tokens_per_s": 90.0}, "W3": {"tpot_mean_s": 0.01,
+                                                                  "ttft_mean_s": 0.2,
+                                                                  "rss_mb_max": 300}},
+            "llamacpp": {"W1": {"tokens_per_s": 30.0}, "W3": {"tpot_mean_s": 0.0125,
+                                                             "ttft_mean_s": 0.1}},
+            "vllm": {"W1": {"tokens_per_s": 200.0}},
+        },
+    }  # fmt: skip
+    got = {}
+    report._precision_targets(
+        s, lambda name, value, goal, ok, note="": got.update({name: (value, ok)})
+    )
+    assert got == {
+        "W3 TPOT, asyncllm Q4_1 (gguf) / llama.cpp's": (pytest.approx(0.8), True),
+        "W3 TTFT, asyncllm Q4_1 (gguf) / llama.cpp's": (pytest.approx(2.0), False),
+        "W1 tokens/s, asyncllm Q4_1 (gguf) / float32": (pytest.approx(0.9), False),
+        "W1 tokens/s, asyncllm Q4_1 (gguf) / llama.cpp's": (pytest.approx(3.0), True),
+        "W1 tokens/s, asyncllm bfloat16 / float32": (pytest.approx(1.7), True),
+        "W3 TPOT, asyncllm bfloat16 / float32": (pytest.approx(0.75), False),
+        "W1 tokens/s, asyncllm bfloat16 / vLLM-CPU bfloat16": (pytest.approx(0.85), False),
+        "W3 peak RSS, asyncllm Q4_1 (gguf) / float32": (pytest.approx(0.3), True),
+    }
+    # Without the columns, no target is claimed.
+    got.clear()
+    report._precision_targets({"engines": {"asyncllm": eng("float32")}, "figures": {}},
+                              lambda *a, **k: got.update({a[0]: a}))  # fmt: skip
+    assert got == {}
 
 
 def test_model_figures(tiny_llama_dir):
@@ -152,3 +303,36 @@ def test_bench_rejects_bad_arguments_clearly(args, message, tmp_path):
     args = [str(afile) if a == "FILE" else a for a in args]
     with pytest.raises(SystemExit, match=message):
         main(["bench", "--quick", "--no-plots", *args])
+
+
+def test_llamacpp_worker_batched_decode(tmp_path):
+    """The llama.cpp worker in its venv (skipped without one): the workloads' prompt ids are
+    its tokenizer's, and a batch of sequences decodes as each sequence alone does."""
+    from asyncllm.bench import runner
+
+    venv = runner.find_llamacpp_venv(None)
+    gguf, why = runner.llamacpp_gguf("default", None)
+    if venv is None or gguf is None:
+        pytest.skip(f"no llama.cpp venv (../shared/bench/peers/llamacpp_setup.sh) or {why}")
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import llama_cpp"], check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"{venv} has no llama_cpp (yet)")
+    cmd = [str(venv / "bin" / "python"), str(runner.WORKER), "--engine", "llamacpp",
+           "--threads", "1", "--prompts", str(workloads.PROMPTS_FILE), "--model", gguf]  # fmt: skip
+    w = runner.WorkerProc("llamacpp", cmd, runner.peer_env(venv), tmp_path / "log")
+    w.start()
+    try:
+        assert w.wait_ready(120), w.failed
+        assert w.info["tokenizer_ids_match"] == {"W1": "64/64", "W2": "32/32", "W3": "1/1"}
+        assert w.info["precision"] == "Q4_1 (GGUF)" and w.info["weight_bytes"] > 0
+        ids = workloads.load_prompts()["W1"]["ids"]
+        reqs = [[ids[0], 6, 0.0], [ids[1], 3, 0.0], [ids[2], 5, 0.0]]
+        both = w.run({"requests": reqs, "outputs": True}, 120)
+        assert [len(o) for o in both["outputs"]] == [6, 3, 5] and both["completed"] == 3
+        assert "3 sequence(s)" in both["settings"]["batching"]
+        alone = [w.run({"requests": [r], "outputs": True}, 120)["outputs"][0] for r in reqs]
+        assert both["outputs"] == alone
+        online = w.run({"requests": [[ids[0], 2, 0.5]]}, 60)
+        assert "offline" in online["skipped"]
+    finally:
+        w.stop()

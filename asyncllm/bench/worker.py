@@ -2,11 +2,12 @@
 
     python -m asyncllm.bench.worker --engine asyncllm|hf|hf_cb --model DIR [--threads N]
     VENV/bin/python path/to/asyncllm/bench/worker.py --engine vllm --model DIR
+    VENV/bin/python path/to/asyncllm/bench/worker.py --engine llamacpp --model FILE.gguf
 
 Each engine under test runs in a process of its own, so that its memory (RSS), its thread
-settings and its failures stay its own, and vLLM can run from its own virtual environment.
-This module's top level uses the standard library only: the vLLM worker runs it by path
-with the vLLM venv's interpreter, where asyncllm is not installed.
+settings and its failures stay its own, and vLLM and llama.cpp can run from virtual
+environments of their own. This module's top level uses the standard library only: those
+workers run it by path with their venv's interpreter, where asyncllm is not installed.
 
 Protocol: the worker writes ``@@READY@@ {json}`` once loaded, then for each JSON line it
 reads on stdin (``{"op": "run", "spec": {...}}`` or ``{"op": "quit"}``) one ``@@RESULT@@
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -90,6 +92,24 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def tensor_bytes(model: Any) -> int:
+    """Bytes of a torch module's weights: its parameters, buffers and any other tensors its
+    submodules hold as attributes (packed quantized weights), each storage counted once."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers()]
+    for m in model.modules():
+        tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
 
 
 class Timeline:
@@ -197,37 +217,49 @@ async def drive_async(
 
 
 class AsyncllmWorker:
-    """asyncllm's AsyncEngine in this process; the model is loaded once and shared by the
-    engine configurations the specs ask for (one KV cache alive at a time). Each engine is
-    built on its own compute thread, as ``LLMEngine.from_config`` does (the thread that
-    loaded the model has exited by then)."""
+    """asyncllm's AsyncEngine in this process; the model is loaded once, in ``--config``'s
+    dtype, and shared by the engine configurations the specs ask for (one KV cache alive at a
+    time). Each engine is built on its own compute thread, as ``LLMEngine.from_config`` does
+    (the thread that loaded the model has exited by then). With a ``quantization`` in
+    ``--config``, each engine is built by ``LLMEngine.from_config`` itself (the engine's own
+    loading and quantizing path), from ``--model`` as the user named it."""
 
     name = "asyncllm"
 
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from asyncllm.engine.llm_engine import ComputeThread
+        from asyncllm.engine.llm_engine import ComputeThread, resolve_dtype
         from asyncllm.models.loader import load_model
 
-        def load() -> Any:
-            torch.set_num_threads(args.threads)
-            return load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
-
         self.threads = args.threads
-        loader = ComputeThread()
-        t = time.perf_counter()
-        self.loaded = loader.submit(load).result()
-        self.load_s = time.perf_counter() - t
-        loader.shutdown(wait=True)
         self.base = json.loads(args.config or "{}")
+        self.model = args.model
         self._engines: dict[str, Any] = {}
+        self.loaded: Any = None
+        t = time.perf_counter()
+        if self.base.get("quantization"):
+            self.engine({})  # loads (and quantizes) the model
+        else:
+            dtype = resolve_dtype(self.base.get("dtype"), torch.device("cpu"))
+
+            def load() -> Any:
+                torch.set_num_threads(args.threads)
+                return load_model(args.model, dtype=dtype, device=torch.device("cpu"))
+
+            loader = ComputeThread()
+            self.loaded = loader.submit(load).result()
+            loader.shutdown(wait=True)
+        self.load_s = time.perf_counter() - t
 
     def info(self) -> dict[str, Any]:
         import torch
 
         import asyncllm
 
+        model = self.engine({})._engine.runner.model if self.loaded is None else self.loaded.model
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        quant = self.base.get("quantization")
         return {
             "engine": self.name,
             "version": asyncllm.__version__,
@@ -235,6 +267,10 @@ class AsyncllmWorker:
             "threads": self.threads,
             "load_s": self.load_s,
             "rss_mb": rss_mb(),
+            "dtype": dtype,
+            "quantization": quant,
+            "precision": f"{dtype}, {quant}" if quant else dtype,
+            "weight_bytes": tensor_bytes(model),
         }
 
     def engine(self, overrides: dict[str, Any]) -> Any:
@@ -246,9 +282,13 @@ class AsyncllmWorker:
         if key not in self._engines:
             self._engines.clear()  # one KV cache at a time
             gc.collect()
-            config = EngineConfig(model=str(self.loaded.model_dir), **cfg)
-            compute = ComputeThread()
-            core = compute.submit(LLMEngine, config, self.loaded, compute).result()
+            if self.loaded is None:
+                config = EngineConfig(model=self.model, num_threads=self.threads, **cfg)
+                core = LLMEngine.from_config(config)
+            else:
+                config = EngineConfig(model=str(self.loaded.model_dir), **cfg)
+                compute = ComputeThread()
+                core = compute.submit(LLMEngine, config, self.loaded, compute).result()
             self._engines[key] = AsyncEngine(core)
         return self._engines[key]
 
@@ -266,6 +306,7 @@ class AsyncllmWorker:
             "preemption_mode": c.preemption_mode,
             "attention": core.runner.attention_backend.name,
             "packed_linears": getattr(core.runner, "num_packed_linears", 0),
+            "quantization": getattr(c, "quantization", None),
             "threads": self.threads,
         }
 
@@ -528,6 +569,8 @@ class HFStaticWorker:
             "threads": torch.get_num_threads(),
             "load_s": self.load_s,
             "rss_mb": rss_mb(),
+            "precision": "float32",
+            "weight_bytes": tensor_bytes(self.model),
         }
 
     def settings(self) -> dict[str, Any]:
@@ -753,6 +796,7 @@ class VLLMWorker:
             "threads": self.cfg["omp_threads_bind"],
             "load_s": self.load_s,
             "rss_mb": rss_mb(child_pids()),
+            "precision": self.cfg["dtype"],
         }
 
     def run(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -793,6 +837,213 @@ class VLLMWorker:
         self.engine.shutdown()
 
 
+# ---------------------------------------------------------------------------------- llama.cpp
+
+
+def pad256(n: int) -> int:
+    """``n`` rounded up to a multiple of 256 (llama.cpp pads each sequence's context so)."""
+    return -(-n // 256) * 256
+
+
+class LlamaCppWorker:
+    """llama.cpp through llama-cpp-python's low-level API (its C functions), on one GGUF file
+    at its own quantization (the default model's Q4_1), ``n_threads = n_threads_batch =
+    --threads``. Runs under the llama.cpp venv's interpreter.
+
+    A run's requests are fed as token ids (no tokenizer on the timed path) into
+    ``llama_batch``es of one context with ``n_seq_max`` = the number of requests, each
+    sequence with its own KV stream (``kv_unified`` off, so no sequence attends over the
+    others' cells): first all prompts, in chunks of ``n_batch`` tokens, then one decode step
+    for every unfinished sequence at a time, greedy (argmax of the logits, first index on a
+    tie, as torch's argmax), EOS ignored. This is llama.cpp's own batched decoding
+    (llama.cpp's examples/batched and its server's slots work the same way). Online arrivals
+    (W4) are not run. Sources: llama.cpp's include/llama.h (``llama_decode``,
+    ``llama_batch``, ``llama_context_params``).
+    """
+
+    name = "llamacpp"
+    N_BATCH = 2048  # llama.cpp's default logical batch (tokens per llama_decode call)
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import llama_cpp as ll
+        import numpy as np
+
+        self.ll, self.np = ll, np
+        self.threads = args.threads
+        self.path = args.model
+        ll.llama_backend_init()
+
+        def log(level: int, text: bytes, _: Any) -> None:  # warnings and errors only
+            if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+                sys.stderr.write(text.decode(errors="replace"))
+
+        self._log = ll.llama_log_callback(log)  # kept alive: llama.cpp holds the pointer
+        ll.llama_log_set(self._log, None)
+        t = time.perf_counter()
+        mp = ll.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        # Extra buffer types repack weights for AMX or AVX kernels. On the benchmark's VM
+        # (Xeon with AMX, Firecracker) the AMX kernels die at their first tileloadd (SIGILL)
+        # although the kernel grants AMX: off unless asked for.
+        mp.use_extra_bufts = bool(args.extra_bufts)
+        self.extra_bufts = bool(args.extra_bufts)
+        self.model = ll.llama_model_load_from_file(args.model.encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {args.model}")
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
+        self.load_s = time.perf_counter() - t
+        buf = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self.model, buf, len(buf))
+        self.desc = buf.value.decode(errors="replace")
+        self.ctx: Any = None
+        self.batch: Any = None
+        self.ctx_key: tuple[int, int] | None = None
+        self.tokenizer = self.check_tokenizer(args.prompts) if args.prompts else None
+
+    def tokenize(self, text: str) -> list[int]:
+        """llama.cpp's ids for ``text``, special tokens parsed, none added (as the workloads'
+        chat-templated texts are tokenized by transformers)."""
+        data = text.encode()
+        out = (self.ll.llama_token * (len(data) + 8))()
+        n = self.ll.llama_tokenize(self.vocab, data, len(data), out, len(out), False, True)
+        if n < 0:
+            raise RuntimeError(f"llama_tokenize needs {-n} tokens")
+        return list(ctypes.cast(out, ctypes.POINTER(ctypes.c_int32))[:n])
+
+    def check_tokenizer(self, prompts: str) -> dict[str, str]:
+        """Per workload of prompts.json, how many of its texts llama.cpp tokenizes to the ids
+        transformers gave (``"64/64"``). The runs feed those ids either way."""
+        with open(prompts) as f:
+            data = json.load(f)
+        out = {}
+        for key in ("W1", "W2", "W3"):
+            if key in data and "texts" in data[key]:
+                pairs = zip(data[key]["texts"], data[key]["ids"], strict=True)
+                same = sum(1 for text, ids in pairs if self.tokenize(text) == ids)
+                out[key] = f"{same}/{len(data[key]['ids'])}"
+        return out
+
+    def info(self) -> dict[str, Any]:
+        import llama_cpp
+
+        return {
+            "engine": self.name,
+            "version": llama_cpp.__version__,
+            "threads": self.threads,
+            "load_s": self.load_s,
+            "rss_mb": rss_mb(),
+            "model": self.desc,
+            "precision": self.desc.rsplit(" ", 1)[-1] + " (GGUF)",
+            "weight_bytes": int(self.ll.llama_model_size(self.model)),
+            "tokenizer_ids_match": self.tokenizer,
+        }
+
+    def context(self, n_seq: int, per_seq: int) -> None:
+        """A context for ``n_seq`` sequences of up to ``per_seq`` tokens each (the last one is
+        kept while its size fits; its KV cache is cleared); warmed by one decode."""
+        ll = self.ll
+        if self.ctx_key == (n_seq, per_seq):
+            ll.llama_memory_clear(ll.llama_get_memory(self.ctx), True)
+            return
+        self.free_context()
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = n_seq * per_seq
+        cp.n_batch = self.N_BATCH
+        cp.n_seq_max = n_seq
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.kv_unified = False
+        cp.no_perf = True
+        self.ctx = ll.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {cp.n_ctx} tokens")
+        self.batch = ll.llama_batch_init(max(self.N_BATCH, n_seq), 0, 1)
+        self.ctx_key = (n_seq, per_seq)
+        self.settings = {
+            "dtype": self.desc.rsplit(" ", 1)[-1] + " weights (GGUF)",
+            "batching": f"low-level llama_batch, {n_seq} sequence(s), per-sequence KV",
+            "n_ctx": cp.n_ctx,
+            "n_batch": cp.n_batch,
+            "n_ubatch": cp.n_ubatch,
+            "extra_bufts": self.extra_bufts,
+            "threads": self.threads,
+        }
+        self.decode([(0, 0, 0, True)])  # first use allocates; keep it off the clock
+        ll.llama_memory_clear(ll.llama_get_memory(self.ctx), True)
+
+    def decode(self, items: Sequence[tuple[int, int, int, bool]]) -> Any:
+        """One ``llama_decode`` of ``(sequence, position, token, wants logits)`` items; returns
+        the greedy next token of each item that wants logits, in order (numpy array)."""
+        ll, b = self.ll, self.batch
+        for k, (seq, pos, tok, want) in enumerate(items):
+            b.token[k] = tok
+            b.pos[k] = pos
+            b.n_seq_id[k] = 1
+            b.seq_id[k][0] = seq
+            b.logits[k] = int(want)
+        b.n_tokens = len(items)
+        rc = ll.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        n_out = sum(1 for it in items if it[3])
+        if not n_out:
+            return self.np.empty(0, dtype=self.np.int64)
+        # The rows of the items that asked for logits, in batch order (llama.h).
+        logits = self.np.ctypeslib.as_array(ll.llama_get_logits(self.ctx), (n_out, self.n_vocab))
+        return logits.argmax(axis=1)
+
+    def run(self, spec: dict[str, Any]) -> dict[str, Any]:
+        reqs = spec["requests"]
+        if any(r[2] > 0 for r in reqs):
+            raise Unsupported("offline batched decoding only here (no online arrivals)")
+        n = len(reqs)
+        self.context(n, pad256(max(len(ids) + m for ids, m, _ in reqs)))
+        tl = Timeline(n)
+        nxt = [0] * n
+        start = time.perf_counter()
+        tl.submit = [start] * n
+        # Prefill: every prompt, in chunks of n_batch tokens; logits at each prompt's end.
+        items = [
+            (i, pos, tok, pos == len(ids) - 1)
+            for i, (ids, _, _) in enumerate(reqs)
+            for pos, tok in enumerate(ids)
+        ]
+        for c in range(0, len(items), self.N_BATCH):
+            chunk = items[c : c + self.N_BATCH]
+            toks = self.decode(chunk).tolist()
+            now = time.perf_counter()
+            ends = [it[0] for it in chunk if it[3]]
+            for i, tok in zip(ends, toks, strict=True):
+                nxt[i] = tok
+                tl.got(i, [tok], now)
+        pos = [len(r[0]) for r in reqs]
+        left = [r[1] - 1 for r in reqs]
+        while True:
+            active = [i for i in range(n) if left[i] > 0]
+            if not active:
+                break
+            toks = self.decode([(i, pos[i], nxt[i], True) for i in active]).tolist()
+            now = time.perf_counter()
+            for i, tok in zip(active, toks, strict=True):
+                nxt[i] = tok
+                pos[i] += 1
+                left[i] -= 1
+                tl.got(i, [tok], now)
+        res = tl.result(start, spec.get("outputs", False))
+        res["settings"] = self.settings
+        return res
+
+    def free_context(self) -> None:
+        if self.ctx is not None:
+            self.ll.llama_batch_free(self.batch)
+            self.ll.llama_free(self.ctx)
+        self.ctx = self.batch = self.ctx_key = None
+
+    def close(self) -> None:
+        self.free_context()
+        self.ll.llama_model_free(self.model)
+
+
 # ---------------------------------------------------------------------------------- main
 
 
@@ -805,6 +1056,7 @@ WORKERS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "hf": HFStaticWorker,
     "hf_cb": HFCBWorker,
     "vllm": VLLMWorker,
+    "llamacpp": LlamaCppWorker,
 }
 
 
@@ -819,11 +1071,17 @@ def emit(tag: str, obj: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="asyncllm.bench.worker")
     ap.add_argument("--engine", required=True, choices=sorted(WORKERS))
-    ap.add_argument("--model", required=True, help="a Hugging Face directory (safetensors)")
+    ap.add_argument(
+        "--model", required=True, help="a Hugging Face directory (llamacpp: a .gguf file)"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--config", default=None, help="asyncllm: EngineConfig fields as JSON")
+    ap.add_argument("--prompts", default=None, help="llamacpp: prompts.json (tokenizer check)")
+    ap.add_argument(
+        "--extra-bufts", action="store_true", help="llamacpp: its extra buffer types (AMX)"
+    )
     ap.add_argument("--result-fd", type=int, default=None, help="write results to this fd")
     args = ap.parse_args(argv)
     global _OUT
