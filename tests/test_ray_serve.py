@@ -139,6 +139,76 @@ def test_affinity_policy_and_load_guard() -> None:
         rs.PrefixAffinity(imbalance_threshold=-1)
 
 
+class _FakeReplica:
+    """What Serve's routing loop reads of a replica: its id, capacity and queue length."""
+
+    def __init__(self, unique_id: str, deployment: Any, queue_len: int) -> None:
+        from ray.serve._private.common import ReplicaID
+
+        self.replica_id = ReplicaID(unique_id, deployment)
+        self.max_ongoing_requests = 2
+        self.queue_len = queue_len
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.queue_len
+
+
+async def _router(tiny: pathlib.Path, queue_len: int) -> tuple[Any, list[_FakeReplica]]:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    dep = DeploymentID(name="LLMServer", app_name="unit")
+    router = rs.PrefixCacheRouter(dep, DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(model=str(tiny))
+    replicas = [_FakeReplica(f"r{i}", dep, queue_len) for i in range(2)]
+    router.update_replicas(replicas)
+    return router, replicas
+
+
+def _counted(router: Any, replicas: list[_FakeReplica]) -> list[int]:
+    """The requests the router counts in flight on each replica (its part of the load)."""
+    return [router._inflight[r.replica_id.unique_id] for r in replicas]
+
+
+def _pending(key: str) -> Any:
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    meta = RequestMetadata(request_id=key, internal_request_id=key, call_method="stream")
+    return PendingRequest(args=["Hello there, " * 8], kwargs={}, metadata=meta)
+
+
+@pytest.mark.parametrize("decisions", [1, 3])
+async def test_request_cancelled_before_dispatch_leaves_no_load(
+    tiny_llama_dir: pathlib.Path, decisions: int
+) -> None:
+    """Every replica is full, so the routed request waits (Serve ranks it again after each
+    backoff); its caller gives up: it must not stay counted in the chosen replica's load
+    (Serve calls neither on_request_routed nor on_request_completed for it)."""
+    router, replicas = await _router(tiny_llama_dir, queue_len=2)
+    task = asyncio.ensure_future(router._choose_replica_for_request(_pending("a")))
+    for _ in range(10_000):  # until ranked `decisions` times (bounded)
+        if router.num_decisions >= decisions:
+            break
+        await asyncio.sleep(0.001)
+    assert sum(_counted(router, replicas)) == 1  # counted while it waits
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)  # the future's done callbacks
+    assert _counted(router, replicas) == [0, 0]
+    assert not router._pending and not router._watched
+
+
+async def test_dispatched_request_counts_until_completed(tiny_llama_dir: pathlib.Path) -> None:
+    router, replicas = await _router(tiny_llama_dir, queue_len=0)
+    chosen = await router._choose_replica_for_request(_pending("b"))
+    await asyncio.sleep(0)
+    # sent: counted until Serve reports its completion
+    assert router._inflight[chosen.replica_id.unique_id] == 1
+    router.on_request_completed(chosen.replica_id, "b")
+    assert _counted(router, replicas) == [0, 0]
+
+
 # ----------------------------------------------------------------- two replicas on Ray Serve
 
 

@@ -13,7 +13,9 @@ docs/scaling.md ("What the router does") describes the policy and its options.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import functools
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -214,6 +216,8 @@ class PrefixCacheRouter(RequestRouter):
         self._pending: collections.OrderedDict[str, list[bytes]] = collections.OrderedDict()
         self._inflight: collections.Counter[str] = collections.Counter()
         self._routed: dict[str, str] = {}  # internal request id -> replica, until completed
+        # internal request id -> the future Serve resolves with its replica (see _watch)
+        self._watched: dict[str, asyncio.Future[Any]] = {}
         self.decision_seconds = 0.0
         self.num_decisions = 0
 
@@ -265,10 +269,11 @@ class PrefixCacheRouter(RequestRouter):
         key = pending_request.metadata.internal_request_id if pending_request else None
         self._untrack(key)  # a retry (backoff): its earlier choice no longer counts
         order = self.policy.rank(hashes, {rid: self._load(r) for rid, r in by_id.items()})
-        if key is not None:
+        if pending_request is not None and key is not None:
             # Count the choice at once, so requests routed together see each other (Serve
             # may still send it to a later rank: on_request_routed corrects that).
             self._track(key, order[0], hashes)
+            self._watch(key, pending_request.future)
         self.decision_seconds += time.perf_counter() - start
         self.num_decisions += 1
         return (
@@ -287,6 +292,23 @@ class PrefixCacheRouter(RequestRouter):
         replica = self._routed.pop(key, None) if key is not None else None
         if replica is not None and self._inflight[replica] > 0:
             self._inflight[replica] -= 1
+
+    def _watch(self, key: str, future: asyncio.Future[Any]) -> None:
+        """Untrack the request if Serve never sends it: Serve calls neither
+        ``on_request_routed`` nor ``on_request_completed`` for a request whose caller
+        cancelled it while it waited for a replica (its future is cancelled then), so
+        without this its choice would count in the replica's load for good."""
+        if self._watched.get(key) is not future:  # once per future (a retry gets a new one)
+            self._watched[key] = future
+            future.add_done_callback(functools.partial(self._routing_done, key))
+
+    def _routing_done(self, key: str, future: asyncio.Future[Any]) -> None:
+        if self._watched.get(key) is future:
+            del self._watched[key]
+        if future.cancelled() or future.exception() is not None:
+            self._untrack(key)
+            self._pending.pop(key, None)
+        # else Serve sends it: on_request_completed follows, whatever happens next
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
