@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -378,3 +379,91 @@ async def test_replica_death_ends_streams(ray_cluster: int, tiny_llama_dir: path
     out = [o async for o in client.stream("Hi", SamplingParams(max_tokens=2, ignore_eos=True))]
     assert out[-1].finished
     serve.delete("die")
+
+
+# ------------------------------------------------------ python -m asyncllm serve --replicas
+
+
+def _metric(text: str, name: str) -> float:
+    """The value of ``asyncllm:<name>{model_name="tiny"}`` in a /metrics page."""
+    for line in text.splitlines():
+        if line.startswith(f'asyncllm:{name}{{model_name="tiny"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def _use_cli_server(base: str) -> dict[str, Any]:
+    """Requests to a starting `serve --replicas 1`; returns what they saw."""
+    import httpx
+
+    seen: dict[str, Any] = {}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for _ in range(3000):  # until deployed (bounded)
+            if http.get("/health").status_code == 200:
+                break
+            time.sleep(0.1)
+        seen["models"] = [m["id"] for m in http.get("/v1/models").json()["data"]]
+        body = {"model": "tiny", "prompt": "A long story", "max_tokens": 200, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            next(stream.iter_lines())  # the first token: the request runs on its replica
+            seen["running"] = _metric(http.get("/metrics").text, "num_requests_running")
+        for _ in range(400):  # the client went away: aborted on the replica (bounded)
+            page = http.get("/metrics").text
+            if _metric(page, "num_requests_running") == 0:
+                break
+            time.sleep(0.025)
+        seen["queries"] = _metric(page, "prefix_cache_queries_total")
+        llm = serve.get_deployment_handle("LLMServer", app_name=rs.CLI_APP_NAME)
+        seen["stats"] = llm.stats.remote(replica=0).result()
+    return seen
+
+
+def test_cli_replicas_serves_and_stops_on_sigterm(
+    ray_cluster: int, prefix_app: str, tiny_llama_dir: pathlib.Path
+) -> None:
+    """`python -m asyncllm serve --replicas 1` through the CLI's own code, on the module's
+    Ray: the routes answer, /metrics' engine gauges are the replicas' (read on each scrape),
+    a client that goes away is aborted, and SIGTERM stops it, removing its application and
+    nothing else (the Ray instance and the other apps stay)."""
+    import argparse
+    import os
+    import signal
+    import threading
+
+    from asyncllm.server import add_serve_arguments
+    from asyncllm.server import serve as serve_command
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(
+        ["--model", str(tiny_llama_dir), "--replicas", "1", "--port", str(ray_cluster),
+         "--served-model-name", "tiny", "--device", "cpu", "--max-model-len", "256",
+         "--kv-cache-bytes", str(2**21)]
+    )  # fmt: skip
+    seen: dict[str, Any] = {}
+
+    def client() -> None:
+        try:
+            seen.update(_use_cli_server(f"http://127.0.0.1:{ray_cluster}"))
+        except BaseException as e:
+            seen["error"] = e
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a service manager stops it
+
+    # a SIGTERM that came after the command returned must not end the test run
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        thread = threading.Thread(target=client)
+        thread.start()
+        assert serve_command(args) == 0
+        thread.join()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "error" not in seen, seen.get("error")
+    assert seen["models"] == ["tiny"]
+    assert seen["running"] == 1
+    assert seen["stats"]["num_running"] == 0
+    assert seen["queries"] == seen["stats"]["prefix_cache_queries"] > 0
+    apps = serve.status().applications
+    assert rs.CLI_APP_NAME not in apps and prefix_app in apps and ray.is_initialized()

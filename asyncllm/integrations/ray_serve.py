@@ -28,8 +28,8 @@ Pieces:
   :mod:`asyncllm.integrations.ray_router`, re-exported here): a Serve ``RequestRouter``
   that sends a request to the replica most likely to hold its prompt's prefix in its KV
   cache (see its docstring for the policy and the load guard).
-- :func:`build_app` (both deployments) and :func:`main` (``python -m asyncllm serve
-  --replicas N``).
+- :func:`build_app` (both deployments), :func:`cli_app` and :func:`main` (``python -m
+  asyncllm serve --replicas N``).
 
 Errors a replica raises reach callers as Ray wraps them (``ray.exceptions.RayTaskError``,
 an instance of the original class too); :class:`EngineClient` re-raises the original
@@ -40,6 +40,7 @@ an instance of the original class too); :class:`EngineClient` re-raises the orig
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -64,10 +65,10 @@ from asyncllm.integrations.ray_router import (
 from asyncllm.outputs import RequestOutput
 
 __all__ = [
-    "DEFAULT_IMBALANCE_THRESHOLD", "DEFAULT_MAX_PREFIX_BLOCKS", "DEFAULT_RECORD_BLOCKS",
-    "TESTED_RAY_VERSION", "EngineClient", "LLMServer", "OpenAIIngress", "PrefixAffinity",
-    "PrefixCacheRouter", "build_app", "build_llm_deployment", "load_tokenizer", "main",
-    "router_config", "routing_token_ids",
+    "CLI_APP_NAME", "DEFAULT_IMBALANCE_THRESHOLD", "DEFAULT_MAX_PREFIX_BLOCKS",
+    "DEFAULT_RECORD_BLOCKS", "TESTED_RAY_VERSION", "EngineClient", "LLMServer", "OpenAIIngress",
+    "PrefixAffinity", "PrefixCacheRouter", "build_app", "build_llm_deployment", "cli_app",
+    "load_tokenizer", "main", "router_config", "routing_token_ids",
 ]  # fmt: skip
 
 logger = logging.getLogger("asyncllm.ray_serve")
@@ -124,11 +125,15 @@ class LLMServer:
         core = self.engine._engine
         return {"max_model_len": core.max_model_len, "block_size": self.engine.config.block_size}
 
-    def stats(self, replica: int | None = None) -> dict[str, Any]:
-        """This replica's :meth:`AsyncEngine.stats`, its ``replica_id`` and ``served``: the
-        request ids of its recent ``stream``/``chat`` calls (the last 4096). Pass
-        ``replica=k`` to read the k-th replica with :class:`PrefixCacheRouter`."""
-        return {**self.engine.stats(), "replica_id": self.replica_id, "served": list(self._served)}
+    def stats(self, replica: int | None = None, served: bool = True) -> dict[str, Any]:
+        """This replica's :meth:`AsyncEngine.stats`, its ``replica_id`` and (unless
+        ``served`` is False) ``served``: the request ids of its recent ``stream``/``chat``
+        calls (the last 4096). Pass ``replica=k`` to read the k-th replica with
+        :class:`PrefixCacheRouter`."""
+        stats: dict[str, Any] = {**self.engine.stats(), "replica_id": self.replica_id}
+        if served:
+            stats["served"] = list(self._served)
+        return stats
 
     async def reset_prefix_cache(self, replica: int | None = None) -> int:
         """:meth:`AsyncEngine.reset_prefix_cache` (``replica`` as in :meth:`stats`)."""
@@ -231,16 +236,21 @@ class EngineClient:
     response, which aborts the request on its replica); errors are re-raised as the
     replica raised them (:func:`_unwrap`: ``QueueFull``, ``InvalidRequestError``; a dead
     replica as ``EngineDeadError``). ``stats`` are those last read by :meth:`refresh_stats`
-    (zeros before).
+    (zeros before), which the server's ``/metrics`` route calls on each scrape.
 
     Args:
         handle: a ``DeploymentHandle`` to the :class:`LLMServer` deployment.
         model: its model (for the tokenizer and the served name).
         max_model_len: the replicas' ``max_model_len``.
+        num_replicas: the deployment's replicas (the ones :meth:`refresh_stats` reads).
     """
 
-    def __init__(self, handle: Any, model: str, max_model_len: int) -> None:
+    #: Seconds :meth:`refresh_stats` waits for the replicas before it keeps the last stats.
+    STATS_TIMEOUT_S = 5.0
+
+    def __init__(self, handle: Any, model: str, max_model_len: int, num_replicas: int = 1) -> None:
         self._handle = handle
+        self.num_replicas = num_replicas
         self.tokenizer = load_tokenizer(model)
         self.config = EngineConfig(model=model)
         self.max_model_len = max_model_len
@@ -298,17 +308,37 @@ class EngineClient:
             "num_generated_tokens": 0,
         }  # fmt: skip
 
-    async def refresh_stats(self, num_replicas: int) -> None:
-        """Read every replica's stats (with :class:`PrefixCacheRouter`) and sum them."""
+    async def refresh_stats(self) -> None:
+        """Read every replica's stats and sum them (ratios recomputed from the sums).
+
+        With :class:`PrefixCacheRouter`, call k goes to the k-th replica; with Serve's own
+        router the calls land at random, so up to ``4 * num_replicas`` are made and each
+        replica counts once (by its ``replica_id``): the sums may then miss a replica. A
+        replica that does not answer within :attr:`STATS_TIMEOUT_S`, or fails, leaves the
+        last stats in place (a scrape must not fail while Serve replaces a replica).
+        """
+        try:
+            per_replica = await asyncio.wait_for(self._read_replicas(), self.STATS_TIMEOUT_S)
+        except Exception as e:  # TimeoutError, a replica restarting...
+            logger.warning("engine stats not refreshed: %r", e)
+            return
         total: collections.Counter[str] = collections.Counter()
-        for k in range(num_replicas):
-            s = await self._handle.stats.remote(replica=k)
+        for s in per_replica:
             total.update({n: v for n, v in s.items() if isinstance(v, (int, float))})
         blocks = total["num_total_blocks"]
         total["kv_cache_usage"] = 1 - total["num_free_blocks"] / blocks if blocks else 0.0
         q = total["prefix_cache_queries"]
         total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / q if q else 0.0
         self._stats = dict(total)
+
+    async def _read_replicas(self) -> list[dict[str, Any]]:
+        seen: dict[str, dict[str, Any]] = {}
+        for k in range(4 * self.num_replicas):
+            if len(seen) >= self.num_replicas:
+                break
+            s = await self._handle.stats.remote(replica=k % self.num_replicas, served=False)
+            seen[str(s["replica_id"])] = s
+        return list(seen.values())
 
 
 @serve.ingress()
@@ -321,11 +351,18 @@ class OpenAIIngress:
         model: the replicas' model (its tokenizer is loaded here; no weights).
         app_options: :func:`asyncllm.server.create_app` keywords (API keys...), and
             ``served_model_name``.
+        num_replicas: the :class:`LLMServer` replicas (``/metrics`` sums their stats).
     """
 
-    async def __init__(self, llm: Any, model: str, app_options: dict[str, Any] | None = None):
+    async def __init__(
+        self,
+        llm: Any,
+        model: str,
+        app_options: dict[str, Any] | None = None,
+        num_replicas: int = 1,
+    ):
         info = await llm.info.remote()
-        self.client = EngineClient(llm, model, info["max_model_len"])
+        self.client = EngineClient(llm, model, info["max_model_len"], num_replicas)
         self._app_options = dict(app_options or {})
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -372,46 +409,79 @@ def build_app(
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress", ray_actor_options=ingress_actor_options or {"num_cpus": 0}
     )
-    return ingress.bind(llm.bind(model, engine_config or {}), model, app_options or {})
+    return ingress.bind(
+        llm.bind(model, engine_config or {}), model, app_options or {}, num_replicas
+    )
 
 
 # --------------------------------------------------------------------------- the command line
 
 
+#: The Serve application name of ``python -m asyncllm serve --replicas N``.
+CLI_APP_NAME = "asyncllm"
+
+
+def cli_app(
+    args: argparse.Namespace, engine_config: dict[str, Any], app_options: dict[str, Any]
+) -> Any:
+    """The application ``serve --replicas N`` runs: :func:`build_app` with the parsed
+    options (``--replicas``, ``--replica-threads`` as each replica's torch threads and Ray
+    CPUs, ``--router``, ``--served-model-name``), ``engine_config`` and ``app_options`` (from
+    :func:`asyncllm.server.engine_config_from_args` and ``app_options_from_args``).
+
+    Raises:
+        ValueError: an engine setting :class:`EngineConfig` refuses.
+    """
+    options = {**app_options, "served_model_name": args.served_model_name}
+    return build_app(
+        args.model,
+        num_replicas=args.replicas,
+        engine_config={"num_threads": args.replica_threads, **engine_config},
+        router=args.router,
+        app_options=options,
+        llm_options={"ray_actor_options": {"num_cpus": args.replica_threads}},
+    )
+
+
 def main(
     args: argparse.Namespace, engine_config: dict[str, Any], app_options: dict[str, Any]
 ) -> int:
-    """``python -m asyncllm serve --replicas N``: start a local Ray instance (or join the
-    cluster of ``$RAY_ADDRESS``), serve :func:`build_app` on ``--host``/``--port`` until
-    interrupted; returns the exit code."""
+    """``python -m asyncllm serve --replicas N``: serve :func:`cli_app` on
+    ``--host``/``--port`` until Ctrl-C or SIGTERM; returns the exit code (0).
+
+    Ray: the cluster of ``$RAY_ADDRESS`` ("auto": the one ``ray start`` runs here) if set,
+    else a new local instance (never one another program started), or the instance this
+    process already holds. Stopping removes what it started and nothing else: a local
+    instance it started is shut down with Serve; on a cluster it joined, only its own
+    application (:data:`CLI_APP_NAME`) is deleted, so other Serve apps keep running.
+    """
+    import os
     import signal
     import threading
 
-    ray.init(ignore_reinit_error=True)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    options = dict(app_options)
-    options["served_model_name"] = args.served_model_name
-    engine_config = {"num_threads": args.replica_threads, **engine_config}
-    serve.run(
-        build_app(
-            args.model,
-            num_replicas=args.replicas,
-            engine_config=engine_config,
-            router=args.router,
-            app_options=options,
-            llm_options={"ray_actor_options": {"num_cpus": args.replica_threads}},
-        ),
-        name="asyncllm",
-        route_prefix="/",
-    )
-    print(f"serving {args.replicas} replicas on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    address = os.environ.get("RAY_ADDRESS")
+    preexisting = ray.is_initialized()
+    # SIGTERM (a service manager's stop) ends the wait below as Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        stop.wait()
+        if not preexisting:
+            ray.init(address=address or "local")
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(cli_app(args, engine_config, app_options), name=CLI_APP_NAME, route_prefix="/")
+        print(
+            f"serving {args.replicas} replicas on http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+            flush=True,
+        )
+        threading.Event().wait()
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+        if ray.is_initialized():
+            if preexisting or address:
+                serve.delete(CLI_APP_NAME)
+            else:
+                serve.shutdown()
+            if not preexisting:
+                ray.shutdown()
     return 0
