@@ -406,8 +406,10 @@ def _use_cli_server(base: str) -> dict[str, Any]:
         body = {"model": "tiny", "prompt": "A long story", "max_tokens": 200, "stream": True,
                 "ignore_eos": True}  # fmt: skip
         with http.stream("POST", "/v1/completions", json=body) as stream:
-            next(stream.iter_lines())  # the first token: the request runs on its replica
+            lines = stream.iter_lines()  # kept: dropping it would close the stream
+            next(lines)  # the first token: the request runs on its replica
             seen["running"] = _metric(http.get("/metrics").text, "num_requests_running")
+            lines.close()
         for _ in range(400):  # the client went away: aborted on the replica (bounded)
             page = http.get("/metrics").text
             if _metric(page, "num_requests_running") == 0:
