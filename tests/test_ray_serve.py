@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -137,6 +138,76 @@ def test_affinity_policy_and_load_guard() -> None:
     assert policy.match("r0", b) == 0
     with pytest.raises(ValueError):
         rs.PrefixAffinity(imbalance_threshold=-1)
+
+
+class _FakeReplica:
+    """What Serve's routing loop reads of a replica: its id, capacity and queue length."""
+
+    def __init__(self, unique_id: str, deployment: Any, queue_len: int) -> None:
+        from ray.serve._private.common import ReplicaID
+
+        self.replica_id = ReplicaID(unique_id, deployment)
+        self.max_ongoing_requests = 2
+        self.queue_len = queue_len
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.queue_len
+
+
+async def _router(tiny: pathlib.Path, queue_len: int) -> tuple[Any, list[_FakeReplica]]:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    dep = DeploymentID(name="LLMServer", app_name="unit")
+    router = rs.PrefixCacheRouter(dep, DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(model=str(tiny))
+    replicas = [_FakeReplica(f"r{i}", dep, queue_len) for i in range(2)]
+    router.update_replicas(replicas)
+    return router, replicas
+
+
+def _counted(router: Any, replicas: list[_FakeReplica]) -> list[int]:
+    """The requests the router counts in flight on each replica (its part of the load)."""
+    return [router._inflight[r.replica_id.unique_id] for r in replicas]
+
+
+def _pending(key: str) -> Any:
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    meta = RequestMetadata(request_id=key, internal_request_id=key, call_method="stream")
+    return PendingRequest(args=["Hello there, " * 8], kwargs={}, metadata=meta)
+
+
+@pytest.mark.parametrize("decisions", [1, 3])
+async def test_request_cancelled_before_dispatch_leaves_no_load(
+    tiny_llama_dir: pathlib.Path, decisions: int
+) -> None:
+    """Every replica is full, so the routed request waits (Serve ranks it again after each
+    backoff); its caller gives up: it must not stay counted in the chosen replica's load
+    (Serve calls neither on_request_routed nor on_request_completed for it)."""
+    router, replicas = await _router(tiny_llama_dir, queue_len=2)
+    task = asyncio.ensure_future(router._choose_replica_for_request(_pending("a")))
+    for _ in range(10_000):  # until ranked `decisions` times (bounded)
+        if router.num_decisions >= decisions:
+            break
+        await asyncio.sleep(0.001)
+    assert sum(_counted(router, replicas)) == 1  # counted while it waits
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)  # the future's done callbacks
+    assert _counted(router, replicas) == [0, 0]
+    assert not router._pending and not router._watched
+
+
+async def test_dispatched_request_counts_until_completed(tiny_llama_dir: pathlib.Path) -> None:
+    router, replicas = await _router(tiny_llama_dir, queue_len=0)
+    chosen = await router._choose_replica_for_request(_pending("b"))
+    await asyncio.sleep(0)
+    # sent: counted until Serve reports its completion
+    assert router._inflight[chosen.replica_id.unique_id] == 1
+    router.on_request_completed(chosen.replica_id, "b")
+    assert _counted(router, replicas) == [0, 0]
 
 
 # ----------------------------------------------------------------- two replicas on Ray Serve
@@ -308,3 +379,93 @@ async def test_replica_death_ends_streams(ray_cluster: int, tiny_llama_dir: path
     out = [o async for o in client.stream("Hi", SamplingParams(max_tokens=2, ignore_eos=True))]
     assert out[-1].finished
     serve.delete("die")
+
+
+# ------------------------------------------------------ python -m asyncllm serve --replicas
+
+
+def _metric(text: str, name: str) -> float:
+    """The value of ``asyncllm:<name>{model_name="tiny"}`` in a /metrics page."""
+    for line in text.splitlines():
+        if line.startswith(f'asyncllm:{name}{{model_name="tiny"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def _use_cli_server(base: str) -> dict[str, Any]:
+    """Requests to a starting `serve --replicas 1`; returns what they saw."""
+    import httpx
+
+    seen: dict[str, Any] = {}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for _ in range(3000):  # until deployed (bounded)
+            if http.get("/health").status_code == 200:
+                break
+            time.sleep(0.1)
+        seen["models"] = [m["id"] for m in http.get("/v1/models").json()["data"]]
+        body = {"model": "tiny", "prompt": "A long story", "max_tokens": 200, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()  # kept: dropping it would close the stream
+            next(lines)  # the first token: the request runs on its replica
+            seen["running"] = _metric(http.get("/metrics").text, "num_requests_running")
+            lines.close()
+        for _ in range(400):  # the client went away: aborted on the replica (bounded)
+            page = http.get("/metrics").text
+            if _metric(page, "num_requests_running") == 0:
+                break
+            time.sleep(0.025)
+        seen["queries"] = _metric(page, "prefix_cache_queries_total")
+        llm = serve.get_deployment_handle("LLMServer", app_name=rs.CLI_APP_NAME)
+        seen["stats"] = llm.stats.remote(replica=0).result()
+    return seen
+
+
+def test_cli_replicas_serves_and_stops_on_sigterm(
+    ray_cluster: int, prefix_app: str, tiny_llama_dir: pathlib.Path
+) -> None:
+    """`python -m asyncllm serve --replicas 1` through the CLI's own code, on the module's
+    Ray: the routes answer, /metrics' engine gauges are the replicas' (read on each scrape),
+    a client that goes away is aborted, and SIGTERM stops it, removing its application and
+    nothing else (the Ray instance and the other apps stay)."""
+    import argparse
+    import os
+    import signal
+    import threading
+
+    from asyncllm.server import add_serve_arguments
+    from asyncllm.server import serve as serve_command
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(
+        ["--model", str(tiny_llama_dir), "--replicas", "1", "--port", str(ray_cluster),
+         "--served-model-name", "tiny", "--device", "cpu", "--max-model-len", "256",
+         "--kv-cache-bytes", str(2**21)]
+    )  # fmt: skip
+    seen: dict[str, Any] = {}
+
+    def client() -> None:
+        try:
+            seen.update(_use_cli_server(f"http://127.0.0.1:{ray_cluster}"))
+        except BaseException as e:
+            seen["error"] = e
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a service manager stops it
+
+    # a SIGTERM that came after the command returned must not end the test run
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        thread = threading.Thread(target=client)
+        thread.start()
+        assert serve_command(args) == 0
+        thread.join()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "error" not in seen, seen.get("error")
+    assert seen["models"] == ["tiny"]
+    assert seen["running"] == 1
+    assert seen["stats"]["num_running"] == 0
+    assert seen["queries"] == seen["stats"]["prefix_cache_queries"] > 0
+    apps = serve.status().applications
+    assert rs.CLI_APP_NAME not in apps and prefix_app in apps and ray.is_initialized()

@@ -24,11 +24,12 @@ Pieces:
   disconnects cancels its handle responses (the replica aborts the request); ``QueueFull``
   from a replica, and Serve's own ``BackPressureError`` (``max_queued_requests``), answer
   429; a replica that dies mid-stream ends the stream with the server's 503 error event.
-- :class:`PrefixCacheRouter`: a Serve ``RequestRouter`` that sends a request to the replica
-  most likely to hold its prompt's prefix in its KV cache (see its docstring for the policy
-  and the load guard).
-- :func:`build_app` (both deployments) and :func:`main` (``python -m asyncllm serve
-  --replicas N``).
+- :class:`~asyncllm.integrations.ray_router.PrefixCacheRouter` (in
+  :mod:`asyncllm.integrations.ray_router`, re-exported here): a Serve ``RequestRouter``
+  that sends a request to the replica most likely to hold its prompt's prefix in its KV
+  cache (see its docstring for the policy and the load guard).
+- :func:`build_app` (both deployments), :func:`cli_app` and :func:`main` (``python -m
+  asyncllm serve --replicas N``).
 
 Errors a replica raises reach callers as Ray wraps them (``ray.exceptions.RayTaskError``,
 an instance of the original class too); :class:`EngineClient` re-raises the original
@@ -39,309 +40,41 @@ an instance of the original class too); :class:`EngineClient` re-raises the orig
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import logging
-import random
-import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import ray
 from ray import serve
-from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from asyncllm.config import EngineConfig
-from asyncllm.core.block_manager import prompt_block_hashes
 from asyncllm.engine.async_engine import AsyncEngine
 from asyncllm.errors import EngineDeadError, QueueFull
+from asyncllm.integrations.ray_router import (
+    DEFAULT_IMBALANCE_THRESHOLD,
+    DEFAULT_MAX_PREFIX_BLOCKS,
+    DEFAULT_RECORD_BLOCKS,
+    PrefixAffinity,
+    PrefixCacheRouter,
+    load_tokenizer,
+    router_config,
+    routing_token_ids,
+)
 from asyncllm.outputs import RequestOutput
+
+__all__ = [
+    "CLI_APP_NAME", "DEFAULT_IMBALANCE_THRESHOLD", "DEFAULT_MAX_PREFIX_BLOCKS",
+    "DEFAULT_RECORD_BLOCKS", "TESTED_RAY_VERSION", "EngineClient", "LLMServer", "OpenAIIngress",
+    "PrefixAffinity", "PrefixCacheRouter", "build_app", "build_llm_deployment", "cli_app",
+    "load_tokenizer", "main", "router_config", "routing_token_ids",
+]  # fmt: skip
 
 logger = logging.getLogger("asyncllm.ray_serve")
 
 #: The Ray version the ``ray`` extra pins and the tests run against.
 TESTED_RAY_VERSION = "2.60.0"
-
-#: Default of the router's ``imbalance_threshold``: when the replica holding a request's
-#: prefix has more than this many requests in flight beyond the least-loaded replica, the
-#: request goes to the least-loaded one instead (ray.llm's ``PrefixCacheAffinityRouter``
-#: uses the same kind of guard, as the difference of queue lengths).
-DEFAULT_IMBALANCE_THRESHOLD = 4
-
-#: Default of the router's ``record_blocks``: block hashes remembered per replica (least
-#: recently routed dropped first). Sized like a replica's KV cache: a hash the replica has
-#: long evicted only costs a miss.
-DEFAULT_RECORD_BLOCKS = 16384
-
-#: Default of the router's ``max_prefix_blocks``: leading blocks of a prompt hashed and
-#: matched (a longer shared prefix routes the same way; the cost stays bounded).
-DEFAULT_MAX_PREFIX_BLOCKS = 256
-
-
-# --------------------------------------------------------------------------- routing policy
-
-
-class PrefixAffinity:
-    """The router's policy, without Ray: per-replica records of routed block hashes and the
-    choice of replica for a request's hashes.
-
-    Each replica has a bounded, least-recently-routed-first record of the block hashes of
-    the prompts sent to it (those blocks are in its prefix cache unless it evicted them).
-    :meth:`rank` puts first the replica whose record holds the longest leading run of the
-    request's hashes (the chain makes a run a shared prefix), unless its load exceeds the
-    least-loaded replica's by more than ``imbalance_threshold``: then, or when no replica
-    matches, the least-loaded replica (ties: the one with the fewest recorded hashes, so new
-    prefixes spread over replicas; then at random).
-
-    Args:
-        record_blocks: hashes remembered per replica (>= 1).
-        imbalance_threshold: requests in flight (>= 0) by which the matching replica may
-            exceed the least-loaded one and still be chosen.
-
-    Raises:
-        ValueError: a bad argument.
-    """
-
-    def __init__(
-        self,
-        record_blocks: int = DEFAULT_RECORD_BLOCKS,
-        imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
-    ) -> None:
-        if record_blocks < 1:
-            raise ValueError(f"record_blocks must be >= 1, got {record_blocks}")
-        if imbalance_threshold < 0:
-            raise ValueError(f"imbalance_threshold must be >= 0, got {imbalance_threshold}")
-        self.record_blocks = record_blocks
-        self.imbalance_threshold = imbalance_threshold
-        self._records: dict[str, collections.OrderedDict[bytes, None]] = {}
-
-    def match(self, replica: str, hashes: Sequence[bytes]) -> int:
-        """How many leading ``hashes`` the replica's record holds."""
-        record = self._records.get(replica)
-        if not record:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in record:
-                break
-            n += 1
-        return n
-
-    def record(self, replica: str, hashes: Sequence[bytes]) -> None:
-        """Remember that ``hashes`` were routed to ``replica`` (most recent last)."""
-        record = self._records.setdefault(replica, collections.OrderedDict())
-        for h in hashes:
-            record[h] = None
-            record.move_to_end(h)
-        while len(record) > self.record_blocks:
-            record.popitem(last=False)
-
-    def forget_except(self, replicas: set[str]) -> None:
-        """Drop the records of replicas not in ``replicas`` (gone, replaced)."""
-        for r in list(self._records):
-            if r not in replicas:
-                del self._records[r]
-
-    def rank(self, hashes: Sequence[bytes], loads: Mapping[str, int]) -> list[str]:
-        """The replicas of ``loads`` (replica -> requests in flight), best first."""
-        order = sorted(
-            loads, key=lambda r: (loads[r], len(self._records.get(r, ())), random.random())
-        )
-        if not order or not hashes:
-            return order
-        matches = {r: self.match(r, hashes) for r in order}
-        best = max(order, key=lambda r: matches[r])  # the least loaded of the longest
-        if matches[best] and loads[best] - loads[order[0]] <= self.imbalance_threshold:
-            return [best, *(r for r in order if r != best)]
-        return order
-
-
-def routing_token_ids(
-    tokenizer: Any, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> list[int] | None:
-    """The prompt token ids of an :class:`LLMServer` call, as its engine will tokenize them
-    (None for a call without a prompt, or one that cannot be tokenized: the replica reports
-    that error).
-
-    ``stream``: the prompt (text, ids, or a prompt dict) tokenized as
-    :meth:`AsyncEngine.stream` does. ``chat``: the messages rendered by the chat template
-    with ``add_generation_prompt`` and ``chat_template_kwargs`` (``tools`` are not
-    rendered here, so a tool request's key is its messages' prefix).
-    """
-    from asyncllm.engine.llm_engine import _without_added_bos
-    from asyncllm.engine.tool_calls import template_messages
-
-    try:
-        if method == "stream":
-            prompt = args[0] if args else kwargs.get("prompt")
-            if isinstance(prompt, Mapping):
-                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-            if isinstance(prompt, str):
-                return _without_added_bos(tokenizer, prompt)
-            if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-                return list(prompt)
-            return None
-        if method == "chat":
-            messages = args[0] if args else kwargs.get("messages")
-            ids = tokenizer.apply_chat_template(
-                template_messages(messages),
-                add_generation_prompt=kwargs.get("add_generation_prompt", True),
-                tokenize=True,
-                return_dict=False,
-                **dict(kwargs.get("chat_template_kwargs") or {}),
-            )
-            return list(ids)
-    except Exception:  # a malformed request: the replica raises the typed error
-        return None
-    return None
-
-
-def load_tokenizer(model: str) -> Any:
-    """The tokenizer of ``model`` ("default", an HF directory or a .gguf), without weights.
-
-    Raises:
-        ModelNotFoundError: the model is missing.
-    """
-    from transformers import AutoTokenizer
-
-    from asyncllm.models.loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
-
-
-class PrefixCacheRouter(RequestRouter):
-    """Ray Serve request router: a request goes to the replica most likely to hold its
-    prompt's prefix in its prefix cache, within a load guard.
-
-    Each routed ``stream`` or ``chat`` call is tokenized as the engine will
-    (:func:`routing_token_ids`), its leading full blocks hashed exactly as the engine's
-    scheduler hashes them (:func:`~asyncllm.core.block_manager.prompt_block_hashes`: same
-    ``block_size``, chained SHA-256, the call's ``cache_salt`` in the first block), and
-    matched against each replica's record of the hashes routed to it
-    (:class:`PrefixAffinity`). Load is the larger of the requests this router has in flight
-    on a replica and the queue length Serve last probed. Replicas ranked after the first
-    are Serve's fallbacks when the first is full (``max_ongoing_requests``).
-
-    Other calls (``stats``, ``decode``...) go to the least-loaded replica; a call with a
-    ``replica=k`` keyword goes to the k-th replica in replica-id order (for per-replica
-    reads such as :meth:`LLMServer.stats`; a k outside the replicas is routed as any call).
-
-    Keywords (``RequestRouterConfig.request_router_kwargs``), for ``initialize_state``:
-    ``model`` (its tokenizer is loaded on first use), ``block_size`` (the engine's),
-    ``record_blocks``, ``imbalance_threshold``, ``max_prefix_blocks``.
-
-    Decision cost (tokenizing, hashing, ranking) is kept in ``decision_seconds`` and
-    ``num_decisions``.
-    """
-
-    def initialize_state(
-        self,
-        model: str = "default",
-        block_size: int = 16,
-        record_blocks: int = DEFAULT_RECORD_BLOCKS,
-        imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
-        max_prefix_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
-        **kwargs: Any,
-    ) -> None:
-        """Set the router's options (see the class docstring)."""
-        self._model = model
-        self._tokenizer: Any = None
-        self._block_size = block_size
-        self._max_prefix_blocks = max_prefix_blocks
-        self.policy = PrefixAffinity(record_blocks, imbalance_threshold)
-        # internal request id -> its hashes, from its routing decision to its dispatch
-        self._pending: collections.OrderedDict[str, list[bytes]] = collections.OrderedDict()
-        self._inflight: collections.Counter[str] = collections.Counter()
-        self._routed: dict[str, str] = {}  # internal request id -> replica, until completed
-        self.decision_seconds = 0.0
-        self.num_decisions = 0
-
-    def request_hashes(self, pending: PendingRequest) -> list[bytes]:
-        """The block hashes of a pending call's prompt ([] for a call without one)."""
-        method = pending.metadata.call_method
-        if method not in ("stream", "chat"):
-            return []
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self._model)
-        ids = routing_token_ids(self._tokenizer, method, pending.args, pending.kwargs)
-        if not ids:
-            return []
-        salt = pending.kwargs.get("cache_salt")
-        return prompt_block_hashes(
-            ids, self._block_size, salt if isinstance(salt, str) else None, self._max_prefix_blocks
-        )
-
-    def _load(self, replica: RunningReplica) -> int:
-        probed = self.replica_queue_len_cache.get(replica.replica_id) or 0
-        return max(probed, self._inflight[replica.replica_id.unique_id])
-
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        """Rank the candidates for ``pending_request`` (see the class docstring)."""
-        start = time.perf_counter()
-        if not candidate_replicas:
-            return []
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        self.policy.forget_except(set(by_id) | {r.unique_id for r in self.curr_replicas})
-        hashes: list[bytes] = []
-        if pending_request is not None:
-            pin = pending_request.kwargs.get("replica")
-            everyone = sorted(r.unique_id for r in self.curr_replicas)
-            if isinstance(pin, int) and 0 <= pin < len(everyone):
-                chosen = by_id.get(everyone[pin])
-                return [[chosen]] if chosen is not None else []
-            key = pending_request.metadata.internal_request_id
-            if key in self._pending:
-                hashes = self._pending[key]
-            else:
-                hashes = self.request_hashes(pending_request)
-                self._pending[key] = hashes
-                while len(self._pending) > 4096:  # requests cancelled before dispatch
-                    self._pending.popitem(last=False)
-        key = pending_request.metadata.internal_request_id if pending_request else None
-        self._untrack(key)  # a retry (backoff): its earlier choice no longer counts
-        order = self.policy.rank(hashes, {rid: self._load(r) for rid, r in by_id.items()})
-        if key is not None:
-            # Count the choice at once, so requests routed together see each other (Serve
-            # may still send it to a later rank: on_request_routed corrects that).
-            self._track(key, order[0], hashes)
-        self.decision_seconds += time.perf_counter() - start
-        self.num_decisions += 1
-        return (
-            [[by_id[order[0]]], [by_id[r] for r in order[1:]]]
-            if len(order) > 1
-            else [[by_id[order[0]]]]
-        )
-
-    def _track(self, key: str, replica: str, hashes: list[bytes]) -> None:
-        if hashes:
-            self.policy.record(replica, hashes)
-        self._inflight[replica] += 1
-        self._routed[key] = replica
-
-    def _untrack(self, key: str | None) -> None:
-        replica = self._routed.pop(key, None) if key is not None else None
-        if replica is not None and self._inflight[replica] > 0:
-            self._inflight[replica] -= 1
-
-    def on_request_routed(
-        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
-    ) -> None:
-        """Record the request's hashes on the replica it went to (if not the one ranked
-        first); it counts in that replica's load until completed."""
-        key = pending_request.metadata.internal_request_id
-        hashes = self._pending.pop(key, None) or []
-        if self._routed.get(key) != replica_id.unique_id:
-            self._untrack(key)
-            self._track(key, replica_id.unique_id, hashes)
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """The request no longer counts in its replica's load."""
-        self._untrack(internal_request_id)
-
 
 # --------------------------------------------------------------------------- the replicas
 
@@ -392,11 +125,15 @@ class LLMServer:
         core = self.engine._engine
         return {"max_model_len": core.max_model_len, "block_size": self.engine.config.block_size}
 
-    def stats(self, replica: int | None = None) -> dict[str, Any]:
-        """This replica's :meth:`AsyncEngine.stats`, its ``replica_id`` and ``served``: the
-        request ids of its recent ``stream``/``chat`` calls (the last 4096). Pass
-        ``replica=k`` to read the k-th replica with :class:`PrefixCacheRouter`."""
-        return {**self.engine.stats(), "replica_id": self.replica_id, "served": list(self._served)}
+    def stats(self, replica: int | None = None, served: bool = True) -> dict[str, Any]:
+        """This replica's :meth:`AsyncEngine.stats`, its ``replica_id`` and (unless
+        ``served`` is False) ``served``: the request ids of its recent ``stream``/``chat``
+        calls (the last 4096). Pass ``replica=k`` to read the k-th replica with
+        :class:`PrefixCacheRouter`."""
+        stats: dict[str, Any] = {**self.engine.stats(), "replica_id": self.replica_id}
+        if served:
+            stats["served"] = list(self._served)
+        return stats
 
     async def reset_prefix_cache(self, replica: int | None = None) -> int:
         """:meth:`AsyncEngine.reset_prefix_cache` (``replica`` as in :meth:`stats`)."""
@@ -415,26 +152,6 @@ class LLMServer:
     async def __del__(self) -> None:
         # Serve calls (and awaits) this when the replica shuts down.
         await self.engine.__aexit__(None, None, None)
-
-
-def router_config(
-    model: str, block_size: int = 16, router: str = "prefix", **router_kwargs: Any
-) -> RequestRouterConfig | None:
-    """The ``request_router_config`` for :class:`LLMServer` deployments: ``router``
-    "prefix" (:class:`PrefixCacheRouter`, ``router_kwargs`` as its keywords) or "default"
-    (None: Serve's power-of-two-choices router).
-
-    Raises:
-        ValueError: another ``router``.
-    """
-    if router == "default":
-        return None
-    if router != "prefix":
-        raise ValueError(f'router must be "prefix" or "default", got {router!r}')
-    return RequestRouterConfig(
-        request_router_class=PrefixCacheRouter,
-        request_router_kwargs={"model": model, "block_size": block_size, **router_kwargs},
-    )
 
 
 def build_llm_deployment(
@@ -519,16 +236,21 @@ class EngineClient:
     response, which aborts the request on its replica); errors are re-raised as the
     replica raised them (:func:`_unwrap`: ``QueueFull``, ``InvalidRequestError``; a dead
     replica as ``EngineDeadError``). ``stats`` are those last read by :meth:`refresh_stats`
-    (zeros before).
+    (zeros before), which the server's ``/metrics`` route calls on each scrape.
 
     Args:
         handle: a ``DeploymentHandle`` to the :class:`LLMServer` deployment.
         model: its model (for the tokenizer and the served name).
         max_model_len: the replicas' ``max_model_len``.
+        num_replicas: the deployment's replicas (the ones :meth:`refresh_stats` reads).
     """
 
-    def __init__(self, handle: Any, model: str, max_model_len: int) -> None:
+    #: Seconds :meth:`refresh_stats` waits for the replicas before it keeps the last stats.
+    STATS_TIMEOUT_S = 5.0
+
+    def __init__(self, handle: Any, model: str, max_model_len: int, num_replicas: int = 1) -> None:
         self._handle = handle
+        self.num_replicas = num_replicas
         self.tokenizer = load_tokenizer(model)
         self.config = EngineConfig(model=model)
         self.max_model_len = max_model_len
@@ -586,17 +308,37 @@ class EngineClient:
             "num_generated_tokens": 0,
         }  # fmt: skip
 
-    async def refresh_stats(self, num_replicas: int) -> None:
-        """Read every replica's stats (with :class:`PrefixCacheRouter`) and sum them."""
+    async def refresh_stats(self) -> None:
+        """Read every replica's stats and sum them (ratios recomputed from the sums).
+
+        With :class:`PrefixCacheRouter`, call k goes to the k-th replica; with Serve's own
+        router the calls land at random, so up to ``4 * num_replicas`` are made and each
+        replica counts once (by its ``replica_id``): the sums may then miss a replica. A
+        replica that does not answer within :attr:`STATS_TIMEOUT_S`, or fails, leaves the
+        last stats in place (a scrape must not fail while Serve replaces a replica).
+        """
+        try:
+            per_replica = await asyncio.wait_for(self._read_replicas(), self.STATS_TIMEOUT_S)
+        except Exception as e:  # TimeoutError, a replica restarting...
+            logger.warning("engine stats not refreshed: %r", e)
+            return
         total: collections.Counter[str] = collections.Counter()
-        for k in range(num_replicas):
-            s = await self._handle.stats.remote(replica=k)
+        for s in per_replica:
             total.update({n: v for n, v in s.items() if isinstance(v, (int, float))})
         blocks = total["num_total_blocks"]
         total["kv_cache_usage"] = 1 - total["num_free_blocks"] / blocks if blocks else 0.0
         q = total["prefix_cache_queries"]
         total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / q if q else 0.0
         self._stats = dict(total)
+
+    async def _read_replicas(self) -> list[dict[str, Any]]:
+        seen: dict[str, dict[str, Any]] = {}
+        for k in range(4 * self.num_replicas):
+            if len(seen) >= self.num_replicas:
+                break
+            s = await self._handle.stats.remote(replica=k % self.num_replicas, served=False)
+            seen[str(s["replica_id"])] = s
+        return list(seen.values())
 
 
 @serve.ingress()
@@ -609,11 +351,18 @@ class OpenAIIngress:
         model: the replicas' model (its tokenizer is loaded here; no weights).
         app_options: :func:`asyncllm.server.create_app` keywords (API keys...), and
             ``served_model_name``.
+        num_replicas: the :class:`LLMServer` replicas (``/metrics`` sums their stats).
     """
 
-    async def __init__(self, llm: Any, model: str, app_options: dict[str, Any] | None = None):
+    async def __init__(
+        self,
+        llm: Any,
+        model: str,
+        app_options: dict[str, Any] | None = None,
+        num_replicas: int = 1,
+    ):
         info = await llm.info.remote()
-        self.client = EngineClient(llm, model, info["max_model_len"])
+        self.client = EngineClient(llm, model, info["max_model_len"], num_replicas)
         self._app_options = dict(app_options or {})
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -660,46 +409,79 @@ def build_app(
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress", ray_actor_options=ingress_actor_options or {"num_cpus": 0}
     )
-    return ingress.bind(llm.bind(model, engine_config or {}), model, app_options or {})
+    return ingress.bind(
+        llm.bind(model, engine_config or {}), model, app_options or {}, num_replicas
+    )
 
 
 # --------------------------------------------------------------------------- the command line
 
 
+#: The Serve application name of ``python -m asyncllm serve --replicas N``.
+CLI_APP_NAME = "asyncllm"
+
+
+def cli_app(
+    args: argparse.Namespace, engine_config: dict[str, Any], app_options: dict[str, Any]
+) -> Any:
+    """The application ``serve --replicas N`` runs: :func:`build_app` with the parsed
+    options (``--replicas``, ``--replica-threads`` as each replica's torch threads and Ray
+    CPUs, ``--router``, ``--served-model-name``), ``engine_config`` and ``app_options`` (from
+    :func:`asyncllm.server.engine_config_from_args` and ``app_options_from_args``).
+
+    Raises:
+        ValueError: an engine setting :class:`EngineConfig` refuses.
+    """
+    options = {**app_options, "served_model_name": args.served_model_name}
+    return build_app(
+        args.model,
+        num_replicas=args.replicas,
+        engine_config={"num_threads": args.replica_threads, **engine_config},
+        router=args.router,
+        app_options=options,
+        llm_options={"ray_actor_options": {"num_cpus": args.replica_threads}},
+    )
+
+
 def main(
     args: argparse.Namespace, engine_config: dict[str, Any], app_options: dict[str, Any]
 ) -> int:
-    """``python -m asyncllm serve --replicas N``: start a local Ray instance (or join the
-    cluster of ``$RAY_ADDRESS``), serve :func:`build_app` on ``--host``/``--port`` until
-    interrupted; returns the exit code."""
+    """``python -m asyncllm serve --replicas N``: serve :func:`cli_app` on
+    ``--host``/``--port`` until Ctrl-C or SIGTERM; returns the exit code (0).
+
+    Ray: the cluster of ``$RAY_ADDRESS`` ("auto": the one ``ray start`` runs here) if set,
+    else a new local instance (never one another program started), or the instance this
+    process already holds. Stopping removes what it started and nothing else: a local
+    instance it started is shut down with Serve; on a cluster it joined, only its own
+    application (:data:`CLI_APP_NAME`) is deleted, so other Serve apps keep running.
+    """
+    import os
     import signal
     import threading
 
-    ray.init(ignore_reinit_error=True)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    options = dict(app_options)
-    options["served_model_name"] = args.served_model_name
-    engine_config = {"num_threads": args.replica_threads, **engine_config}
-    serve.run(
-        build_app(
-            args.model,
-            num_replicas=args.replicas,
-            engine_config=engine_config,
-            router=args.router,
-            app_options=options,
-            llm_options={"ray_actor_options": {"num_cpus": args.replica_threads}},
-        ),
-        name="asyncllm",
-        route_prefix="/",
-    )
-    print(f"serving {args.replicas} replicas on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    address = os.environ.get("RAY_ADDRESS")
+    preexisting = ray.is_initialized()
+    # SIGTERM (a service manager's stop) ends the wait below as Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        stop.wait()
+        if not preexisting:
+            ray.init(address=address or "local")
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(cli_app(args, engine_config, app_options), name=CLI_APP_NAME, route_prefix="/")
+        print(
+            f"serving {args.replicas} replicas on http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+            flush=True,
+        )
+        threading.Event().wait()
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+        if ray.is_initialized():
+            if preexisting or address:
+                serve.delete(CLI_APP_NAME)
+            else:
+                serve.shutdown()
+            if not preexisting:
+                ray.shutdown()
     return 0

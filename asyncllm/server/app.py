@@ -463,6 +463,11 @@ class OpenAIServer:
     async def metrics_route(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        # An engine whose stats live elsewhere (ray_serve.EngineClient: the replicas') reads
+        # them now, so the scrape's engine gauges are current; AsyncEngine has them at hand.
+        refresh = getattr(self.engine, "refresh_stats", None)
+        if refresh is not None:
+            await refresh()
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, request: Request) -> Response:
