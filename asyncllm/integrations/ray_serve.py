@@ -465,7 +465,9 @@ def main(
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if not preexisting:
-            ray.init(address=address or "local")
+            # A local instance without the dashboard: its processes cost memory and
+            # nothing here reads them (a joined cluster keeps its own).
+            ray.init(address=address or "local", include_dashboard=False if not address else None)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(cli_app(args, engine_config, app_options), name=CLI_APP_NAME, route_prefix="/")
         print(
