@@ -138,7 +138,14 @@ def test_config_rejects_bad_quantization(field, value):
 # --- engines on the tiny model --------------------------------------------------------------
 
 
-def test_bad_settings_fail_at_load(tiny_llama_dir, make_engine):
+@pytest.fixture
+def quant_cache(tmp_path, monkeypatch):
+    """The tiny models' quantized weights cached in a temporary directory."""
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_bad_settings_fail_at_load(tiny_llama_dir, make_engine, quant_cache):
     """Group 128 does not divide the tiny model's width 64: ValueError naming the layer;
     'gguf' for a model that is no GGUF file: ValueError naming the setting."""
     with pytest.raises(ValueError, match=r"group_size=128.*width 64 of model\.layers\.0"):
@@ -170,7 +177,9 @@ def _fake_quantized_dir(src: pathlib.Path, dst: pathlib.Path, mode: str, gs: int
 
 
 @pytest.mark.parametrize("mode, gs", [("int8", 32), ("int4", 32), ("int4", 64)])
-def test_engine_greedy_matches_dequantized_model(tiny_llama_dir, tmp_path, make_engine, mode, gs):
+def test_engine_greedy_matches_dequantized_model(
+    tiny_llama_dir, tmp_path, make_engine, quant_cache, mode, gs
+):
     """Greedy tokens of the tiny model run quantized equal those of a float32 model holding
     the dequantized weights, up to a near-tie (bfloat16 activations round differently)."""
     ref_dir = tmp_path / "ref"
@@ -182,6 +191,13 @@ def test_engine_greedy_matches_dequantized_model(tiny_llama_dir, tmp_path, make_
     assert stats["precision"] == ("int8" if mode == "int8" else f"int4 g{gs}")
     assert ref.stats()["precision"] == "float32"
     assert 0 < int(stats["weight_bytes"]) < int(ref.stats()["weight_bytes"])
+    # a second engine finds the converted weights in the cache
+    (cached,) = (quant_cache / "quant").glob("*.pt")
+    mtime = cached.stat().st_mtime_ns
+    again = make_engine(tiny_llama_dir, quantization=mode, quantization_group_size=gs,
+                        kv_cache_bytes=8 * 2**20)  # fmt: skip
+    assert again.stats()["weight_bytes"] == stats["weight_bytes"]
+    assert cached.stat().st_mtime_ns == mtime  # read, not written again
     prompts = [[1, 5, 9, 200, 7], [3, 3, 3], [100, 2000, 30000, 4, 4, 4, 4, 4]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

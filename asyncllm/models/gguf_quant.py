@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
-__all__ = ["KERNEL_TYPES", "QuantBlocks", "match_rows", "read_tensors", "unpack"]
+__all__ = ["KERNEL_TYPES", "QuantBlocks", "content_key", "match_rows", "read_tensors", "unpack"]
 
 BLOCK = 32
 #: GGUF tensor types with a quantized kernel (:mod:`asyncllm.worker.quant_linear`).
@@ -125,6 +125,13 @@ def read_tensors(path: pathlib.Path) -> list[GGUFTensor]:
         cols, rows = dims  # GGUF lists the fastest-varying dimension first
         out.append(GGUFTensor(t.name, t.tensor_type.name, (rows, cols), t.data, t.tensor_type))
     return out
+
+
+def content_key(weight: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """A key equal for two tensors that hold the same rows in any order: the shape and a
+    hash of the sorted hashes of the rows' bytes (one pass over the tensor)."""
+    rows = weight.detach().cpu().numpy()
+    return tuple(weight.shape), hash(tuple(sorted(hash(r.tobytes()) for r in rows)))
 
 
 def match_rows(weight: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor | None:

@@ -34,7 +34,7 @@ import logging
 import os
 import pathlib
 import tempfile
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -242,22 +242,22 @@ def _from_float(
 def _from_gguf(
     lm: nn.Module, tensors: list, dtype: torch.dtype
 ) -> tuple[dict[str, nn.Module], str]:
-    from asyncllm.models.gguf_quant import match_rows, unpack
+    from asyncllm.models.gguf_quant import content_key, match_rows, unpack
 
-    by_shape: dict[tuple[int, int], list] = {}
+    # Each GGUF tensor dequantized once and indexed by its rows' content, so a weight finds
+    # its tensor (whatever its name, and with llama.cpp's q/k row reordering) in one lookup.
+    index: dict[tuple[tuple[int, ...], int], tuple[Any, torch.Tensor]] = {}
     for t in tensors:
-        by_shape.setdefault(t.shape, []).append(t)
-    dense: dict[str, torch.Tensor] = {}  # gguf-py's dequantization, by tensor name
+        dense = t.dequantize()
+        index.setdefault(content_key(dense), (t, dense))
 
-    def find(name: str, weight: torch.Tensor):  # type: ignore[no-untyped-def]
+    def find(name: str, weight: torch.Tensor) -> tuple[Any, torch.Tensor]:
         w = weight.detach().float().cpu()
-        for t in by_shape.get(tuple(w.shape), []):
-            if t.name not in dense:
-                dense[t.name] = t.dequantize()
-            idx = match_rows(w, dense[t.name])
-            if idx is not None:
-                return t, idx
-        raise ValueError(f"{name}: no tensor of the GGUF file matches this weight")
+        hit = index.get(content_key(w))
+        idx = None if hit is None else match_rows(w, hit[1])
+        if hit is None or idx is None:
+            raise ValueError(f"{name}: no tensor of the GGUF file matches this weight")
+        return hit[0], idx
 
     head = _head_name(lm)
     emb = _embedding(lm)
@@ -344,6 +344,7 @@ def _save_cache(path: pathlib.Path, modules: dict[str, nn.Module], precision: st
         fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
         os.close(fd)
         torch.save(data, tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is meant to be readable
         os.replace(tmp, path)  # atomic: readers see the old file, none, or the whole new one
     except OSError as exc:
         logger.warning("asyncllm: cannot cache the quantized model in %s: %s", path, exc)
