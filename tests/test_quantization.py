@@ -257,3 +257,20 @@ def test_gguf_perplexity_within_1_percent(default_perplexities):
 def test_int8_perplexity_within_2_percent(default_perplexities):
     f32, int8 = default_perplexities["None"], default_perplexities["int8"]
     assert abs(int8 / f32 - 1) < 0.02, (int8, f32)
+
+
+def test_auto_picks_gguf_only_where_every_layer_has_a_kernel(caplog):
+    """The "auto" setting: a layer of a type without a kernel (Q5_K) -> dequantized, logged;
+    an LM head or embedding table of such a type (kept dense anyway) does not count."""
+    from types import SimpleNamespace as T
+
+    path = pathlib.Path("model.gguf")
+    cpu = torch.device("cpu")
+    names = ["blk.0.attn_q.weight", "output.weight", "token_embd.weight", "blk.0.ffn_up.weight"]
+    ok = [T(name=n, kind=k) for n, k in zip(names, ["Q4_1", "Q6_K", "Q6_K", "Q8_0"], strict=True)]
+    with caplog.at_level("INFO", logger="asyncllm"):
+        assert qz._auto_mode(ok, path, cpu, torch.float32) == "gguf"
+        bad = [*ok, T(name="blk.1.ffn_down.weight", kind="Q5_K")]
+        assert qz._auto_mode(bad, path, cpu, torch.float32) is None
+        assert qz._auto_mode(None, None, cpu, torch.float32) is None
+    assert "Q5_K" in caplog.text and "dequantized" in caplog.text

@@ -186,7 +186,9 @@ def _gguf_kinds() -> frozenset[str]:
 
 
 def _is_embedding_name(name: str) -> bool:
-    return name.startswith("token_embd")
+    """llama.cpp's embedding table and LM head: kept dense (or as exact embedding codes)
+    whatever their type (often Q6_K), so they do not decide "auto"."""
+    return name.startswith(("token_embd.", "output."))
 
 
 def _gguf_tensors(path: pathlib.Path) -> list:
