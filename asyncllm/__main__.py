@@ -31,6 +31,13 @@ def _generate(args: argparse.Namespace) -> int:
         max_num_seqs=1,
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_bytes,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+    )
+    stats = engine.stats()
+    print(
+        f"weights: {stats['precision']}, {int(stats['weight_bytes']) / 2**20:.0f} MiB",
+        file=sys.stderr,
     )
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     tokenizer = engine.tokenizer
@@ -69,6 +76,30 @@ def _generate(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def quantization_arg(value: str) -> str | None:
+    """``--quantization``'s value: "none" means None (the model's dtype)."""
+    return None if value.lower() == "none" else value
+
+
+def add_quantization_args(parser: argparse.ArgumentParser) -> None:
+    """``--quantization`` and ``--quantization-group-size`` (``EngineConfig``'s fields)."""
+    parser.add_argument(
+        "--quantization",
+        type=quantization_arg,
+        default="auto",
+        choices=["auto", None, "int8", "int4", "gguf"],
+        metavar="{auto,none,int8,int4,gguf}",
+        help="weight quantization (auto: a GGUF file's own where supported, else the dtype)",
+    )
+    parser.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=32,
+        choices=[32, 64, 128],
+        help="input columns per int4 scale and zero point",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments and run a subcommand; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m asyncllm")
@@ -84,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument(
         "--kv-cache-bytes", type=int, default=None, help="KV cache size (20%% of free memory)"
     )
+    add_quantization_args(gen)
     sub.add_parser(
         "bench",
         help="the standard workloads against asyncllm and its peers (see docs/benchmarks.md)",

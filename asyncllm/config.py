@@ -8,6 +8,8 @@ import msgspec
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_QUANTIZATION = ("auto", None, "int8", "int4", "gguf")
+_GROUP_SIZES = (32, 64, 128)  # asyncllm.worker.quant_linear.GROUP_SIZES (no torch import here)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -54,6 +56,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             running; calls waiting for or in tokenization included); past it
             ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at once instead of
             queueing. None: unbounded.
+        quantization: weight-only quantization (docs/configuration.md has the precision
+            table): "auto" (default) keeps a GGUF file's own quantization where asyncllm has
+            a kernel for its tensor types (Q4_0, Q4_1, Q8_0) and runs any other model in
+            ``dtype``; None always runs ``dtype`` (a GGUF file dequantized); "int8" (one
+            scale per output channel), "int4" (a scale and zero point per
+            ``quantization_group_size`` input columns) or "gguf" (the GGUF file's blocks;
+            ValueError for a tensor type without a kernel or a model that is not GGUF). The
+            LM head (and an embedding table tied to it) stays in ``dtype``. Converted
+            weights are cached on disk. CPU kernels: int4 raises ValueError on CUDA.
+        quantization_group_size: input columns per int4 scale and zero point: 32 (default,
+            GGUF's block), 64 or 128; it must divide every quantized layer's input width
+            (ValueError naming the layer otherwise).
         shutdown_mode: what leaving ``async with engine`` does with requests still in
             flight: "abort" ends them at once with finish_reason "abort"; "drain" stops
             accepting new ones and lets them finish first. Either way the background task
@@ -81,6 +95,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     compile: Literal["auto"] | bool = "auto"
     max_waiting: int | None = 1024
     shutdown_mode: Literal["abort", "drain"] = "abort"
+    quantization: Literal["auto", "int8", "int4", "gguf"] | None = "auto"
+    quantization_group_size: int = 32
 
     def __post_init__(self) -> None:
         def positive(name: str, value: object, lo: int = 1) -> None:
@@ -126,6 +142,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 positive(name, getattr(self, name))
         if self.max_waiting is not None:
             positive("max_waiting", self.max_waiting, 1)
+        if self.quantization not in _QUANTIZATION:
+            raise ValueError(
+                f"EngineConfig.quantization must be one of {_QUANTIZATION}, "
+                f"got {self.quantization!r}"
+            )
+        if self.quantization_group_size not in _GROUP_SIZES:
+            raise ValueError(
+                f"EngineConfig.quantization_group_size must be one of {_GROUP_SIZES}, "
+                f"got {self.quantization_group_size!r}"
+            )
         if self.shutdown_mode not in ("abort", "drain"):
             raise ValueError(
                 f"EngineConfig.shutdown_mode must be 'abort' or 'drain', got {self.shutdown_mode!r}"

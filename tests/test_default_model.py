@@ -1,4 +1,4 @@
-"""End-to-end tests on the real default model (SmolLM2-135M-Instruct, float32)."""
+"""End-to-end tests on the real default model (SmolLM2-135M-Instruct, float32 weights)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,14 @@ def _first_divergence_is_near_tie(ref_model, prompt, expected, got) -> bool:
 
 
 async def test_greedy_chat_matches_transformers(default_model_dir, make_engine):
+    # quantization=None: the float32-dequantized weights transformers runs too (the default,
+    # "auto", keeps the GGUF file's Q4_1 blocks; tests/test_quantization.py checks those).
     engine = make_engine(
-        default_model_dir, kv_cache_bytes=64 * 2**20, max_num_seqs=8, max_model_len=512
+        default_model_dir,
+        kv_cache_bytes=64 * 2**20,
+        max_num_seqs=8,
+        max_model_len=512,
+        quantization=None,
     )
     tok = engine.tokenizer
     prompts = [

@@ -474,10 +474,11 @@ class AsyncEngine:
         self._wakeup.set()
         return await done
 
-    def stats(self) -> dict[str, int | float]:
-        """Engine counters (see ``LLMEngine.stats``); read between steps."""
+    def stats(self) -> dict[str, int | float | str]:
+        """Engine counters and the weights' precision and bytes (see ``LLMEngine.stats``);
+        read between steps."""
         s = self._engine.stats()
-        s["num_waiting"] += self._num_queued()
+        s["num_waiting"] = int(s["num_waiting"]) + self._num_queued()
         return s
 
     def _num_queued(self) -> int:

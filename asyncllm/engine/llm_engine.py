@@ -252,7 +252,13 @@ class LLMEngine:
             if device.type == "cpu":
                 torch.set_num_threads(config.num_threads or default_num_threads())
             dtype = resolve_dtype(config.dtype, device)
-            loaded = load_model(config.model, dtype=dtype, device=device)
+            loaded = load_model(
+                config.model,
+                dtype=dtype,
+                device=device,
+                quantization=config.quantization,
+                quantization_group_size=config.quantization_group_size,
+            )
             return cls(config, loaded, compute_thread)
 
         try:
@@ -682,11 +688,12 @@ class LLMEngine:
         self.num_generated_tokens += len(updates)
         return StepOutput(updates, out)
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | str]:
         """Counters: requests running and waiting; KV blocks free and total; preemptions,
         blocks swapped out and in, bytes they moved and tokens dropped for recompute; CPU pool
         blocks free and total; prefix-cache queries and hits (tokens) and hit rate; steps and
-        generated tokens."""
+        generated tokens; the weights' ``precision`` (e.g. "float32", "int4 g32", "gguf
+        (...)") and ``weight_bytes`` (bytes of parameters and buffers, as loaded)."""
         bm = self.block_manager
         sched = self.scheduler
         queries = sched.prefix_cache_queries
@@ -709,6 +716,8 @@ class LLMEngine:
             "prefix_cache_hit_rate": sched.prefix_cache_hits / queries if queries else 0.0,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
+            "precision": self.loaded.precision,
+            "weight_bytes": self.loaded.weight_bytes,
         }
 
 

@@ -7,7 +7,8 @@ A model is named in one of three forms:
 * a local Hugging Face directory (``config.json``, ``*.safetensors`` or ``*.bin`` weights,
   tokenizer files);
 * a local ``*.gguf`` file, dequantized once into a safetensors directory under
-  :func:`cache_dir` and reused from there.
+  :func:`cache_dir` and reused from there; by default its own quantized blocks then replace
+  the float32 linear weights (:mod:`asyncllm.models.quantization`).
 
 Nothing here touches the network: every ``from_pretrained`` call passes ``local_files_only``.
 """
@@ -47,6 +48,8 @@ from asyncllm.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
+from asyncllm.models.quantization import gguf_source, quantize_model
+from asyncllm.worker.quant_linear import DEFAULT_GROUP_SIZE, weight_bytes
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -191,6 +194,9 @@ class LoadedModel:
         eos_token_ids: token ids that end a generation (possibly empty if the model names none).
         model_dir: the local Hugging Face directory it was loaded from.
         max_model_len: the longest sequence it supports, in tokens (prompt plus output).
+        precision: what the weights run at: the dtype (``"float32"``...) or the quantization
+            (``"int8"``, ``"int4 g32"``, ``"gguf (Q4_1 int4 x210, ...)"``).
+        weight_bytes: bytes of the model's parameters and buffers as loaded.
     """
 
     model: torch.nn.Module
@@ -199,6 +205,8 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     model_dir: pathlib.Path
     max_model_len: int
+    precision: str = "float32"
+    weight_bytes: int = 0
 
 
 def load_model(
@@ -207,11 +215,16 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     attn_implementation: str = "sdpa",
+    quantization: str | None = None,
+    quantization_group_size: int = DEFAULT_GROUP_SIZE,
 ) -> LoadedModel:
     """Resolve ``model`` (see :func:`resolve_model_dir`), check it and load it onto ``device``.
 
     The architecture is checked before any weight is read. ``attn_implementation`` is passed
     to transformers as is. Nothing is fetched from the network and no global state is set.
+    ``quantization`` and ``quantization_group_size`` are ``EngineConfig``'s (see
+    :func:`asyncllm.models.quantization.quantize_model`; None keeps the dtype, ``"auto"``
+    keeps a GGUF file's own quantization where a kernel exists).
 
     Returns:
         A :class:`LoadedModel`.
@@ -221,6 +234,8 @@ def load_model(
         UnsupportedModelError: the architecture is not a plain decoder-only causal LM
             (see :func:`check_architecture`) or transformers does not know it.
         ModelLoadError: the config or weight files cannot be read.
+        ValueError: a quantization setting the model or device cannot run (naming the
+            setting, tensor or layer).
     """
     model_dir = resolve_model_dir(model)
     device = torch.device(device)
@@ -257,6 +272,16 @@ def load_model(
     lm.to(device)
     lm.eval()
     lm.requires_grad_(False)
+    info = quantize_model(
+        lm,
+        mode=quantization,  # type: ignore[arg-type]
+        group_size=quantization_group_size,
+        model_dir=model_dir,
+        gguf_file=gguf_source(model_dir),
+        cache_root=cache_dir(),
+    )
+    if info.mode is not None:
+        logger.info("asyncllm: weights at %s%s", info.precision, " (cached)" * info.from_cache)
 
     return LoadedModel(
         model=lm,
@@ -265,6 +290,8 @@ def load_model(
         eos_token_ids=_eos_token_ids(lm, tokenizer),
         model_dir=model_dir,
         max_model_len=_max_model_len(lm.config),
+        precision=info.precision,
+        weight_bytes=weight_bytes(lm),
     )
 
 

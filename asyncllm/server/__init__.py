@@ -150,6 +150,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from asyncllm.__main__ import add_quantization_args
 from asyncllm.server.app import (
     DEFAULT_MAX_REQUEST_BYTES,
     OpenAIServer,
@@ -205,6 +206,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     parser.add_argument("--device", default=None, help='"auto", "cpu", "cuda" or "cuda:N"')
     parser.add_argument("--no-prefix-caching", action="store_true")
+    add_quantization_args(parser)
     parser.add_argument("--log-level", default="info")
     scale = parser.add_argument_group("replicas on Ray Serve (the ray extra; docs/scaling.md)")
     scale.add_argument(
@@ -295,6 +297,9 @@ def engine_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
             config[name] = value
     if getattr(args, "no_prefix_caching", False):
         config["enable_prefix_caching"] = False
+    if hasattr(args, "quantization"):  # None ("none") is a setting here, not "unset"
+        config["quantization"] = args.quantization
+        config["quantization_group_size"] = args.quantization_group_size
     return config
 
 

@@ -1,0 +1,156 @@
+"""Read a GGUF file's quantized weight blocks as integer codes plus scales and offsets.
+
+Only the block layouts that :mod:`asyncllm.worker.quant_linear` has a kernel for are
+unpacked (ggml's ``ggml-common.h`` / gguf-py's ``gguf.quants`` define them; 32 weights a
+block along the input dimension):
+
+* ``Q4_0``: ``d`` (float16), 16 bytes of 4-bit codes; ``w = d * (q - 8)``;
+* ``Q4_1``: ``d``, ``m`` (float16), 16 bytes of codes; ``w = d * q + m``;
+* ``Q8_0``: ``d`` (float16), 32 signed bytes; ``w = d * q``.
+
+In a block, byte ``j`` of the codes holds weight ``j`` in its low nibble and weight ``j + 16``
+in its high nibble. Every value is returned as is (float16 scales widened to float32), so a
+caller that computes ``scale * q + offset`` in float32 reproduces gguf's own dequantization
+bit for bit (a float16 times a code below 2**8 is exact in float32; one rounding follows).
+
+GGUF files may store a weight with its rows permuted (llama.cpp reorders the query and key
+projections of Llama-family models); :func:`match_rows` finds the permutation that maps a
+GGUF tensor onto the Hugging Face weight transformers dequantized from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, dequantize
+
+__all__ = ["KERNEL_TYPES", "QuantBlocks", "content_key", "match_rows", "read_tensors", "unpack"]
+
+BLOCK = 32
+#: GGUF tensor types with a quantized kernel (:mod:`asyncllm.worker.quant_linear`).
+KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+#: Types that are plain floating point (kept as they are: norms, biases, small tensors).
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantBlocks:
+    """One GGUF weight [rows, cols] as ``w = scale * q + offset`` per block of 32 columns.
+
+    Attributes:
+        kind: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``.
+        q: codes, int16 [rows, cols]: 0..15 for Q4_*, -128..127 for Q8_0.
+        scale: float32 [rows, cols / 32], the blocks' ``d``.
+        offset: float32 [rows, cols / 32]: ``m`` for Q4_1, ``-8 d`` for Q4_0, 0 for Q8_0.
+    """
+
+    kind: str
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols], equal bit for bit to ``gguf.quants.dequantize``."""
+        s = self.scale.repeat_interleave(BLOCK, 1)
+        o = self.offset.repeat_interleave(BLOCK, 1)
+        if self.kind == "Q4_0":  # d * (q - 8): exact in float32, like gguf's
+            return s * (self.q.float() - 8)
+        return s * self.q.float() + o
+
+    def take_rows(self, index: torch.Tensor) -> QuantBlocks:
+        """The same weight with its rows reordered: row ``i`` is this one's ``index[i]``."""
+        return QuantBlocks(self.kind, self.q[index], self.scale[index], self.offset[index])
+
+
+def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBlocks:
+    """Unpack the raw bytes of a ``Q4_0``/``Q4_1``/``Q8_0`` tensor of ``shape`` (rows, cols).
+
+    Raises:
+        ValueError: ``kind`` has no layout here, or the byte count does not match ``shape``.
+    """
+    rows, cols = shape
+    if cols % BLOCK:
+        raise ValueError(f"{kind} tensor of shape {shape}: columns not a multiple of {BLOCK}")
+    sizes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+    if kind not in sizes:
+        raise ValueError(f"GGUF tensor type {kind} has no quantized kernel in asyncllm")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // BLOCK, sizes[kind])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8).astype(np.int16)
+        offset = np.zeros_like(d)
+    else:
+        start = 4 if kind == "Q4_1" else 2
+        nib = blocks[..., start:]
+        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.int16)
+        if kind == "Q4_1":
+            offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        else:
+            offset = -8 * d
+    return QuantBlocks(
+        kind,
+        torch.from_numpy(q.reshape(rows, cols)),
+        torch.from_numpy(np.ascontiguousarray(d)),
+        torch.from_numpy(np.ascontiguousarray(offset)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """A 2-D GGUF tensor: its name, type name, [rows, cols] and raw bytes (a memmap view)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, int]
+    raw: np.ndarray
+    type_id: GGMLQuantizationType
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols] by gguf-py's reference dequantization."""
+        out = dequantize(self.raw, self.type_id)
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(self.shape)
+
+
+def read_tensors(path: pathlib.Path) -> list[GGUFTensor]:
+    """The 2-D tensors of the GGUF file ``path`` (memory-mapped; nothing dequantized)."""
+    reader = GGUFReader(path)
+    out = []
+    for t in reader.tensors:
+        dims = [int(x) for x in t.shape]
+        if len(dims) != 2:
+            continue
+        cols, rows = dims  # GGUF lists the fastest-varying dimension first
+        out.append(GGUFTensor(t.name, t.tensor_type.name, (rows, cols), t.data, t.tensor_type))
+    return out
+
+
+def content_key(weight: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """A key equal for two tensors that hold the same rows in any order: the shape and a
+    hash of the sorted hashes of the rows' bytes (one pass over the tensor)."""
+    rows = weight.detach().cpu().numpy()
+    return tuple(weight.shape), hash(tuple(sorted(hash(r.tobytes()) for r in rows)))
+
+
+def match_rows(weight: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor | None:
+    """The row order that turns ``candidate`` into ``weight`` exactly, or None.
+
+    Returns an index tensor ``idx`` with ``candidate[idx]`` equal to ``weight`` (rows compared
+    bit for bit), or None when the two hold different rows.
+    """
+    if weight.shape != candidate.shape:
+        return None
+    if torch.equal(weight, candidate):
+        return torch.arange(weight.shape[0])
+    where: dict[bytes, int] = {}
+    for i, row in enumerate(candidate.numpy()):
+        where.setdefault(row.tobytes(), i)
+    idx = []
+    for row in weight.numpy():
+        j = where.get(row.tobytes())
+        if j is None:
+            return None
+        idx.append(j)
+    return torch.tensor(idx, dtype=torch.long)

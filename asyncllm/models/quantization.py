@@ -1,0 +1,362 @@
+"""Weight-only quantization of a loaded model (``EngineConfig.quantization``), cached on disk.
+
+Settings:
+
+* ``"auto"`` (the default): ``"gguf"`` for a GGUF model whose linear weights all have a kernel
+  (``Q4_0``, ``Q4_1``, ``Q8_0``, or plain float), else ``None``; one log line says which.
+* ``None``: the model's dtype (a GGUF file dequantized to float32, as before).
+* ``"int8"``: weight-only int8, one scale per output channel (``Int8Linear``).
+* ``"int4"``: weight-only 4-bit, a scale and zero point per ``group_size`` input columns
+  (``Int4Linear``; 32 by default, 64 or 128).
+* ``"gguf"``: a GGUF file's own blocks kept: ``Q4_0``/``Q4_1`` -> ``Int4Linear`` with group 32
+  (the codes as they are; the float16 scales rounded to bfloat16, the kernel's fast dtype),
+  ``Q8_0`` -> the dense weight (see :data:`Q8_0_LINEAR`); the ``Q8_0``/``Q4_*`` token
+  embedding table, unless tied to the LM head -> :class:`QuantEmbedding` (lossless).
+
+The quantized layers compute in bfloat16 (:data:`asyncllm.worker.quant_linear.COMPUTE_DTYPE`)
+and hand float32 back to a float32 model.
+
+What is quantized (docs/tuning.md has the measurements): every ``nn.Linear`` of the decoder
+layers. The LM head only where it has its own 4-bit GGUF blocks: in int8/int4 modes it stays
+in the model's dtype (it is a fifth of SmolLM2-135M's weights, but at batch 64 the int4 and
+int8 kernels are slower than oneDNN's float32 at its 49152 x 576 shape, and its rounding
+moves every logit), and so does a tied embedding table (it is the same tensor).
+
+The converted modules are saved under ``cache_dir()/quant/`` keyed by the model's weight
+files, the setting, the dtype and the torch version, so a second start only loads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import tempfile
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from asyncllm.worker import quant_linear as ql
+
+__all__ = ["MODES", "QuantInfo", "quantize_model"]
+
+logger = logging.getLogger("asyncllm")
+
+MODES = ("auto", "int8", "int4", "gguf")
+Mode = Literal["auto", "int8", "int4", "gguf"] | None
+#: GGUF block size (the group of a Q4_* weight run by Int4Linear).
+GGUF_GROUP = 32
+_CACHE_VERSION = 1
+
+
+class QuantInfo:
+    """What :func:`quantize_model` did.
+
+    Attributes:
+        precision: a short description, e.g. ``"gguf (Q4_1 as int4 g32, Q8_0 embedding)"``,
+            ``"int4 g32"``, ``"int8"`` or ``"float32"``.
+        mode: the resolved setting (``"gguf"``, ``"int8"``, ``"int4"`` or None).
+        num_quantized: modules replaced.
+        from_cache: True when the modules were loaded from the on-disk cache.
+    """
+
+    def __init__(
+        self, precision: str, mode: str | None, num_quantized: int, from_cache: bool
+    ) -> None:
+        self.precision = precision
+        self.mode = mode
+        self.num_quantized = num_quantized
+        self.from_cache = from_cache
+
+    def __repr__(self) -> str:
+        return f"QuantInfo({self.precision!r}, n={self.num_quantized}, cache={self.from_cache})"
+
+
+def quantize_model(
+    lm: nn.Module,
+    *,
+    mode: Mode,
+    group_size: int,
+    model_dir: pathlib.Path,
+    gguf_file: pathlib.Path | None,
+    cache_root: pathlib.Path,
+) -> QuantInfo:
+    """Replace ``lm``'s linear layers (and a GGUF embedding table) by quantized ones, in place.
+
+    Args:
+        lm: a transformers causal LM, loaded from ``model_dir`` on its device and dtype.
+        mode: see the module docstring.
+        group_size: int4's group (32, 64 or 128); ignored otherwise.
+        model_dir: the Hugging Face directory ``lm`` came from (its files key the cache).
+        gguf_file: the GGUF file ``model_dir`` was converted from, or None.
+        cache_root: where converted models are cached (``cache_dir()``).
+
+    Returns:
+        A :class:`QuantInfo`.
+
+    Raises:
+        ValueError: an unknown ``mode``; ``"gguf"`` for a model that is not a GGUF file or
+            whose linear weight has a type without a kernel (naming the tensor and type);
+            a group size outside 32/64/128 or not dividing a layer's input width (naming the
+            layer); a kernel missing on the model's device or dtype (naming the setting).
+    """
+    if mode not in (None, *MODES):
+        raise ValueError(f"EngineConfig.quantization must be one of {(None, *MODES)}, got {mode!r}")
+    p = next(lm.parameters())
+    dtype, device = p.dtype, p.device
+    dtype_name = str(dtype).removeprefix("torch.")
+    tensors = _gguf_tensors(gguf_file) if gguf_file is not None else None
+    if mode == "auto":
+        mode = _auto_mode(tensors, gguf_file, device, dtype)
+    if mode is None:
+        return QuantInfo(dtype_name, None, 0, False)
+    if mode == "gguf" and tensors is None:
+        raise ValueError(
+            f"quantization='gguf' needs a .gguf model; {model_dir} is not one (use 'int4' "
+            "or 'int8' to quantize it)"
+        )
+    if mode == "int4" and group_size not in ql.GROUP_SIZES:
+        raise ValueError(
+            f"EngineConfig.quantization_group_size must be one of {ql.GROUP_SIZES}, got "
+            f"{group_size!r}"
+        )
+    gs = GGUF_GROUP if mode == "gguf" else group_size
+    ql.check_kernel("int8" if mode == "int8" else "int4", device, ql.COMPUTE_DTYPE)
+
+    key = _cache_key(model_dir, f"{mode}-g{gs}-{dtype_name}")
+    path = cache_root / "quant" / f"{model_dir.name}-{key}.pt"
+    cached = _load_cache(path)
+    if cached is not None:
+        for name, state in cached["modules"].items():
+            ql.replace_module(lm, name, ql.module_from_state(state).to(device))
+        _retie(lm)
+        return QuantInfo(cached["precision"], mode, len(cached["modules"]), True)
+
+    if mode == "gguf":
+        assert tensors is not None
+        modules, precision = _from_gguf(lm, tensors, dtype)
+    else:
+        modules, precision = _from_float(lm, mode, gs, dtype)
+    for name, module in modules.items():
+        ql.replace_module(lm, name, module.to(device))
+    _retie(lm)
+    _save_cache(path, modules, precision)
+    return QuantInfo(precision, mode, len(modules), False)
+
+
+def _auto_mode(
+    tensors: list | None, gguf_file: pathlib.Path | None, device: torch.device, dtype: torch.dtype
+) -> str | None:
+    if tensors is None or gguf_file is None:
+        return None
+    types = sorted({t.kind for t in tensors if not _is_embedding_name(t.name)})
+    missing = [k for k in types if k not in _gguf_kinds() and k not in _FLOAT]
+    if missing:
+        logger.info(
+            "asyncllm: %s has tensor types without a kernel (%s): running it dequantized to "
+            "%s (quantization=None)",
+            gguf_file.name,
+            ", ".join(missing),
+            str(dtype).removeprefix("torch."),
+        )
+        return None
+    try:
+        ql.check_kernel("int4", device, ql.COMPUTE_DTYPE)
+    except ValueError as exc:
+        logger.info("asyncllm: %s: %s; running it dequantized", gguf_file.name, exc)
+        return None
+    logger.info(
+        "asyncllm: %s runs at its own precision (%s; quantization='gguf')",
+        gguf_file.name,
+        ", ".join(types),
+    )
+    return "gguf"
+
+
+_FLOAT = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def _gguf_kinds() -> frozenset[str]:
+    from asyncllm.models.gguf_quant import KERNEL_TYPES
+
+    return KERNEL_TYPES
+
+
+def _is_embedding_name(name: str) -> bool:
+    """llama.cpp's embedding table and LM head: kept dense (or as exact embedding codes)
+    whatever their type (often Q6_K), so they do not decide "auto"."""
+    return name.startswith(("token_embd.", "output."))
+
+
+def _gguf_tensors(path: pathlib.Path) -> list:
+    from asyncllm.models.gguf_quant import read_tensors
+
+    return read_tensors(path)
+
+
+def _linears(lm: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(n, m) for n, m in lm.named_modules() if type(m) is nn.Linear]
+
+
+def _head_name(lm: nn.Module) -> str | None:
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    for n, m in lm.named_modules():
+        if m is head:
+            return n
+    return None
+
+
+def _embedding(lm: nn.Module) -> tuple[str, nn.Embedding] | None:
+    emb = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    for n, m in lm.named_modules():
+        if m is emb and isinstance(m, nn.Embedding):
+            return n, m
+    return None
+
+
+def _from_float(
+    lm: nn.Module, mode: str, gs: int, dtype: torch.dtype
+) -> tuple[dict[str, nn.Module], str]:
+    head = _head_name(lm)
+    out: dict[str, nn.Module] = {}
+    for name, lin in _linears(lm):
+        if name == head:
+            continue
+        bias = lin.bias
+        if mode == "int8":
+            q8, scale = ql.int8_codes(lin.weight)
+            out[name] = ql.Int8Linear(q8, scale, bias, ql.COMPUTE_DTYPE)
+        else:
+            if lin.in_features % gs:
+                raise ValueError(
+                    f"EngineConfig.quantization_group_size={gs} does not divide the input "
+                    f"width {lin.in_features} of {name}; use one of "
+                    f"{[g for g in ql.GROUP_SIZES if lin.in_features % g == 0] or 'none'}"
+                )
+            q, scale, offset = ql.int4_codes(lin.weight, gs)
+            out[name] = ql.Int4Linear(q, scale, offset, gs, bias, ql.COMPUTE_DTYPE)
+    return out, ("int8" if mode == "int8" else f"int4 g{gs}")
+
+
+def _from_gguf(
+    lm: nn.Module, tensors: list, dtype: torch.dtype
+) -> tuple[dict[str, nn.Module], str]:
+    from asyncllm.models.gguf_quant import content_key, match_rows, unpack
+
+    # Each GGUF tensor dequantized once and indexed by its rows' content, so a weight finds
+    # its tensor (whatever its name, and with llama.cpp's q/k row reordering) in one lookup.
+    index: dict[tuple[tuple[int, ...], int], tuple[Any, torch.Tensor]] = {}
+    for t in tensors:
+        dense = t.dequantize()
+        index.setdefault(content_key(dense), (t, dense))
+
+    def find(name: str, weight: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        w = weight.detach().float().cpu()
+        hit = index.get(content_key(w))
+        idx = None if hit is None else match_rows(w, hit[1])
+        if hit is None or idx is None:
+            raise ValueError(f"{name}: no tensor of the GGUF file matches this weight")
+        return hit[0], idx
+
+    head = _head_name(lm)
+    emb = _embedding(lm)
+    tied = emb is not None and head is not None and lm.get_submodule(head).weight is emb[1].weight
+    out: dict[str, nn.Module] = {}
+    kinds: dict[str, set[str]] = {}
+    for name, lin in _linears(lm):
+        if name == head:
+            continue
+        t, idx = find(name, lin.weight)
+        if t.kind in _FLOAT:
+            continue
+        if t.kind not in ("Q4_0", "Q4_1"):
+            if t.kind == "Q8_0" and Q8_0_LINEAR == "dense":
+                kinds.setdefault(f"{t.kind} dense", set()).add(name)
+                continue
+            raise ValueError(
+                f"quantization='gguf': tensor {t.name} ({name}) is {t.kind}, which has no "
+                f"kernel here (supported: Q4_0, Q4_1, Q8_0); use quantization=None to run "
+                "it dequantized"
+            )
+        blocks = unpack(t.kind, t.raw, t.shape).take_rows(idx)
+        out[name] = ql.Int4Linear(
+            blocks.q, blocks.scale, blocks.offset, GGUF_GROUP, lin.bias, ql.COMPUTE_DTYPE
+        )
+        kinds.setdefault(f"{t.kind} int4", set()).add(name)
+    if emb is not None and not (tied and head not in out):
+        name, table = emb
+        t, idx = find(name, table.weight)
+        if t.kind in ("Q4_0", "Q4_1", "Q8_0"):
+            blocks = unpack(t.kind, t.raw, t.shape).take_rows(idx)
+            out[name] = ql.QuantEmbedding(
+                blocks.q, blocks.scale, blocks.offset, dtype, table.padding_idx
+            )
+            kinds.setdefault(f"{t.kind} embedding", set()).add(name)
+    parts = ", ".join(f"{k} x{len(v)}" for k, v in sorted(kinds.items()))
+    return out, f"gguf ({parts})"
+
+
+#: What a Q8_0 linear weight becomes: "dense" (dequantized to the model's dtype, exact in
+#: float32). No torch kernel takes int8 codes with a scale per 32 columns; see docs/tuning.md.
+Q8_0_LINEAR = "dense"
+
+
+def _retie(lm: nn.Module) -> None:
+    """Keep transformers from re-tying a replaced embedding and head (nothing to re-tie)."""
+    cfg = getattr(lm, "config", None)
+    if cfg is not None and hasattr(cfg, "tie_word_embeddings"):
+        emb = lm.get_input_embeddings()
+        head = lm.get_output_embeddings()
+        if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
+            cfg.tie_word_embeddings = False
+
+
+def _cache_key(model_dir: pathlib.Path, setting: str) -> str:
+    digest = hashlib.sha256(f"v{_CACHE_VERSION}:{setting}:torch{torch.__version__}".encode())
+    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return f"{setting}-{digest.hexdigest()[:12]}"
+
+
+def _load_cache(path: pathlib.Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, weights_only=True, map_location="cpu")
+        if data.get("version") != _CACHE_VERSION:
+            return None
+        return data  # type: ignore[no-any-return]
+    except Exception as exc:  # a truncated or foreign file: convert again
+        logger.warning("asyncllm: ignoring unreadable quantization cache %s: %s", path, exc)
+        return None
+
+
+def _save_cache(path: pathlib.Path, modules: dict[str, nn.Module], precision: str) -> None:
+    data = {
+        "version": _CACHE_VERSION,
+        "precision": precision,
+        "modules": {n: ql.module_state(m) for n, m in modules.items()},
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+        os.close(fd)
+        torch.save(data, tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is meant to be readable
+        os.replace(tmp, path)  # atomic: readers see the old file, none, or the whole new one
+    except OSError as exc:
+        logger.warning("asyncllm: cannot cache the quantized model in %s: %s", path, exc)
+
+
+def gguf_source(model_dir: pathlib.Path) -> pathlib.Path | None:
+    """The GGUF file ``model_dir`` was converted from (its ``asyncllm_source.json``), or None."""
+    meta = model_dir / "asyncllm_source.json"
+    try:
+        src = pathlib.Path(json.loads(meta.read_text())["gguf_file"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return src if src.is_file() else None

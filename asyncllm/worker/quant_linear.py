@@ -1,0 +1,325 @@
+"""Weight-only quantized linear layers and embeddings on torch's own CPU kernels.
+
+* :class:`Int4Linear`: 4-bit codes in groups of ``group_size`` input columns, each group with
+  a scale and a zero point, run by ``aten._weight_int4pack_mm_for_cpu`` (the kernel torchao's
+  CPU int4 layout calls too; torchao adds nothing on CPU that this needs). The kernel computes
+  ``w = (q - 8) * scale + zero`` (checked bit for bit in the tests), so GGUF's ``Q4_1``
+  (``d * q + m``: scale ``d``, zero ``m + 8 d``) and ``Q4_0`` (``d * (q - 8)``: zero 0) map
+  onto it without loss when the scales are float32 (a float32 model).
+* :class:`Int8Linear`: int8 codes with one scale per output channel,
+  ``aten._weight_int8pack_mm``.
+* :class:`QuantEmbedding`: an embedding table kept as integer codes with per-group scale and
+  offset; a lookup dequantizes only the rows it gathers (``scale * q + offset`` in float32:
+  GGUF's own dequantization, bit for bit).
+
+:func:`quantize_model` swaps a model's ``nn.Linear`` layers (and, with them, what the
+precision table in docs/configuration.md says) for these. Measured on the decode shapes in
+docs/tuning.md (``benchmarks/quant_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import typing
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "GROUP_SIZES",
+    "Int4Linear",
+    "Int8Linear",
+    "QuantEmbedding",
+    "check_kernel",
+    "int4_codes",
+    "int8_codes",
+    "weight_bytes",
+]
+
+logger = logging.getLogger("asyncllm")
+
+#: Group sizes ``quantization="int4"`` accepts (input columns per scale and zero point).
+GROUP_SIZES = (32, 64, 128)
+#: The default int4 group size: GGUF's Q4 block, and the only one of :data:`GROUP_SIZES` that
+#: divides every input width of the common small models (SmolLM2-135M: 576 = 9 x 64).
+DEFAULT_GROUP_SIZE = 32
+
+
+def int4_codes(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit quantization of ``weight`` [out, in] per group of ``group_size`` columns.
+
+    Returns ``(q, scale, offset)``: q int16 [out, in] in 0..15, scale and offset float32
+    [out, in / group_size], with ``w ~= scale * q + offset`` (offset = the group's minimum,
+    scale = its range / 15; the round-to-nearest error is at most scale / 2).
+
+    Raises:
+        ValueError: ``group_size`` does not divide ``in``.
+    """
+    out, cols = weight.shape
+    if cols % group_size:
+        raise ValueError(f"group size {group_size} does not divide in_features={cols}")
+    g = weight.detach().float().reshape(out, cols // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.int16)
+    return q.reshape(out, cols), scale, lo
+
+
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of ``weight`` [out, in], one scale per output channel.
+
+    Returns ``(q, scale)``: q int8 [out, in] in -127..127, scale float32 [out] (max |w| / 127),
+    with ``w ~= scale * q``.
+    """
+    w = weight.detach().float()
+    scale = w.abs().amax(1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (w / safe[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+#: The dtype the quantized kernels compute in on CPU: torch's int4 and int8 weight-only CPU
+#: kernels have a vectorized path for bfloat16 activations only; with float32 or float16
+#: ones they run 100x slower (576 x 1536, 1 thread: 14 ms float32, 26 ms float16, 0.1 ms
+#: bfloat16 per row; docs/tuning.md).
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def _rows(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    return x.reshape(-1, in_features).to(dtype)
+
+
+def _finish(
+    y: torch.Tensor, x: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The kernel's rows back in ``x``'s shape and dtype, plus the bias (in that dtype)."""
+    y = y.view(*x.shape[:-1], out_features).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+class Int4Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` as 4-bit codes, per-group scale and zero point (CPU).
+
+    Args:
+        q: int [out, in], codes 0..15.
+        scale: [out, in / group_size], float.
+        offset: [out, in / group_size]: ``w = scale * q + offset``.
+        group_size: input columns per group; 32, 64 or 128 and a divisor of ``in``.
+        bias: [out] or None (kept in its dtype, added to the output).
+        dtype: the dtype the kernel computes in (activations, scales and zero points):
+            :data:`COMPUTE_DTYPE` for speed; float32 keeps float16 GGUF scales exact (used
+            by the tests to check the repacking bit for bit) but is 100x slower.
+
+    Raises:
+        ValueError: a group size that the kernel lacks or that does not divide ``in``.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        out, cols = q.shape
+        if group_size not in GROUP_SIZES or cols % group_size:
+            raise ValueError(
+                f"int4 group size {group_size} must be one of {GROUP_SIZES} and divide "
+                f"in_features={cols}"
+            )
+        self.in_features, self.out_features, self.group_size = cols, out, group_size
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        zero = offset.double() + 8 * scale.double()  # exact in float64 for float16 inputs
+        sz = torch.stack([scale.T.double(), zero.T], -1).to(dtype).contiguous()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", sz)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sz = self.scales_and_zeros
+        rows = _rows(x, self.in_features, sz.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, sz)
+        return _finish(y, x, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int4 g{self.group_size}"
+        )
+
+
+class Int8Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` as int8 codes and one scale per output channel.
+
+    Args:
+        q: int8 [out, in]. scale: [out]. bias: [out] or None (kept in its dtype).
+        dtype: the dtype the kernel computes in (activations and scales), as for
+            :class:`Int4Linear`.
+    """
+
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", q.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x, self.in_features, self.scale.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale)
+        return _finish(y, x, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table as codes plus per-group scale and offset; rows dequantized on lookup.
+
+    Args:
+        q: int [vocab, dim] (int8 range). scale, offset: float32 [vocab, dim / group].
+        dtype: the output dtype.
+        padding_idx: kept for transformers code that reads it.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        dtype: torch.dtype,
+        padding_idx: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = q.shape
+        self.group = self.embedding_dim // scale.shape[1]
+        self.padding_idx = padding_idx
+        self.out_dtype = dtype
+        self.register_buffer("q", q.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("offset", offset.float().contiguous())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized table (a dense copy: for inspection, not for the hot path)."""
+        return self._dequantize(self.q, self.scale, self.offset)
+
+    def _dequantize(self, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        s = s.repeat_interleave(self.group, -1)
+        o = o.repeat_interleave(self.group, -1)
+        return (s * q.float() + o).to(self.out_dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._dequantize(self.q[ids], self.scale[ids], self.offset[ids])
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 codes g{self.group}"
+
+
+def check_kernel(kind: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Run ``kind``'s kernel ("int4" or "int8") once on a tiny input on ``device``.
+
+    Raises:
+        ValueError: the kernel does not exist for that device and dtype (naming both).
+    """
+    try:
+        x = torch.zeros(1, 64, dtype=dtype, device=device)
+        if kind == "int4":
+            if device.type != "cpu":  # the CUDA kernel needs another packing: not wired
+                raise NotImplementedError("only the CPU int4 kernel is wired")
+            q = torch.zeros(64, 64, dtype=torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            sz = torch.ones(2, 64, 2, dtype=dtype)
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
+        else:
+            q8 = torch.zeros(64, 64, dtype=torch.int8, device=device)
+            torch.ops.aten._weight_int8pack_mm(x, q8, torch.ones(64, dtype=dtype, device=device))
+    except (RuntimeError, NotImplementedError) as exc:
+        raise ValueError(
+            f"quantization={kind!r} has no kernel on device {device} with dtype "
+            f"{str(dtype).removeprefix('torch.')} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); use quantization=None"
+        ) from exc
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each shared tensor counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in _tensors(model):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def module_state(module: nn.Module) -> dict[str, object]:
+    """What :func:`module_from_state` needs to rebuild a quantized ``module`` without
+    quantizing again: its class name, sizes and buffers (packed as the kernel wants them)."""
+    state: dict[str, object] = {"cls": type(module).__name__}
+    state.update({k: v for k, v in module.__dict__.items() if k in _META})
+    state["buffers"] = {k: v for k, v in module.named_buffers(recurse=False) if v is not None}
+    return state
+
+
+def module_from_state(state: dict[str, object]) -> nn.Module:
+    """Rebuild a module saved by :func:`module_state` (the buffers are used as they are).
+
+    Raises:
+        ValueError: an unknown class name (a cache written by another version).
+    """
+    classes: dict[str, type[nn.Module]] = {
+        c.__name__: c for c in (Int4Linear, Int8Linear, QuantEmbedding)
+    }
+    cls = classes.get(str(state["cls"]))
+    if cls is None:
+        raise ValueError(f"unknown quantized module class {state['cls']!r}")
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    for k in _META:
+        if k in state:
+            setattr(module, k, state[k])
+    buffers = typing.cast(dict[str, torch.Tensor], state["buffers"])
+    for k in _BUFFERS[cls.__name__]:
+        module.register_buffer(k, buffers.get(k))
+    return module
+
+
+_META = (
+    "in_features",
+    "out_features",
+    "group_size",
+    "num_embeddings",
+    "embedding_dim",
+    "group",
+    "padding_idx",
+    "out_dtype",
+)
+_BUFFERS = {
+    "Int4Linear": ("packed", "scales_and_zeros", "bias"),
+    "Int8Linear": ("q", "scale", "bias"),
+    "QuantEmbedding": ("q", "scale", "offset"),
+}
+
+
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Set the submodule at dotted path ``name`` of ``model`` to ``module``."""
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, module)

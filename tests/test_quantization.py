@@ -1,0 +1,276 @@
+"""Weight-only quantization: kernels against a dequantize-then-matmul reference, GGUF blocks
+repacked without loss, bad settings refused at load, engines on the tiny model, and the real
+model's perplexity at each precision."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize, quantize
+
+from asyncllm import EngineConfig, SamplingParams
+from asyncllm.models import quantization as qz
+from asyncllm.models.gguf_quant import GGUFTensor, read_tensors, unpack
+from asyncllm.models.loader import _default_gguf_path, load_model
+from asyncllm.worker import quant_linear as ql
+
+TEXT = pathlib.Path(__file__).parent / "data" / "public_domain.txt"
+
+
+def _identity_dequant(layer: torch.nn.Module, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's own dequantized weight [out, in]: the layer applied to the identity."""
+    with torch.inference_mode():
+        return layer(torch.eye(k, dtype=dtype)).T.float()
+
+
+# --- GGUF blocks -----------------------------------------------------------------------------
+
+
+def test_q4_1_blocks_repack_without_loss():
+    """The default model's Q4_1 weights through Int4Linear (float32 scales): the kernel's own
+    dequantization equals gguf-py's bit for bit."""
+    tensors = [t for t in read_tensors(_default_gguf_path()) if t.kind == "Q4_1"]
+    assert tensors
+    for t in tensors[:3]:
+        ref = t.dequantize()
+        blocks = unpack(t.kind, t.raw, t.shape)
+        assert torch.equal(blocks.dequantize(), ref), t.name
+        layer = ql.Int4Linear(blocks.q, blocks.scale, blocks.offset, 32, None, torch.float32)
+        assert torch.equal(_identity_dequant(layer, t.shape[1], torch.float32), ref), t.name
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_block_layouts_match_gguf(kind):
+    """Each supported block layout (quantized by gguf-py itself) unpacks to exactly gguf-py's
+    dequantization, with a row permutation applied (as for llama.cpp's q/k reordering)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 128)).astype(np.float32)
+    qtype = GGMLQuantizationType[kind]
+    raw = quantize(w, qtype)
+    ref = torch.from_numpy(dequantize(raw, qtype).reshape(48, 128).astype(np.float32))
+    blocks = unpack(kind, raw, (48, 128))
+    assert torch.equal(blocks.dequantize(), ref)
+    perm = torch.randperm(48)
+    assert torch.equal(blocks.take_rows(perm).dequantize(), ref[perm])
+    if kind != "Q8_0":
+        layer = ql.Int4Linear(blocks.q, blocks.scale, blocks.offset, 32, None, torch.float32)
+        assert torch.equal(_identity_dequant(layer, 128, torch.float32), ref)
+    emb = ql.QuantEmbedding(blocks.q, blocks.scale, blocks.offset, torch.float32)
+    ids = torch.tensor([[3, 0, 47]])
+    assert torch.equal(emb(ids), ref[ids])
+
+
+def test_unsupported_gguf_type_is_refused(tiny_llama_dir):
+    """quantization='gguf' with a linear weight of a type without a kernel (Q5_0): a
+    ValueError naming the GGUF tensor and its type."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    _, lin = qz._linears(lm)[0]
+    w = lin.weight.detach().numpy()
+    raw = quantize(w, GGMLQuantizationType.Q5_0)
+    with torch.no_grad():  # the model holds exactly what the file dequantizes to
+        deq = dequantize(raw, GGMLQuantizationType.Q5_0).reshape(w.shape)
+        lin.weight.copy_(torch.from_numpy(deq))
+    fake = GGUFTensor("blk.0.attn_q.weight", "Q5_0", w.shape, raw, GGMLQuantizationType.Q5_0)
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight.*Q5_0"):
+        qz._from_gguf(lm, [fake], torch.float32)
+    with pytest.raises(ValueError, match="Q5_K"):
+        unpack("Q5_K", raw, w.shape)
+
+
+# --- kernels against the reference ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4-32", "int4-64", "int4-128"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_quantized_linear_matches_dequantized_reference(mode, rows):
+    """y = x W_q^T + b against float32 matmul with the dequantized weight (x in bfloat16, the
+    kernels' compute dtype): within bfloat16's output rounding."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 256) * 0.05
+    bias = torch.randn(96)
+    x = torch.randn(2, rows, 256)
+    if mode == "int8":
+        q, s = ql.int8_codes(w)
+        deq = s[:, None] * q.float()
+        layer: torch.nn.Module = ql.Int8Linear(q, s, bias, ql.COMPUTE_DTYPE)
+        assert (deq - w).abs().max() <= s.max() / 2 + 1e-7
+    else:
+        gs = int(mode.split("-")[1])
+        q, s, o = ql.int4_codes(w, gs)
+        deq = s.repeat_interleave(gs, 1) * q.float() + o.repeat_interleave(gs, 1)
+        layer = ql.Int4Linear(q, s, o, gs, bias, ql.COMPUTE_DTYPE)
+        assert (deq - w).abs().max() <= s.max() / 2 + 1e-6
+    ref = x.bfloat16().float() @ deq.bfloat16().float().T + bias
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (2, rows, 96)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_int4_group_size_must_divide_input():
+    with pytest.raises(ValueError, match="in_features=96"):
+        ql.int4_codes(torch.randn(8, 96), 64)
+    with pytest.raises(ValueError, match="group size 48"):
+        ql.Int4Linear(torch.zeros(8, 96, dtype=torch.int16), torch.ones(8, 2),
+                      torch.zeros(8, 2), 48, None, ql.COMPUTE_DTYPE)  # fmt: skip
+
+
+def test_int4_without_a_kernel_is_refused():
+    with pytest.raises(ValueError, match=r"quantization='int4'.*meta"):
+        ql.check_kernel("int4", torch.device("meta"), ql.COMPUTE_DTYPE)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("quantization", "fp8"), ("quantization", "Q4_1"), ("quantization_group_size", 48)],
+)
+def test_config_rejects_bad_quantization(field, value):
+    with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
+        EngineConfig(**{field: value})
+
+
+# --- engines on the tiny model --------------------------------------------------------------
+
+
+@pytest.fixture
+def quant_cache(tmp_path, monkeypatch):
+    """The tiny models' quantized weights cached in a temporary directory."""
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_bad_settings_fail_at_load(tiny_llama_dir, make_engine, quant_cache):
+    """Group 128 does not divide the tiny model's width 64: ValueError naming the layer;
+    'gguf' for a model that is no GGUF file: ValueError naming the setting."""
+    with pytest.raises(ValueError, match=r"group_size=128.*width 64 of model\.layers\.0"):
+        make_engine(tiny_llama_dir, quantization="int4", quantization_group_size=128)
+    with pytest.raises(ValueError, match=r"quantization='gguf' needs a \.gguf model"):
+        make_engine(tiny_llama_dir, quantization="gguf")
+
+
+def _fake_quantized_dir(src: pathlib.Path, dst: pathlib.Path, mode: str, gs: int) -> None:
+    """The tiny model with every non-head linear weight replaced by its dequantized codes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lm = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    head = qz._head_name(lm)
+    with torch.no_grad():
+        for name, lin in qz._linears(lm):
+            if name == head:
+                continue
+            if mode == "int8":
+                q, s = ql.int8_codes(lin.weight)
+                lin.weight.copy_(s[:, None] * q.float())
+            else:
+                q, s, o = ql.int4_codes(lin.weight, gs)
+                lin.weight.copy_(
+                    s.repeat_interleave(gs, 1) * q.float() + o.repeat_interleave(gs, 1)
+                )
+    lm.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+
+
+@pytest.mark.parametrize("mode, gs", [("int8", 32), ("int4", 32), ("int4", 64)])
+def test_engine_greedy_matches_dequantized_model(
+    tiny_llama_dir, tmp_path, make_engine, quant_cache, mode, gs
+):
+    """Greedy tokens of the tiny model run quantized equal those of a float32 model holding
+    the dequantized weights, up to a near-tie (bfloat16 activations round differently)."""
+    ref_dir = tmp_path / "ref"
+    _fake_quantized_dir(tiny_llama_dir, ref_dir, mode, gs)
+    quant = make_engine(tiny_llama_dir, quantization=mode, quantization_group_size=gs,
+                        kv_cache_bytes=8 * 2**20)  # fmt: skip
+    ref = make_engine(ref_dir, quantization=None, kv_cache_bytes=8 * 2**20)
+    stats = quant.stats()
+    assert stats["precision"] == ("int8" if mode == "int8" else f"int4 g{gs}")
+    assert ref.stats()["precision"] == "float32"
+    assert 0 < int(stats["weight_bytes"]) < int(ref.stats()["weight_bytes"])
+    # a second engine finds the converted weights in the cache
+    (cached,) = (quant_cache / "quant").glob("*.pt")
+    mtime = cached.stat().st_mtime_ns
+    again = make_engine(tiny_llama_dir, quantization=mode, quantization_group_size=gs,
+                        kv_cache_bytes=8 * 2**20)  # fmt: skip
+    assert again.stats()["weight_bytes"] == stats["weight_bytes"]
+    assert cached.stat().st_mtime_ns == mtime  # read, not written again
+    prompts = [[1, 5, 9, 200, 7], [3, 3, 3], [100, 2000, 30000, 4, 4, 4, 4, 4]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def run(engine):  # type: ignore[no-untyped-def]
+        async with engine:
+            return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+    got = asyncio.run(run(quant))
+    want = asyncio.run(run(ref))
+    lm = ref._engine.loaded.model
+    for prompt, g, w in zip(prompts, got, want, strict=True):
+        if g.token_ids == w.token_ids:
+            continue
+        pairs = zip(g.token_ids, w.token_ids, strict=False)
+        j = next(i for i, (a, b) in enumerate(pairs) if a != b)
+        with torch.inference_mode():
+            logits = lm(torch.tensor([prompt + w.token_ids[:j]])).logits[0, -1].float()
+        top = logits.log_softmax(-1).topk(2)
+        assert float(top.values[0] - top.values[1]) < 0.05, (prompt, j)
+        assert g.token_ids[j] in top.indices.tolist()
+
+
+# --- the real default model -----------------------------------------------------------------
+
+
+def _perplexity(lm: torch.nn.Module, ids: torch.Tensor) -> float:
+    with torch.inference_mode():
+        logits = lm(ids[None]).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[1:])
+    return math.exp(float(nll))
+
+
+@pytest.fixture(scope="module")
+def default_perplexities(default_model_dir) -> dict[str, float]:
+    cpu = torch.device("cpu")
+    out: dict[str, float] = {}
+    ids: torch.Tensor | None = None
+    for mode in (None, "gguf", "int8"):
+        loaded = load_model(default_model_dir, dtype=torch.float32, device=cpu, quantization=mode)
+        if ids is None:
+            ids = torch.tensor(loaded.tokenizer.encode(TEXT.read_text()))
+        out[str(mode)] = _perplexity(loaded.model, ids)
+        out[f"{mode} bytes"] = loaded.weight_bytes
+        out[f"{mode} precision"] = loaded.precision  # type: ignore[assignment]
+        del loaded
+    print(f"\nperplexity on {TEXT.name} ({len(ids)} tokens):", out)  # type: ignore[arg-type]
+    return out
+
+
+def test_gguf_perplexity_within_1_percent(default_perplexities):
+    f32, gguf = default_perplexities["None"], default_perplexities["gguf"]
+    assert default_perplexities["gguf precision"] == "gguf (Q4_1 int4 x210)"
+    assert abs(gguf / f32 - 1) < 0.01, (gguf, f32)
+    assert default_perplexities["gguf bytes"] < 0.4 * default_perplexities["None bytes"]
+
+
+def test_int8_perplexity_within_2_percent(default_perplexities):
+    f32, int8 = default_perplexities["None"], default_perplexities["int8"]
+    assert abs(int8 / f32 - 1) < 0.02, (int8, f32)
+
+
+def test_auto_picks_gguf_only_where_every_layer_has_a_kernel(caplog):
+    """The "auto" setting: a layer of a type without a kernel (Q5_K) -> dequantized, logged;
+    an LM head or embedding table of such a type (kept dense anyway) does not count."""
+    from types import SimpleNamespace as T
+
+    path = pathlib.Path("model.gguf")
+    cpu = torch.device("cpu")
+    names = ["blk.0.attn_q.weight", "output.weight", "token_embd.weight", "blk.0.ffn_up.weight"]
+    ok = [T(name=n, kind=k) for n, k in zip(names, ["Q4_1", "Q6_K", "Q6_K", "Q8_0"], strict=True)]
+    with caplog.at_level("INFO", logger="asyncllm"):
+        assert qz._auto_mode(ok, path, cpu, torch.float32) == "gguf"
+        bad = [*ok, T(name="blk.1.ffn_down.weight", kind="Q5_K")]
+        assert qz._auto_mode(bad, path, cpu, torch.float32) is None
+        assert qz._auto_mode(None, None, cpu, torch.float32) is None
+    assert "Q5_K" in caplog.text and "dequantized" in caplog.text
