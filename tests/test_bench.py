@@ -83,7 +83,7 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
     """``python -m asyncllm bench`` end to end on the tiny model, asyncllm and transformers."""
     pytest.importorskip("matplotlib")
     from asyncllm.__main__ import main
-    from asyncllm.engine.llm_engine import default_num_threads
+    from asyncllm.worker.device import default_num_threads
 
     out = tmp_path / "out"
     code = main(

@@ -673,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
-    from asyncllm.engine.llm_engine import default_num_threads
+    from asyncllm.worker.device import default_num_threads
 
     args.argv = argv
 

@@ -209,10 +209,16 @@ class AsyncllmWorker:
 
         from asyncllm.engine.llm_engine import ComputeThread
         from asyncllm.models.loader import load_model
+        from asyncllm.worker.device import resolve_dtype
+
+        self.base = json.loads(args.config or "{}")
 
         def load() -> Any:
             torch.set_num_threads(args.threads)
-            return load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
+            cpu = torch.device("cpu")
+            # The engines' dtype ("auto" resolved), as LLMEngine.from_config loads it.
+            dtype = resolve_dtype(self.base.get("dtype", "auto"), cpu)
+            return load_model(args.model, dtype=dtype, device=cpu)
 
         self.threads = args.threads
         loader = ComputeThread()
@@ -220,7 +226,6 @@ class AsyncllmWorker:
         self.loaded = loader.submit(load).result()
         self.load_s = time.perf_counter() - t
         loader.shutdown(wait=True)
-        self.base = json.loads(args.config or "{}")
         self._engines: dict[str, Any] = {}
 
     def info(self) -> dict[str, Any]:
