@@ -1,7 +1,7 @@
 """float32 against bfloat16 on this CPU: the default model's projections (oneDNN-packed, as
 the engine runs them) and the C++ decode attention, at decode batches 1 and 64.
 
-    python benchmarks/dtype_ab.py [--threads 1] [--repeats 5]
+    python benchmarks/dtype_ab.py [--threads 1] [--repeats 21]
 
 Each case holds 30 distinct weights (one per layer, as a decode step reads them: they do not
 fit in cache), and the two dtypes alternate call by call; the table gives the median
@@ -74,7 +74,7 @@ def ab(make: Callable[[torch.dtype], Callable], calls: int, repeats: int) -> tup
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=21)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"bfloat16 native: {cpu_bf16_reason()}; {args.threads} thread(s)")
@@ -84,7 +84,7 @@ def main() -> None:
         for rows in (1, 64):
             f, b = ab(
                 lambda dt, o=out_f, i=in_f, c=copies, r=rows: linear_case(o, i, c, r, dt),
-                calls=max(copies, 10),
+                calls=max(copies, 3),
                 repeats=args.repeats,
             )
             print(f"| {name} {out_f}x{in_f} | {rows} | {f:.0f} | {b:.0f} | {f / b:.2f} |")

@@ -25,9 +25,11 @@ TINY = TINY_CONFIG
 
 
 #: Log-probability gap under which two correct greedy runs of one model in one dtype may
-#: part (another summation order or batch shape): float32 rounds each op at 2**-24 relative,
-#: bfloat16 at 2**-9, so a real model's logits of magnitude ~20 carry ~0.04 of rounding per
-#: op in bfloat16 (vLLM's own bfloat16 tests compare top-k logprobs for the same reason).
+#: part (another summation order or batch shape). float32 rounds at 2**-24 relative;
+#: bfloat16 keeps 8 significant bits, so logits between 16 and 32 (the default model's top
+#: ones) are multiples of 0.125 and two runs' top two can swap across one or two steps of it:
+#: 0.25. (The default model's bfloat16 parity test parts at gaps of 0 and 0.125; vLLM's
+#: bfloat16 tests compare top-k logprobs for the same reason.)
 NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.25}
 
 
