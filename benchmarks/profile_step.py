@@ -4,14 +4,17 @@
     python benchmarks/profile_step.py --ab packed     # oneDNN-packed linears vs plain nn.Linear
     python benchmarks/profile_step.py --ab attention  # the C++ decode attention vs the torch path
     python benchmarks/profile_step.py --ab compile    # EngineConfig.compile=True vs False
+    python benchmarks/profile_step.py --ab dtype      # bfloat16 vs float32 (weights and KV)
 
 W1's prompts (64 chat-templated "Write a short story about a robot number {i}."), greedy,
 128 tokens, on the default model. The prompts are prefilled first; the profile then covers
 decode steps only, where every request of the batch computes one token. ``--ab`` builds two
 engines on two copies of the model, one with the optimization switched off
 (``ASYNCLLM_CPU_PACKED_LINEAR=0``, ``ASYNCLLM_CPU_ATTENTION_KERNEL=0`` or
-``compile=False``; the compiled engine is waited for until its compile ended), and alternates
-their steps (the ratio of medians is robust to other load on the machine).
+``compile=False``; the compiled engine is waited for until its compile ended; for ``dtype``,
+one in bfloat16 and one in float32), and alternates their steps (the ratio of medians is
+robust to other load on the machine). ``--dtype`` sets the engines' dtype (but for ``--ab
+dtype``).
 This is the script behind the step-time notes of docs/benchmarks.md.
 """
 
@@ -30,11 +33,25 @@ from asyncllm.config import EngineConfig
 from asyncllm.engine.llm_engine import LLMEngine
 
 
-def engine_at_batch(batch: int, threads: int, context: int = 0, compile: bool = False) -> LLMEngine:
+def engine_at_batch(
+    batch: int,
+    threads: int,
+    context: int = 0,
+    dtype: str = "auto",
+    compile: bool = False,
+    quantization: str | None = "auto",
+) -> LLMEngine:
     """An engine with ``batch`` W1 requests whose prompts are computed and which decoded
     until their contexts hold ``context`` tokens (at least 2 decode steps)."""
     eng = LLMEngine.from_config(
-        EngineConfig(max_model_len=1024, kv_cache_bytes=2**30, num_threads=threads, compile=compile)
+        EngineConfig(
+            max_model_len=1024,
+            kv_cache_bytes=2**30,
+            num_threads=threads,
+            dtype=dtype,  # type: ignore[arg-type]
+            compile=compile,
+            quantization=quantization,  # type: ignore[arg-type]
+        )
     )
     if eng.runner.compiled is not None:
         t = time.perf_counter()
@@ -59,9 +76,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--context", type=int, default=0, help="decode until contexts hold this")
-    ap.add_argument("--ab", choices=["packed", "attention", "compile"], default=None)
+    ap.add_argument("--ab", choices=["packed", "attention", "compile", "dtype"], default=None)
+    ap.add_argument("--dtype", default="auto", help="the engines' dtype (not with --ab dtype)")
+    ap.add_argument("--quantization", default="auto", help="EngineConfig.quantization; none")
     args = ap.parse_args()
-    if args.ab:
+    quant = None if args.quantization == "none" else args.quantization
+    if args.ab == "dtype":
+        engines = {
+            name: engine_at_batch(args.batch, args.threads, args.context, dtype, quantization=quant)
+            for name, dtype in (("on", "bfloat16"), ("off", "float32"))
+        }
+    elif args.ab:
         var = {
             "packed": "ASYNCLLM_CPU_PACKED_LINEAR",
             "attention": "ASYNCLLM_CPU_ATTENTION_KERNEL",
@@ -71,9 +96,15 @@ def main() -> None:
         for name, flag in (("on", "1"), ("off", "0")):
             os.environ[var[args.ab]] = flag
             engines[name] = engine_at_batch(
-                args.batch, args.threads, args.context, args.ab == "compile" and flag == "1"
+                args.batch,
+                args.threads,
+                args.context,
+                args.dtype,
+                compile=args.ab == "compile" and flag == "1",
+                quantization=quant,
             )
         os.environ.pop(var[args.ab])
+    if args.ab:
         times: dict[str, list[float]] = {k: [] for k in engines}
         for i in range(2 * args.steps):
             for name in list(engines)[:: 1 if i % 2 else -1]:
@@ -85,15 +116,21 @@ def main() -> None:
             print(f"{k}: {v * 1e3:.1f} ms per decode step at batch {args.batch}")
         print(f"{args.ab} on / off: {med['on'] / med['off']:.3f}")
         return
-    eng = engine_at_batch(args.batch, args.threads, args.context)
+    eng = engine_at_batch(args.batch, args.threads, args.context, args.dtype, quantization=quant)
     t = time.perf_counter()
     for _ in range(args.steps):
         eng.step()
     step = (time.perf_counter() - t) / args.steps
     print(f"batch {args.batch}, {args.threads} thread(s): {step * 1e3:.1f} ms per decode step")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
-            eng.step()
+
+    def profiled() -> torch.profiler.profile:
+        # On the compute thread, where the steps run (the profiler records its own thread).
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                eng.step()
+        return prof
+
+    prof = eng.compute_thread.call(profiled)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 

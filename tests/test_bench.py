@@ -86,7 +86,7 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
     model has no GGUF file; or no venv)."""
     pytest.importorskip("matplotlib")
     from asyncllm.__main__ import main
-    from asyncllm.engine.llm_engine import default_num_threads
+    from asyncllm.worker.device import default_num_threads
 
     out = tmp_path / "out"
     code = main(

@@ -79,15 +79,53 @@ def test_mixed_step_keeps_prefills_on_torch():
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 
 
-def test_other_dtypes_fall_back_to_torch():
+@pytest.mark.parametrize(
+    ("hkv", "group", "dim", "bs", "threads"),
+    [(3, 3, 64, 16, 1), (3, 3, 64, 16, 2), (1, 8, 128, 16, 1), (4, 1, 80, 32, 1)],
+)
+def test_bfloat16_decode_kernel_matches_float32_reference(hkv, group, dim, bs, threads):
+    # bfloat16 caches and queries: the kernel computes in float32 and rounds the output once,
+    # so it is the float32 attention of the same (bfloat16) numbers to bfloat16's precision.
+    seq_lens = [1, 15, 16, 17, 100, 3 * bs, 250]
+    query_lens = [1] * len(seq_lens)
+    q, kc, vc, tables = _random_step(query_lens, seq_lens, bs, hkv, group, dim, seed=3)
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
+    ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
+    plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.1)
+    finally:
+        torch.set_num_threads(old)
+    assert out.dtype == torch.bfloat16
+    # One rounding to bfloat16 (8 significant bits): relative error <= 2**-9.
+    torch.testing.assert_close(out.float(), ref, rtol=2**-8, atol=1e-5)
+    # And it agrees with the torch path run in bfloat16 (which rounds along the way too).
+    ref16 = torch_paged.paged_attention(q, kc, vc, tplan, 0.1)
+    torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
+
+
+def test_float16_falls_back_to_torch():
     query_lens, seq_lens = [1, 1], [20, 5]
     q, kc, vc, tables = _random_step(query_lens, seq_lens, 16, 2, 2, 16, seed=2)
-    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    q, kc, vc = q.half(), kc.half(), vc.half()
     ref = torch_paged.paged_attention(
         q, kc, vc, torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 16), 0.25
     )
     plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 16)
     assert torch.equal(cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.25), ref)
+
+
+def test_decode_kernel_refuses_mixed_dtypes():
+    q, kc, vc, tables = _random_step([1], [20], 16, 2, 2, 16, seed=2)
+    lens = torch.tensor([20])
+    table = torch.tensor(tables)
+    with pytest.raises(ValueError, match="must share"):
+        cpu_paged.decode_attention(q.bfloat16(), kc, vc, table, lens, 0.25)
+    with pytest.raises(ValueError, match="must share"):
+        cpu_paged.decode_attention(q.half(), kc.half(), vc.half(), table, lens, 0.25)
 
 
 def test_switch_and_build_dir(monkeypatch):
@@ -107,6 +145,43 @@ def test_packed_linear_matches_linear():
         with torch.inference_mode():
             torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed.weight, lin.weight.detach())  # rebuilt from the packing
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bfloat16_packed_linear_matches_float32_reference(bias):
+    # bfloat16 weights and rows, packed for oneDNN: float32 accumulation, one rounding of the
+    # output, so the float32 product of the same bfloat16 numbers to bfloat16's precision.
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 80, bias=bias).bfloat16()
+    packed = cpu_linear.PackedLinear(lin)
+    assert packed.packed.dtype == torch.bfloat16
+    b = None if lin.bias is None else lin.bias.float()
+    # Exact bucket, a padded bucket (17 -> 18 rows), chunks of CHUNK_ROWS plus a padded rest.
+    for shape in [(1, 96), (3, 96), (17, 96), (1, cpu_linear.CHUNK_ROWS + 21, 96)]:
+        x = torch.randn(*shape).bfloat16()
+        with torch.inference_mode():
+            out = packed(x)
+        ref = nn.functional.linear(x.float(), lin.weight.float(), b)
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        torch.testing.assert_close(out.float(), ref, rtol=2**-8, atol=1e-3)
+    torch.testing.assert_close(packed.weight, lin.weight.detach(), rtol=0, atol=0)
+    # Another dtype than the weight's takes the plain path (no oneDNN dtype mix-up).
+    x32 = torch.randn(2, 96)
+    with pytest.raises(RuntimeError):
+        packed(x32)  # F.linear refuses float32 rows against bfloat16 weights, as nn.Linear
+
+
+def test_pack_linears_packs_bfloat16_models():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).bfloat16()
+    x = torch.randn(4, 16).bfloat16()
+    with torch.inference_mode():
+        ref = model(x)
+        assert cpu_linear.pack_linears(model) == 2
+        out = model(x)
+    assert all(type(m) is not nn.Linear for m in model)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    half = nn.Sequential(nn.Linear(16, 8)).half()
+    assert cpu_linear.pack_linears(half) == 0  # float16: left to nn.Linear
 
 
 def test_bucket_rows_ladder():

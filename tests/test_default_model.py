@@ -1,4 +1,4 @@
-"""End-to-end tests on the real default model (SmolLM2-135M-Instruct, float32 weights)."""
+"""End-to-end tests on the real default model (SmolLM2-135M-Instruct)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import asyncio
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from asyncllm import SamplingParams
+from tests.conftest import first_divergence_is_near_tie
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -18,29 +20,21 @@ QUESTIONS = [
     "List three prime numbers.",
 ]
 NEW_TOKENS = 32
-NEAR_TIE = 1e-4  # log-probability gap under which two float32 runs may legitimately part
 
 
-def _first_divergence_is_near_tie(ref_model, prompt, expected, got) -> bool:
-    """True when the first differing token is one where the reference's top two log-probs
-    are within NEAR_TIE: the only difference this test accepts."""
-    j = next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
-    ids = torch.tensor([prompt + expected[:j]])
-    with torch.inference_mode():
-        logprobs = ref_model(ids).logits[0, -1].log_softmax(-1)
-    top2 = logprobs.topk(2).values
-    return float(top2[0] - top2[1]) < NEAR_TIE and got[j] in logprobs.topk(2).indices.tolist()
-
-
-async def test_greedy_chat_matches_transformers(default_model_dir, make_engine):
-    # quantization=None: the float32-dequantized weights transformers runs too (the default,
-    # "auto", keeps the GGUF file's Q4_1 blocks; tests/test_quantization.py checks those).
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_greedy_chat_matches_transformers(default_model_dir, make_engine, dtype):
+    """The engine's greedy chat answers against transformers' generate run in the same dtype
+    (bfloat16: the default on CPUs with native bfloat16), up to a near-tie."""
+    # quantization=None: the dequantized weights transformers runs too (the default, "auto",
+    # keeps the GGUF file's Q4_1 blocks; tests/test_quantization.py checks those).
     engine = make_engine(
         default_model_dir,
         kv_cache_bytes=64 * 2**20,
         max_num_seqs=8,
         max_model_len=512,
         quantization=None,
+        dtype=dtype,
     )
     tok = engine.tokenizer
     prompts = [
@@ -56,7 +50,8 @@ async def test_greedy_chat_matches_transformers(default_model_dir, make_engine):
     async with engine:
         outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
 
-    ref = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=getattr(torch, dtype))
+    ref.eval()
     for prompt, out in zip(prompts, outs, strict=True):
         ids = torch.tensor([prompt])
         expected = ref.generate(
@@ -69,7 +64,7 @@ async def test_greedy_chat_matches_transformers(default_model_dir, make_engine):
         )[0, len(prompt) :].tolist()
         assert len(out.token_ids) == NEW_TOKENS
         if out.token_ids != expected:
-            assert _first_divergence_is_near_tie(ref, prompt, expected, out.token_ids)
+            assert first_divergence_is_near_tie(ref, prompt, expected, out.token_ids)
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     assert "Paris" in outs[0].text
 

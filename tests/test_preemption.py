@@ -11,10 +11,13 @@ from asyncllm import SamplingParams
 from asyncllm.core.block_manager import BlockManager, BlockPool
 from asyncllm.core.request import Request
 from asyncllm.core.scheduler import Scheduler
+from asyncllm.worker.device import resolve_dtype
 from tests.conftest import core_request, wait_until
 
 BS = 4
-TINY_BLOCK_BYTES = BS * 2 * 2 * 2 * 16 * 4  # 2 layers, 2 KV heads, head_dim 16, float32
+#: Bytes of one element of the KV cache in the default dtype ("auto" on this machine).
+ELEM = resolve_dtype("auto", torch.device("cpu")).itemsize
+TINY_BLOCK_BYTES = BS * 2 * 2 * 2 * 16 * ELEM  # 2 layers, 2 KV heads, head_dim 16
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
@@ -181,7 +184,7 @@ async def test_waiting_parallel_samples_release_blocks_for_the_head(
     """Forked samples waiting for a slot hold the prompt's blocks; a preempted request at the
     head of the queue must still be readmitted (no deadlock, no spinning)."""
     engine = make_engine(
-        tiny_llama_dir, block_size=16, kv_cache_bytes=17 * 16 * 512, max_num_seqs=2,
+        tiny_llama_dir, block_size=16, kv_cache_bytes=17 * 16 * 128 * ELEM, max_num_seqs=2,
         preemption_mode=mode,
     )  # fmt: skip
     async with engine:

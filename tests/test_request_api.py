@@ -28,6 +28,9 @@ from tests.conftest import check_pool_whole, script_output, wait_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SMALL = dict(block_size=4, kv_cache_bytes=2**20)
+#: For tests that compare with a float32 transformers reference value for value (the others
+#: run the default dtype, bfloat16 where the CPU has it).
+F32 = dict(SMALL, dtype="float32")
 
 
 def _prompts() -> list[list[int]]:
@@ -70,7 +73,7 @@ async def _items(gen):
 async def test_logprobs_match_a_reference_forward(tiny_llama_dir, make_engine):
     """Raw log-softmax values of generated and prompt tokens, with chunked prefill."""
     prompt = _prompts()[3]  # 20 tokens over 3 steps of budget 8
-    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=8, **SMALL)
+    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=8, **F32)
     greedy = SamplingParams(
         max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2
     )
@@ -166,7 +169,7 @@ async def test_each_parameter_changes_the_output_as_documented(tiny_llama_dir, m
     model = _hf(tiny_llama_dir)
     greedy = _reference(model, prompts, 6)
     repetition = _reference(model, prompts, 6, repetition_penalty=0.3)
-    engine = make_engine(tiny_llama_dir, **SMALL)
+    engine = make_engine(tiny_llama_dir, **F32)
     base = dict(max_tokens=6, ignore_eos=True)
     async with engine:
 
@@ -200,7 +203,7 @@ async def test_min_tokens_suppresses_an_early_eos(tiny_llama_dir, make_engine):
     prompt = _prompts()[0]
     ref = _reference(_hf(tiny_llama_dir), [prompt], 10)[0]
     eos = ref[2]
-    engine = make_engine(tiny_llama_dir, **SMALL)
+    engine = make_engine(tiny_llama_dir, **F32)
     engine._engine.eos_token_ids = frozenset({eos})
     async with engine:
         early = await engine.generate(prompt, SamplingParams(max_tokens=10, temperature=0))
@@ -540,7 +543,11 @@ async def test_200_concurrent_streams_with_random_cancellation(tiny_llama_dir, m
     prompts = _prompts()
     expected = _reference(_hf(tiny_llama_dir), prompts, GREEDY.max_tokens)
     engine = make_engine(
-        tiny_llama_dir, block_size=4, kv_cache_bytes=2**21, max_num_batched_tokens=128
+        tiny_llama_dir,
+        block_size=4,
+        kv_cache_bytes=2**21,
+        max_num_batched_tokens=128,
+        dtype="float32",
     )
     rng = random.Random(2024)
     modes = ["complete"] * 5 + ["break", "aclose", "cancel", "abort"]
@@ -692,7 +699,7 @@ async def test_an_exception_in_the_block_aborts_even_in_drain_mode(tiny_llama_di
 def test_llm_facade_generates_in_scripts_and_inside_a_running_loop(tiny_llama_dir):
     prompts = _prompts()
     expected = _reference(_hf(tiny_llama_dir), prompts, GREEDY.max_tokens)
-    with LLM(str(tiny_llama_dir), **SMALL) as llm:
+    with LLM(str(tiny_llama_dir), **F32) as llm:
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == expected
         assert all(o.finish_reason == "length" and o.metrics is not None for o in outs)

@@ -4,10 +4,15 @@ The torch path (:mod:`asyncllm.attention.torch_paged`) gathers every decoding se
 and V blocks into new tensors, then runs ``scaled_dot_product_attention`` on them: each
 layer writes and reads the whole context twice more than attention needs. At W1's batch of
 64 that is most of the attention time; at W2's 570-token contexts it rivals the weights.
-This module's kernel reads K and V in place through the block tables instead, once, in
-float32, with an online softmax over one block (16 positions) at a time, for the ``G``
-query heads that share a KV head together (vLLM's CPU backend does the same in its own C++).
-Chunks of more than one token (prefill) still go through the torch path.
+This module's kernel reads K and V in place through the block tables instead, once, with an
+online softmax over one block (16 positions) at a time, for the ``G`` query heads that share
+a KV head together (vLLM's CPU backend does the same in its own C++). Chunks of more than
+one token (prefill) still go through the torch path.
+
+Caches and queries are float32 or bfloat16 (the engine's dtype); all the arithmetic is in
+float32 either way (a bfloat16 element widens exactly to float32 with a shift, which GCC
+vectorizes), and the output is rounded to the query's dtype, as the torch path's
+``scaled_dot_product_attention`` does. A bfloat16 cache is half the bytes to read.
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (g++ and
 ninja; 30-60 s, once per machine: the build is kept in asyncllm's cache directory, keyed by
@@ -39,18 +44,37 @@ logger = logging.getLogger("asyncllm")
 
 ENV_SWITCH = "ASYNCLLM_CPU_ATTENTION_KERNEL"
 
+#: The cache dtypes the kernel reads (float16 goes through the torch path).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+// An element of the cache or query as float: bfloat16 is the top half of a float32, so the
+// conversion is a shift the compiler vectorizes (vpmovzxwd + vpslld), no rounding involved.
+static inline float to_f(float x) { return x; }
+static inline float to_f(at::BFloat16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+// A float to the output type; at::BFloat16 rounds to nearest even, as torch's .to() does.
+template <typename T>
+static inline T from_f(float x) { return static_cast<T>(x); }
 
 // out[b, hq, :] = softmax(q[b, hq] . K^T * scale) V over positions [0, lens[b]) of sequence b,
 // read through its block table; KV head hq / G serves query head hq. q: [B, H, D] (rows may be
-// strided), caches [N, bs, Hkv, D] contiguous float32, tables [B, M] int64, lens [B] int64,
-// out [B, H, D] contiguous. DC > 0 fixes D at compile time (unrolled loops); 0 reads it.
-template <int64_t DC>
+// strided), caches [N, bs, Hkv, D] contiguous, tables [B, M] int64, lens [B] int64,
+// out [B, H, D] contiguous; q, caches and out all of type T (float or bfloat16), all the
+// arithmetic in float32. DC > 0 fixes D at compile time (unrolled loops); 0 reads it.
+template <typename T, int64_t DC>
 static void decode(const at::Tensor& q, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& tables,
                    const at::Tensor& lens, float sc, at::Tensor& out) {
@@ -58,13 +82,14 @@ static void decode(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
   const int64_t G = H / Hkv, M = tables.size(1);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
-  const float* Q = q.data_ptr<float>();
-  const float* K = key_cache.data_ptr<float>();
-  const float* V = value_cache.data_ptr<float>();
-  const int64_t* T = tables.data_ptr<int64_t>();
+  const T* Q = q.data_ptr<T>();
+  const T* K = key_cache.data_ptr<T>();
+  const T* V = value_cache.data_ptr<T>();
+  const int64_t* BT = tables.data_ptr<int64_t>();
   const int64_t* L = lens.data_ptr<int64_t>();
-  float* O = out.data_ptr<float>();
+  T* O = out.data_ptr<T>();
   const int64_t tok = Hkv * D, blk = bs * tok;
+  constexpr int64_t LINE = 64 / sizeof(T);  // elements per 64-byte cache line
   // A work item is a sequence with all its KV heads (each block's rows are read whole and
   // in order) or, with fewer sequences than threads, one KV head of one sequence.
   const int64_t per = B >= at::get_num_threads() ? Hkv : 1;
@@ -76,8 +101,8 @@ static void decode(const at::Tensor& q, const at::Tensor& key_cache,
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / (Hkv / per), h0 = (i % (Hkv / per)) * per, h1 = h0 + per;
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
-        const float* src = Q + b * qs0 + hq * qs1;
-        for (int64_t d = 0; d < D; ++d) qv[hq * D + d] = src[d * qs2] * sc;
+        const T* src = Q + b * qs0 + hq * qs1;
+        for (int64_t d = 0; d < D; ++d) qv[hq * D + d] = to_f(src[d * qs2]) * sc;
         for (int64_t d = 0; d < D; ++d) acc[hq * D + d] = 0.f;
         m[hq] = -1e30f;  // finite: exp(m - max) is 0 on the first block
         l[hq] = 0.f;
@@ -85,23 +110,23 @@ static void decode(const at::Tensor& q, const at::Tensor& key_cache,
       const int64_t len = L[b];
       for (int64_t j = 0; j * bs < len; ++j) {
         const int64_t n = std::min(bs, len - j * bs);
-        const float* kb = K + T[b * M + j] * blk;
-        const float* vb = V + T[b * M + j] * blk;
+        const T* kb = K + BT[b * M + j] * blk;
+        const T* vb = V + BT[b * M + j] * blk;
         // Prefetch the next block one row per row computed: its address is data-dependent
         // (the block table), so the hardware prefetcher cannot run ahead of a block boundary.
         const bool more = (j + 1) * bs < len;
-        const float* kn = more ? K + T[b * M + j + 1] * blk : kb;
-        const float* vn = more ? V + T[b * M + j + 1] * blk : vb;
+        const T* kn = more ? K + BT[b * M + j + 1] * blk : kb;
+        const T* vn = more ? V + BT[b * M + j + 1] * blk : vb;
         for (int64_t t = 0; t < n; ++t) {
           if (more)
-            for (int64_t x = h0 * D; x < h1 * D; x += 16) __builtin_prefetch(kn + t * tok + x);
+            for (int64_t x = h0 * D; x < h1 * D; x += LINE) __builtin_prefetch(kn + t * tok + x);
           for (int64_t h = h0; h < h1; ++h) {
-            const float* k = kb + t * tok + h * D;
+            const T* k = kb + t * tok + h * D;
             for (int64_t g = 0; g < G; ++g) {
               const float* qg = qv + (h * G + g) * D;
               float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+              for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_f(k[d]);
               s[(h * G + g) * bs + t] = dot;
             }
           }
@@ -125,36 +150,45 @@ static void decode(const at::Tensor& q, const at::Tensor& key_cache,
         }
         for (int64_t t = 0; t < n; ++t) {
           if (more)
-            for (int64_t x = h0 * D; x < h1 * D; x += 16) __builtin_prefetch(vn + t * tok + x);
+            for (int64_t x = h0 * D; x < h1 * D; x += LINE) __builtin_prefetch(vn + t * tok + x);
           for (int64_t h = h0; h < h1; ++h) {
-            const float* v = vb + t * tok + h * D;
+            const T* v = vb + t * tok + h * D;
             for (int64_t g = 0; g < G; ++g) {
               const float e = s[(h * G + g) * bs + t];
               float* ag = acc + (h * G + g) * D;
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) ag[d] += e * v[d];
+              for (int64_t d = 0; d < D; ++d) ag[d] += e * to_f(v[d]);
             }
           }
         }
       }
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
-        float* dst = O + (b * H + hq) * D;
+        T* dst = O + (b * H + hq) * D;
         const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[hq * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[hq * D + d] * inv);
       }
     }
   });
+}
+
+template <typename T>
+static void dispatch(const at::Tensor& q, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& tables,
+                     const at::Tensor& lens, float sc, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: return decode<T, 64>(q, key_cache, value_cache, tables, lens, sc, out);
+    case 128: return decode<T, 128>(q, key_cache, value_cache, tables, lens, sc, out);
+    default: return decode<T, 0>(q, key_cache, value_cache, tables, lens, sc, out);
+  }
 }
 
 void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& tables,
                   const at::Tensor& lens, double scale, at::Tensor& out) {
   const float sc = static_cast<float>(scale);
-  switch (q.size(2)) {
-    case 64: return decode<64>(q, key_cache, value_cache, tables, lens, sc, out);
-    case 128: return decode<128>(q, key_cache, value_cache, tables, lens, sc, out);
-    default: return decode<0>(q, key_cache, value_cache, tables, lens, sc, out);
-  }
+  if (key_cache.scalar_type() == at::kBFloat16)
+    return dispatch<at::BFloat16>(q, key_cache, value_cache, tables, lens, sc, out);
+  return dispatch<float>(q, key_cache, value_cache, tables, lens, sc, out);
 }
 """
 
@@ -274,15 +308,23 @@ def decode_attention(
     lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``[Bd, H, D]`` attention of one query token per sequence over its paged context.
+    """``[Bd, H, D]`` attention of one query token per sequence over its paged context, in
+    the query's dtype.
 
     Raises:
         RuntimeError: the kernel is not available.
+        ValueError: the query and caches differ in dtype, or it is not one of
+            :data:`KERNEL_DTYPES`.
     """
+    if not (query.dtype == key_cache.dtype == value_cache.dtype in KERNEL_DTYPES):
+        raise ValueError(
+            f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} must share "
+            f"one of {KERNEL_DTYPES}"
+        )
     mod = load()
     if mod is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {_failed}")
-    out = torch.empty(query.shape, dtype=torch.float32)
+    out = torch.empty(query.shape, dtype=query.dtype)
     mod.paged_decode(query, key_cache, value_cache, block_tables, lens, float(scale), out)
     return out
 
@@ -294,14 +336,16 @@ def paged_attention_cpu(
     plan: CpuPagedPlan,
     scale: float,
 ) -> torch.Tensor:
-    """Like :func:`~asyncllm.attention.torch_paged.paged_attention`; decodes of float32
-    caches on CPU go through the kernel, everything else through the torch path."""
+    """Like :func:`~asyncllm.attention.torch_paged.paged_attention`; decodes of float32 or
+    bfloat16 caches on CPU (the query of the same dtype) go through the kernel, everything
+    else through the torch path."""
     d = plan.base.decodes
     if (
         d is None
         or plan.dec_lens is None
-        or key_cache.dtype != torch.float32
-        or query.dtype != torch.float32
+        or key_cache.dtype not in KERNEL_DTYPES
+        or query.dtype != key_cache.dtype
+        or value_cache.dtype != key_cache.dtype
         or key_cache.device.type != "cpu"
         or not key_cache.is_contiguous()
         or not value_cache.is_contiguous()

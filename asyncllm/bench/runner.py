@@ -868,7 +868,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
-    from asyncllm.engine.llm_engine import default_num_threads
+    from asyncllm.worker.device import default_num_threads
 
     args.argv = argv
 
@@ -932,10 +932,13 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     wls = build(names, data, quick=args.quick, w4_rate=args.w4_rate, w4_duration=args.w4_duration)
     bench = Bench(args)
     bench.model_info = model_figures(model_dir)
+    from asyncllm.worker.device import cpu_bf16_reason
+
     bench.machine_line = {
         "cores": bench.machine["cores"],
         "processor": bench.machine["processor"],
-        "dtype": "float32",
+        # asyncllm's dtype "auto" on this CPU (each engine's settings name its own).
+        "dtype": "bfloat16" if cpu_bf16_reason()[0] else "float32",
     }
     started = time.perf_counter()
     log(f"machine: {bench.machine}")

@@ -229,19 +229,20 @@ class AsyncllmWorker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from asyncllm.engine.llm_engine import ComputeThread, resolve_dtype
+        from asyncllm.engine.llm_engine import ComputeThread
         from asyncllm.models.loader import load_model
+        from asyncllm.worker.device import resolve_dtype
 
-        self.threads = args.threads
         self.base = json.loads(args.config or "{}")
+        self.threads = args.threads
         self.model = args.model
         self._engines: dict[str, Any] = {}
         self.loaded: Any = None
         t = time.perf_counter()
-        if self.base.get("quantization"):
-            self.engine({})  # loads (and quantizes) the model
+        if self.base.get("quantization", "auto") is not None:
+            self.engine({})  # loads (and quantizes) the model as EngineConfig's default does
         else:
-            dtype = resolve_dtype(self.base.get("dtype"), torch.device("cpu"))
+            dtype = resolve_dtype(self.base.get("dtype", "auto"), torch.device("cpu"))
 
             def load() -> Any:
                 torch.set_num_threads(args.threads)
@@ -259,7 +260,9 @@ class AsyncllmWorker:
 
         model = self.engine({})._engine.runner.model if self.loaded is None else self.loaded.model
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-        quant = self.base.get("quantization")
+        # what ran: the dtype, or the quantization the loader applied ("auto" resolved)
+        precision = dtype if self.loaded is not None else self.engine({})._engine.loaded.precision
+        quant = None if precision == dtype else precision
         return {
             "engine": self.name,
             "version": asyncllm.__version__,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-import os
 import threading
 import time
 import uuid
@@ -29,6 +28,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.models.loader import LoadedModel, load_model
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_output import GrammarCompiler, GrammarMatchers
+from asyncllm.worker.device import default_num_threads, resolve_device, resolve_dtype
 from asyncllm.worker.kv_cache import KVCache, default_kv_cache_bytes
 from asyncllm.worker.model_runner import ModelRunner, kv_cache_spec
 from asyncllm.worker.offload import CPUOffloadPool
@@ -64,34 +64,11 @@ class StepOutput(list[RequestUpdate]):
         self.prompt_logprobs = (out.prompt_logprobs if out else None) or {}
 
 
-def resolve_device(device: str) -> torch.device:
-    """ "auto" -> CUDA when available, else CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"EngineConfig.device={device!r} but torch has no CUDA device here")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """None -> float32 on CPU, bfloat16 on CUDA."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)  # type: ignore[no-any-return]
-
-
 def resolve_compile(compile: str | bool) -> bool:
     """``EngineConfig.compile`` -> whether to compile. "auto" is off on every device for
     now: on the 2-core CPU it was not faster (docs/tuning.md), and on CUDA the compiled
     forward has not been run yet."""
     return compile is True
-
-
-def default_num_threads() -> int:
-    """Torch intra-op threads on CPU: one per core this process may run on (docs/tuning.md)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 class ComputeThread(ThreadPoolExecutor):
@@ -171,8 +148,9 @@ class LLMEngine:
         self.max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer)
         self.vocab_size = int(loaded.model.get_output_embeddings().weight.shape[0])
 
-        dtype = next(loaded.model.parameters()).dtype
-        spec = kv_cache_spec(loaded.config, dtype, config.block_size)
+        #: The dtype the model runs in ("auto" resolved); the KV cache takes it too.
+        self.dtype = next(loaded.model.parameters()).dtype
+        spec = kv_cache_spec(loaded.config, self.dtype, config.block_size)
         cap = config.max_num_seqs * self.max_model_len * spec.bytes_per_token
         budget = config.kv_cache_bytes or default_kv_cache_bytes(self.device, cap)
         num_blocks = budget // spec.bytes_per_block

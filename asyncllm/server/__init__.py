@@ -203,7 +203,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
     parser.add_argument("--max-waiting", type=int, default=None, help="past it: HTTP 429")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default=None,
+        help="auto (default): bfloat16 on CUDA and on CPUs with native bfloat16, else float32",
+    )
     parser.add_argument("--device", default=None, help='"auto", "cpu", "cuda" or "cuda:N"')
     parser.add_argument("--no-prefix-caching", action="store_true")
     add_quantization_args(parser)

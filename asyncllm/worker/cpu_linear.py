@@ -1,4 +1,4 @@
-"""Prepacked oneDNN linear layers for float32 inference on x86 CPUs.
+"""Prepacked oneDNN linear layers for float32 and bfloat16 inference on x86 CPUs.
 
 On CPU, ``nn.Linear`` runs through MKL's sgemm on the weight as stored. oneDNN (bundled with
 torch as ``mkldnn``) can reorder a weight once into its blocked layout and multiply it with
@@ -10,6 +10,13 @@ only the reordered weight (no second copy), so transformers' modeling code runs 
 
 The reordered weight is the same numbers; results differ from MKL's in the last bits (another
 summation order), as MKL's own results differ between batch sizes.
+
+bfloat16 weights are reordered the same way and multiplied with bfloat16 rows (oneDNN
+accumulates in float32 and rounds the output to bfloat16, as ``F.linear`` does). On a CPU
+with AVX-512 BF16 / AMX this is where bfloat16 pays: half the weight bytes per decode step
+and native bfloat16 dot products (docs/tuning.md has the table: the LM head at 64 rows ~9x
+faster than float32); without them oneDNN emulates bfloat16 and
+:func:`asyncllm.worker.device.resolve_dtype` keeps float32.
 
 Row buckets: oneDNN builds (JIT-compiles) a primitive for every input shape it meets and keeps
 it in two caches of 1024 entries each (oneDNN's primitive cache and ideep's, torch's wrapper;
@@ -58,7 +65,9 @@ _BUCKETS = [bucket_rows(m) for m in range(CHUNK_ROWS + 1)]
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` reordered for oneDNN (float32, CPU, inference only).
+    """``y = x W^T + b`` with ``W`` reordered for oneDNN (float32 or bfloat16, CPU, inference
+    only). Inputs of another dtype than the weight's (or on another device, or with autograd
+    on) go through ``F.linear`` on the plain weight.
 
     Args:
         linear: the layer to replace; its weight is reordered (and not kept unless
@@ -73,6 +82,7 @@ class PackedLinear(nn.Module):
         w = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_HINT_ROWS)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.dtype = w.dtype
         self._weight = linear.weight if keep_weight else None
 
     @property
@@ -85,7 +95,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # opaque to Inductor: see packed_linear_op
             return packed_linear_op(x, self.packed, self.bias, self.in_features, self.out_features)
-        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+        if x.dtype != self.dtype or x.device.type != "cpu" or torch.is_grad_enabled():
             return nn.functional.linear(x, self.weight, self.bias)
         m = x.numel() // self.in_features
         if m <= CHUNK_ROWS and _BUCKETS[m] == m:  # the common case: no copy, no slicing
@@ -103,7 +113,10 @@ class PackedLinear(nn.Module):
         return _onednn_linear(rows, self.packed, self.bias)[:m]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"dtype={str(self.dtype).removeprefix('torch.')}, packed=oneDNN"
+        )
 
 
 def _onednn_linear(
@@ -125,7 +138,12 @@ def packed_linear_op(
     and as an opaque op the row buckets keep bounding oneDNN's caches."""
     layer = PackedLinear.__new__(PackedLinear)
     layer.__dict__.update(
-        packed=packed, bias=bias, _weight=None, in_features=in_features, out_features=out_features
+        packed=packed,
+        bias=bias,
+        dtype=x.dtype,
+        _weight=None,
+        in_features=in_features,
+        out_features=out_features,
     )
     return PackedLinear.forward(layer, x)
 
@@ -142,13 +160,16 @@ def _(
 
 
 def packing_supported(model: nn.Module) -> bool:
-    """Float32 weights on CPU, oneDNN available, and not ``ASYNCLLM_CPU_PACKED_LINEAR=0``."""
+    """Float32 or bfloat16 weights on CPU, oneDNN available (with bfloat16 support for
+    bfloat16 weights), and not ``ASYNCLLM_CPU_PACKED_LINEAR=0``."""
     if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     p = next(model.parameters(), None)
-    if p is None or p.device.type != "cpu" or p.dtype != torch.float32:
+    if p is None or p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
         return False
-    return bool(torch.backends.mkldnn.is_available())
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return p.dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -108,7 +108,7 @@ class ModelRunner:
         compile: bool = False,
     ) -> None:
         model.set_attn_implementation(register())  # type: ignore[operator]
-        # float32 on CPU: oneDNN-prepacked linears (docs/benchmarks.md; off with
+        # float32 or bfloat16 on CPU: oneDNN-prepacked linears (docs/benchmarks.md; off with
         # ASYNCLLM_CPU_PACKED_LINEAR=0). Idempotent: engines may share a model.
         self.num_packed_linears = pack_linears(model)
         self.model = model

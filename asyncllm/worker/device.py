@@ -1,0 +1,113 @@
+"""Where the engine runs and in which dtype: ``EngineConfig.device``, ``dtype`` and
+``num_threads`` resolved to concrete values.
+
+``dtype="auto"`` (the default) picks bfloat16 on CUDA and on CPUs with native bfloat16
+arithmetic (x86's AVX-512 BF16 or AMX-BF16: ``avx512_bf16`` / ``amx_bf16`` in
+``/proc/cpuinfo``, as torch's own CPU feature probe reports them), where torch's vectorized
+kernels run at AVX-512 and oneDNN is available; float32 elsewhere, where bfloat16 matmuls
+are emulated and slower than float32 (docs/tuning.md has the measured table). The KV cache
+takes the same dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pathlib
+from typing import Literal
+
+import torch
+
+logger = logging.getLogger("asyncllm")
+
+#: The x86 feature flags that mean native bfloat16 dot products (oneDNN uses them for
+#: bfloat16 matmuls: ``vdpbf16ps`` with AVX-512 BF16, tile matmuls with AMX).
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def resolve_device(device: str) -> torch.device:
+    """``EngineConfig.device`` to a torch device: "auto" -> CUDA when available, else CPU.
+
+    Raises:
+        ValueError: a CUDA device asked for where torch has none.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device={device!r} but torch has no CUDA device here")
+    return torch.device(device)
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags: torch's own probe (cpuinfo) where it has one, united with
+    the ``flags`` line of ``/proc/cpuinfo`` (Linux); empty where neither answers."""
+    flags: set[str] = set()
+    probe = getattr(getattr(torch._C, "_cpu", None), "_get_cpu_capability", None)
+    if probe is not None:
+        # A torch build whose private probe changed: /proc/cpuinfo still answers.
+        with contextlib.suppress(Exception):
+            flags.update(k for k, v in probe().items() if v is True)
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+            break
+    return frozenset(flags)
+
+
+def cpu_bf16_reason() -> tuple[bool, str]:
+    """Whether bfloat16 is the faster dtype on this CPU, and why (for the log line).
+
+    True where the CPU has one of :data:`BF16_FLAGS`, torch's vectorized kernels run at
+    AVX-512 (``torch.backends.cpu.get_cpu_capability()``; ``ATEN_CPU_CAPABILITY=avx2``
+    lowers it) and oneDNN is available (the packed linears of
+    :mod:`asyncllm.worker.cpu_linear`).
+    """
+    have = [f for f in BF16_FLAGS if f in cpu_flags()]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not have:
+        return False, "the CPU has no native bfloat16 (avx512_bf16 / amx_bf16)"
+    if not capability.startswith("AVX512"):
+        return False, f"torch runs its CPU kernels at {capability}, not AVX512"
+    if not torch.backends.mkldnn.is_available():
+        return False, "torch has no oneDNN"
+    return True, f"the CPU has {' and '.join(have)} (torch at {capability})"
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """``EngineConfig.dtype`` to a torch dtype; "auto" (or None, its alias) picks bfloat16
+    on CUDA and on CPUs where :func:`cpu_bf16_reason` says so, float32 elsewhere, and logs
+    one line saying which and why. An explicit dtype is returned as is.
+
+    Raises:
+        ValueError: a dtype name that is none of "auto", "float32", "float16", "bfloat16".
+    """
+    if dtype not in (None, "auto", "float32", "float16", "bfloat16"):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    if dtype not in (None, "auto"):
+        return getattr(torch, dtype)  # type: ignore[no-any-return]
+    if device.type == "cuda":
+        chosen, why = torch.bfloat16, "CUDA"
+    elif device.type == "cpu":
+        fast, why = cpu_bf16_reason()
+        chosen = torch.bfloat16 if fast else torch.float32
+    else:
+        chosen, why = torch.float32, f"device type {device.type!r}"
+    logger.info("dtype auto: %s (%s)", str(chosen).removeprefix("torch."), why)
+    return chosen
+
+
+def dtype_name(dtype: torch.dtype) -> Literal["float32", "float16", "bfloat16"]:
+    """``torch.bfloat16`` -> "bfloat16" (the ``EngineConfig.dtype`` spelling)."""
+    return str(dtype).removeprefix("torch.")  # type: ignore[return-value]
+
+
+def default_num_threads() -> int:
+    """Torch intra-op threads on CPU: one per core this process may run on (docs/tuning.md)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)

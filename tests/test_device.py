@@ -1,0 +1,73 @@
+"""``dtype="auto"``: which dtype it resolves to, and why, on which device and CPU."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from asyncllm import EngineConfig
+from asyncllm.worker import device
+
+CPU = torch.device("cpu")
+
+
+def _cpu(monkeypatch, flags, capability="AVX512"):
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+
+
+@pytest.mark.parametrize("flag", ["avx512_bf16", "amx_bf16"])
+def test_auto_is_bfloat16_on_cpus_with_native_bfloat16(monkeypatch, caplog, flag):
+    _cpu(monkeypatch, {"avx512f", flag})
+    with caplog.at_level(logging.INFO, logger="asyncllm"):
+        assert device.resolve_dtype("auto", CPU) == torch.bfloat16
+    assert f"dtype auto: bfloat16 (the CPU has {flag}" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("flags", "capability", "why"),
+    [
+        ({"avx2", "fma"}, "AVX2", "no native bfloat16"),
+        ({"avx512f", "avx512_bf16"}, "AVX2", "at AVX2, not AVX512"),  # ATEN_CPU_CAPABILITY
+        (set(), "DEFAULT", "no native bfloat16"),
+    ],
+)
+def test_auto_is_float32_elsewhere_on_cpu(monkeypatch, caplog, flags, capability, why):
+    _cpu(monkeypatch, flags, capability)
+    with caplog.at_level(logging.INFO, logger="asyncllm"):
+        assert device.resolve_dtype("auto", CPU) == torch.float32
+        assert device.resolve_dtype(None, CPU) == torch.float32  # None: the alias
+    assert "dtype auto: float32" in caplog.text and why in caplog.text
+
+
+def test_auto_is_bfloat16_on_cuda_and_explicit_dtypes_are_kept(monkeypatch):
+    _cpu(monkeypatch, set(), "AVX2")
+    assert device.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    for name in ("float32", "float16", "bfloat16"):
+        assert device.resolve_dtype(name, CPU) == getattr(torch, name)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        device.resolve_dtype("int8", CPU)
+
+
+def test_cpu_flags_reads_this_machine():
+    flags = device.cpu_flags()
+    assert isinstance(flags, frozenset)
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        assert "avx2" in flags or "avx" in flags
+
+
+def test_config_default_is_auto_and_refuses_unknown_dtypes():
+    assert EngineConfig().dtype == "auto"
+    assert EngineConfig(dtype=None).dtype is None  # kept as "auto"'s alias
+    with pytest.raises(ValueError, match=r"EngineConfig\.dtype"):
+        EngineConfig(dtype="int4")  # type: ignore[arg-type]
+
+
+async def test_engine_reports_the_resolved_dtype(tiny_llama_dir, make_engine):
+    engine = make_engine(tiny_llama_dir, block_size=4, kv_cache_bytes=2**20)
+    want = device.resolve_dtype("auto", CPU)
+    core = engine._engine
+    assert core.dtype == want == core.kv_cache.spec.dtype
+    assert next(core.loaded.model.parameters()).dtype == want
