@@ -184,9 +184,10 @@ def test_engine_greedy_matches_dequantized_model(
     the dequantized weights, up to a near-tie (bfloat16 activations round differently)."""
     ref_dir = tmp_path / "ref"
     _fake_quantized_dir(tiny_llama_dir, ref_dir, mode, gs)
+    # float32 models: the quantized layers' bfloat16 rounding is the only difference
     quant = make_engine(tiny_llama_dir, quantization=mode, quantization_group_size=gs,
-                        kv_cache_bytes=8 * 2**20)  # fmt: skip
-    ref = make_engine(ref_dir, quantization=None, kv_cache_bytes=8 * 2**20)
+                        kv_cache_bytes=8 * 2**20, dtype="float32")  # fmt: skip
+    ref = make_engine(ref_dir, quantization=None, kv_cache_bytes=8 * 2**20, dtype="float32")
     stats = quant.stats()
     assert stats["precision"] == ("int8" if mode == "int8" else f"int4 g{gs}")
     assert ref.stats()["precision"] == "float32"
@@ -195,7 +196,7 @@ def test_engine_greedy_matches_dequantized_model(
     (cached,) = (quant_cache / "quant").glob("*.pt")
     mtime = cached.stat().st_mtime_ns
     again = make_engine(tiny_llama_dir, quantization=mode, quantization_group_size=gs,
-                        kv_cache_bytes=8 * 2**20)  # fmt: skip
+                        kv_cache_bytes=8 * 2**20, dtype="float32")  # fmt: skip
     assert again.stats()["weight_bytes"] == stats["weight_bytes"]
     assert cached.stat().st_mtime_ns == mtime  # read, not written again
     prompts = [[1, 5, 9, 200, 7], [3, 3, 3], [100, 2000, 30000, 4, 4, 4, 4, 4]]
