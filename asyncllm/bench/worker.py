@@ -258,10 +258,10 @@ class AsyncllmWorker:
 
         import asyncllm
 
-        model = self.engine({})._engine.runner.model if self.loaded is None else self.loaded.model
-        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        loaded = self.engine({})._engine.loaded if self.loaded is None else self.loaded
+        dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
         # what ran: the dtype, or the quantization the loader applied ("auto" resolved)
-        precision = dtype if self.loaded is not None else self.engine({})._engine.loaded.precision
+        precision = loaded.precision
         quant = None if precision == dtype else precision
         return {
             "engine": self.name,
@@ -273,7 +273,7 @@ class AsyncllmWorker:
             "dtype": dtype,
             "quantization": quant,
             "precision": f"{dtype}, {quant}" if quant else dtype,
-            "weight_bytes": tensor_bytes(model),
+            "weight_bytes": loaded.weight_bytes,
         }
 
     def engine(self, overrides: dict[str, Any]) -> Any:
