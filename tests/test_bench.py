@@ -38,6 +38,57 @@ def test_workloads_follow_the_spec():
     assert len(quick["W1"].requests) == 16 and quick["W4"].params["duration_s"] == 15
 
 
+def test_w1j_is_w1_under_one_json_schema():
+    """W1J: W1's requests, each constrained by the one schema, EOS on (a complete object
+    ends a request, in asyncllm and vLLM alike); the peers without a grammar skip it."""
+    import types
+
+    from asyncllm.bench import runner
+    from asyncllm.sampling_params import StructuredOutputsParams
+
+    data = workloads.load_prompts()
+    w1, w1j = workloads.build(["W1", "W1J"], data)
+    assert w1j.requests == w1.requests and w1.structured_outputs is None and w1.ignore_eos
+    assert w1j.structured_outputs == {"json": workloads.W1J_SCHEMA} and not w1j.ignore_eos
+    schema = workloads.W1J_SCHEMA
+    assert schema["type"] == "object" and set(schema["required"]) == set(schema["properties"])
+    StructuredOutputsParams(**w1j.structured_outputs)  # asyncllm takes it as it is
+    bench = types.SimpleNamespace(model_info={})
+    spec = runner.Bench.spec(bench, "vllm", w1j, "", w1j.requests)  # type: ignore[arg-type]
+    assert spec["structured_outputs"] == {"json": schema} and spec["ignore_eos"] is False
+    assert spec["outputs"] and json.loads(json.dumps(spec)) == spec  # sent as JSON
+    plain = runner.Bench.spec(bench, "vllm", w1, "", w1.requests)  # type: ignore[arg-type]
+    assert "structured_outputs" not in plain and "ignore_eos" not in plain
+    assert {p for p in runner.PEERS if "W1J" in runner.UNSUPPORTED.get(p, {})} == {
+        "hf", "hf_cb", "llamacpp"
+    }  # fmt: skip
+
+
+def test_grammar_share_and_its_report_section():
+    from asyncllm.bench import report
+
+    def step(batch, fill, mask, accept=0.0005, step=0.1):
+        return {"batch": batch, "tokens": batch, "step": step, "sample": 0.004,
+                "grammar_fill": fill, "grammar_mask": mask, "grammar_accept": accept}  # fmt: skip
+
+    steps = [step(64, 0.002, 0.001), step(64, 0.004, 0.001), step(12, 0.05, 0.05)]
+    steps.append({"batch": 64, "tokens": 64, "step": 0.1})  # no constrained row: not counted
+    g = report.grammar_share({"trace": {"steps": steps}, "tokens_per_s": 500.0})
+    assert g is not None and g["batch"] == 64 and g["steps"] == 2
+    assert g["share"] == pytest.approx(0.04) and g["share_with_accept"] == pytest.approx(0.045)
+    assert report.grammar_share(None) is None
+    assert report.grammar_share({"trace": {"steps": steps[3:]}}) is None
+    text = "\n".join(report.grammar_lines(g, 600.0, 500.0))
+    assert "asyncllm W1J: 500.0 tokens/s against W1's 600.0 (0.83×)" in text
+    assert "| token bitmask fill (GrammarMatchers.fill) | 3.00 | 3.0% |" in text
+    assert "Grammar share (fill + mask) 4.0% of the step; with the accept 4.5%" in text
+    assert report.grammar_lines(None, 600.0, None) == []
+    # The target row, met at 4%.
+    s = {"ceilings": {}, "model": {}, "figures": {}, "engines": {}, "grammar": g}
+    (row,) = [t for t in report._targets(s, 1) if t["target"].startswith("W1J")]
+    assert row["value"] == pytest.approx(0.04) and row["met"] is True
+
+
 def test_timeline_and_percentiles():
     tl = Timeline(2)
     tl.submit = [0.0, 1.0]
@@ -83,14 +134,14 @@ def test_asyncllm_worker_traces_and_restores(tiny_llama_dir):
 def test_bench_command_quick(tiny_llama_dir, tmp_path):
     """``python -m asyncllm bench`` end to end on the tiny model: asyncllm in float32 and, as
     a second column, in bfloat16; transformers; llama.cpp skipped with its reason (the tiny
-    model has no GGUF file; or no venv)."""
+    model has no GGUF file; or no venv); W1J on asyncllm only, with its grammar section."""
     pytest.importorskip("matplotlib")
     from asyncllm.__main__ import main
     from asyncllm.worker.device import default_num_threads
 
     out = tmp_path / "out"
     code = main(
-        ["bench", "--quick", "--model", str(tiny_llama_dir), "--workloads", "W3,W6",
+        ["bench", "--quick", "--model", str(tiny_llama_dir), "--workloads", "W1J,W3,W6",
          "--peers", "hf,llamacpp", "--asyncllm-variants", "float32;bfloat16", "--no-cold-start",
          "--ceiling-mib", "16", "--out", str(out)]
     )  # fmt: skip
@@ -101,6 +152,7 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
     assert {(x["engine"], x["workload"]) for x in counted} == {
         ("asyncllm", "W3"), ("asyncllm", "W6"), ("hf", "W3"), ("hf", "W6"),
         ("asyncllm-bfloat16", "W3"), ("asyncllm-bfloat16", "W6"),
+        ("asyncllm", "W1J"), ("asyncllm-bfloat16", "W1J"),
     }  # fmt: skip
     for x in counted:
         assert x["machine"]["cores"] and x["threads"] == default_num_threads()
@@ -113,6 +165,10 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
     assert "| asyncllm (bfloat16) |" in report and "| precision | weights MB |" in report
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["agreement"]["W6"]["hf"] <= 1.0
+    assert "## Structured outputs (W1J" in report and "W1J tokens/s (JSON schema)" in report
+    g = summary["grammar"]
+    assert g["batch"] == 16 and 0 < g["share"] < 1 and g["mean_s"]["grammar_fill"] > 0
+    assert "transformers generate (static), W1J: no JSON-schema" in report
     engines = summary["engines"]
     assert engines["asyncllm"]["info"]["precision"] == "float32"
     half = engines["asyncllm-bfloat16"]["info"]
@@ -216,6 +272,18 @@ def test_precision_config_passes_only_what_is_given():
     )  # fmt: skip
 
 
+def test_vllm_dtype_columns():
+    from asyncllm.bench import runner
+
+    assert runner.vllm_columns(["float32"]) == [("vllm", "vLLM-CPU", "float32")]
+    assert runner.vllm_columns(["bfloat16", "float32"]) == [
+        ("vllm", "vLLM-CPU (bfloat16)", "bfloat16"), ("vllm-float32", "vLLM-CPU", "float32")
+    ]  # fmt: skip
+    assert [runner.base_engine(e) for e in ("vllm-bfloat16", "asyncllm-t1", "hf_cb")] == [
+        "vllm", "asyncllm", "hf_cb"
+    ]  # fmt: skip
+
+
 def test_output_agreement():
     from asyncllm.bench.report import output_agreement
 
@@ -238,7 +306,8 @@ def test_precision_targets_compare_the_right_columns():
             "asyncllm-bfloat16": eng("bfloat16"),
             "asyncllm-gguf": eng("float32", "gguf"),
             "llamacpp": {"failed": None, "info": {"precision": "Q4_1 (GGUF)"}},
-            "vllm": eng(None, precision="bfloat16"),
+            "vllm": eng(None, precision="float32"),
+            "vllm-bfloat16": eng(None, precision="bfloat16"),
         },
         "figures": {
             "asyncllm": {"W1": {"tokens_per_s": 100.0}, "W3": {"tpot_mean_s": 0.04,
@@ -249,7 +318,8 @@ def test_precision_targets_compare_the_right_columns():
                                                                   "rss_mb_max": 300}},
             "llamacpp": {"W1": {"tokens_per_s": 30.0}, "W3": {"tpot_mean_s": 0.0125,
                                                              "ttft_mean_s": 0.1}},
-            "vllm": {"W1": {"tokens_per_s": 200.0}},
+            "vllm": {"W1": {"tokens_per_s": 120.0}},
+            "vllm-bfloat16": {"W1": {"tokens_per_s": 200.0}, "W3": {"tpot_mean_s": 0.02}},
         },
     }  # fmt: skip
     got = {}
@@ -264,8 +334,16 @@ def test_precision_targets_compare_the_right_columns():
         "W1 tokens/s, asyncllm bfloat16 / float32": (pytest.approx(1.7), True),
         "W3 TPOT, asyncllm bfloat16 / float32": (pytest.approx(0.75), False),
         "W1 tokens/s, asyncllm bfloat16 / vLLM-CPU bfloat16": (pytest.approx(0.85), False),
+        "W3 TPOT, asyncllm bfloat16 / vLLM-CPU bfloat16": (pytest.approx(1.5), False),
         "W3 peak RSS, asyncllm Q4_1 (gguf) / float32": (pytest.approx(0.3), True),
     }
+    # asyncllm (float32) against vLLM in its precision, not the first vLLM column's.
+    s["engines"]["vllm"], s["engines"]["vllm-float32"] = eng(None, precision="bfloat16"), s[
+        "engines"].pop("vllm")  # fmt: skip
+    s["figures"]["vllm-float32"] = s["figures"].pop("vllm")
+    (row,) = [t for t in report._targets({**s, "ceilings": {}, "model": {}}, 1)
+              if t["target"] == "W1 throughput / vLLM-CPU's"]  # fmt: skip
+    assert row["value"] == pytest.approx(100 / 120) and row["note"] == "vLLM in float32"
     # Without the columns, no target is claimed.
     got.clear()
     report._precision_targets({"engines": {"asyncllm": eng("float32")}, "figures": {}},
@@ -293,6 +371,8 @@ def test_model_figures(tiny_llama_dir):
         (["--workloads", ","], "names no workload"),
         (["--model", "/nonexistent/model"], "--model:"),
         (["--out", "FILE"], "cannot make that directory"),
+        (["--vllm-dtype", "float16"], "--vllm-dtype: unknown \\['float16'\\]"),
+        (["--vllm-dtype", ","], "--vllm-dtype names no dtype"),
     ],
 )
 def test_bench_rejects_bad_arguments_clearly(args, message, tmp_path):

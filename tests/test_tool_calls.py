@@ -38,6 +38,16 @@ CASES = [
     # unterminated, but complete JSON: taken (a model that stopped before the marker)
     (tc.HERMES, '<tool_call>{"name": "f", "arguments": {}}', "", [("f", {})], False),
     (tc.HERMES, '<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', [], True),
+    # complete JSON cut by max_tokens inside its closing marker: the call is kept
+    (tc.HERMES, '<tool_call>{"name": "f", "arguments": {"a": 1}}</', "", [("f", {"a": 1})],
+     False),
+    (tc.HERMES, HERMES_TWO[: -len("l>")], "Let me look that up.\n",
+     [("get_weather", WEATHER), ("get_time", {"tz": "CET"})], False),
+    # other text after the JSON is no marker: malformed, closed or not
+    (tc.HERMES, '<tool_call>{"name": "f", "arguments": {}} and </', '<tool_call>{"name": '
+     '"f", "arguments": {}} and </', [], True),
+    (tc.HERMES, '<tool_call>{"name": "f", "arguments": {}}</</tool_call>', '<tool_call>{"name": '
+     '"f", "arguments": {}}</</tool_call>', [], True),
     # the arguments written as a JSON string
     (tc.HERMES, '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "",
      [("f", {"a": 1})], False),
@@ -48,6 +58,9 @@ CASES = [
     (tc.LLAMA3_JSON, LLAMA_ONE, "", [("get_weather", WEATHER)], False),
     (tc.LLAMA3_JSON, "  " + LLAMA_ONE + "\n", "", [("get_weather", WEATHER)], False),
     (tc.LLAMA3_JSON, LLAMA_BAD, LLAMA_BAD, [], True),
+    # a second call cut by max_tokens: the complete first one is kept
+    (tc.LLAMA3_JSON, LLAMA_TWO[:-20], '{"name": "get_time", "paramet', [("get_weather", WEATHER)],
+     True),
     (tc.LLAMA3_JSON, "The answer is 4.", "The answer is 4.", [], False),
     (tc.LLAMA3_JSON, '{"answer": 4}', '{"answer": 4}', [], False),  # JSON, not a call
     (tc.LLAMA3_JSON, '{"name": 3, "parameters": {}}', '{"name": 3, "parameters": {}}', [],

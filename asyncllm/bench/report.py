@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncllm.bench import ceilings
+from asyncllm.bench.runner import base_engine
 from asyncllm.bench.worker import percentile
 
 ENGINE_ORDER = ("asyncllm", "vllm", "llamacpp", "hf", "hf_cb")
@@ -26,7 +27,7 @@ def _key(workload: str, variant: str | None) -> str:
 
 def _order(engines: Sequence[str]) -> list[str]:
     def rank(e: str) -> tuple[int, str]:
-        base = "asyncllm" if e.startswith("asyncllm") else e
+        base = base_engine(e)
         return (ENGINE_ORDER.index(base) if base in ENGINE_ORDER else 9, e)
 
     return sorted(engines, key=rank)
@@ -120,6 +121,7 @@ def build_summary(
         if e in bench.workers and not bench.workers[e].failed
     }
     breakdown = _breakdown(bench, ceil, model)
+    grammar = grammar_share(bench.traces.get("W1J"))
     kv = _kv(bench)
     summary = {
         "command": "python -m asyncllm bench " + " ".join(getattr(args, "argv", []) or []),
@@ -147,6 +149,7 @@ def build_summary(
         "sweep": sweep,
         "threads": threads,
         "breakdown": breakdown,
+        "grammar": grammar,
         "kv": kv,
         "cold_start": cold,
         "repeats": args.repeats,
@@ -230,9 +233,42 @@ def _breakdown(
     }
 
 
+#: The grammar's parts of a traced step (see :class:`asyncllm.bench.worker.Tracer`).
+GRAMMAR_PARTS = ("grammar_fill", "grammar_mask", "grammar_accept")
+
+
+def grammar_share(trace: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the grammar costs in the steps of a traced constrained run (W1J) at its peak
+    batch (decodes only, as :func:`_breakdown`): mean seconds per step of the bitmask fill,
+    the sampler's mask and the matchers' accept, of the step (``LLMEngine.step``) and of
+    sampling, and ``share``: (fill + mask) / step, issue 14's target (<= 5% at batch 64);
+    ``share_with_accept`` adds the accept. None without a trace or a constrained step.
+    """
+    if not trace:
+        return None
+    steps = [s for s in trace["trace"]["steps"] if "grammar_fill" in s]
+    peak = int(max((s.get("batch", 0) for s in steps), default=0))
+    at = [s for s in steps if s.get("batch") == peak and s.get("tokens") == peak]
+    if not at:
+        return None
+    mean = {k: statistics.fmean(s.get(k, 0.0) for s in at) for k in (*GRAMMAR_PARTS, "step")}
+    mean["sample"] = statistics.fmean(s.get("sample", 0.0) for s in at)
+    step = mean["step"]
+    return {
+        "batch": peak,
+        "steps": len(at),
+        "mean_s": mean,
+        "share": (mean["grammar_fill"] + mean["grammar_mask"]) / step if step else None,
+        "share_with_accept": sum(mean[k] for k in GRAMMAR_PARTS) / step if step else None,
+        "tokens_per_s": trace.get("tokens_per_s"),
+    }
+
+
 def _kv(bench: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, t in bench.traces.items():
+        if name not in ("W1", "W6"):  # the plotted ones
+            continue
         tr = t["trace"]
         steps = tr["steps"]
         t0 = steps[0]["t0"] if steps else 0.0
@@ -265,10 +301,14 @@ def _targets(s: dict[str, Any], threads: int) -> list[dict[str, Any]]:
         out.append({"target": name, "value": value, "goal": goal, "met": ok, "note": note})
 
     w1 = _fig(s, "asyncllm", "W1", "tokens_per_s")
-    v1 = _fig(s, "vllm", "W1", "tokens_per_s")
+    # vLLM in asyncllm's precision where it ran so, else its first column.
+    main = (s["engines"].get("asyncllm", {}).get("info") or {}).get("precision")
+    vllm = _vllm_with(s, main) or "vllm"
+    v1 = _fig(s, vllm, "W1", "tokens_per_s")
     r = _ratio(w1, v1)
-    add("W1 throughput / vLLM-CPU's", r, ">= 1.5", None if r is None else r >= 1.5,
-        "" if r is not None else "vLLM not measured in this run")  # fmt: skip
+    vprec = (s["engines"].get(vllm, {}).get("info") or {}).get("precision")
+    note = "vLLM not measured in this run" if r is None else f"vLLM in {vprec}"
+    add("W1 throughput / vLLM-CPU's", r, ">= 1.5", None if r is None else r >= 1.5, note)
     if ceil and w1:
         roof = ceil["matmul_gflops"] * 1e9 / (2 * model["num_params"])
         gf = ceil["matmul_gflops"]
@@ -294,6 +334,11 @@ def _targets(s: dict[str, Any], threads: int) -> list[dict[str, Any]]:
         f = b["overhead_fraction"]
         name = "scheduling + input prep + sampling + detokenization, share of the step"
         add(f"{name} at batch {b['batch']}", f, "< 0.10", f < 0.10)
+    g = s.get("grammar")
+    if g and g["share"] is not None:
+        add(f"W1J grammar (bitmask fill + mask), share of the step at batch {g['batch']}",
+            g["share"], "<= 0.05", g["share"] <= 0.05,
+            f"{g['share_with_accept']:.1%} with the matchers' accept")  # fmt: skip
     lag = (s["figures"].get("asyncllm", {}).get("W4", {}).get("loop_lag_ms") or {}).get("p99")
     add("event-loop lag p99 under W4 (ms)", lag, "< 20", None if lag is None else lag < 20)
     _precision_targets(s, add)
@@ -301,6 +346,15 @@ def _targets(s: dict[str, Any], threads: int) -> list[dict[str, Any]]:
     add("cold start to first token (s)", cs, "< 10", None if cs is None else cs < 10,
         "`python -m asyncllm generate`, cached default model")  # fmt: skip
     return out
+
+
+def _vllm_with(s: dict[str, Any], precision: str | None) -> str | None:
+    """The vLLM column (engine) that ran in ``precision`` ("bfloat16"), if one did."""
+    for e in _order([e for e in s["engines"] if base_engine(e) == "vllm"]):
+        info = s["engines"][e]["info"] or {}
+        if not s["engines"][e]["failed"] and info.get("precision") == precision:
+            return e
+    return None
 
 
 def _engine_with(s: dict[str, Any], dtype: str | None, quantization: str | None) -> str | None:
@@ -339,13 +393,11 @@ def _precision_targets(s: dict[str, Any], add: Callable[..., None]) -> None:
         "tokens_per_s", ">= 3")  # fmt: skip
     cmp("W1 tokens/s, asyncllm bfloat16 / float32", bf16, f32, "W1", "tokens_per_s", ">= 1.6")
     cmp("W3 TPOT, asyncllm bfloat16 / float32", bf16, f32, "W3", "tpot_mean_s", "<= 0.625")
-    vllm_bf16 = (
-        "vllm"
-        if (s["engines"].get("vllm", {}).get("info") or {}).get("precision") == "bfloat16"
-        else None
-    )
+    vllm_bf16 = _vllm_with(s, "bfloat16")
     cmp("W1 tokens/s, asyncllm bfloat16 / vLLM-CPU bfloat16", bf16, vllm_bf16, "W1",
         "tokens_per_s", ">= 1")  # fmt: skip
+    cmp("W3 TPOT, asyncllm bfloat16 / vLLM-CPU bfloat16", bf16, vllm_bf16, "W3", "tpot_mean_s",
+        "<= 1")  # fmt: skip
     cmp("W3 peak RSS, asyncllm Q4_1 (gguf) / float32", gguf, f32, "W3", "rss_mb_max", "<= 0.4")
 
 
@@ -367,6 +419,8 @@ ROWS: list[tuple[str, str, str, int, float]] = [
     ("W1", "W1 tokens/s", "tokens_per_s", 1, 1),
     ("W1", "W1 wall s", "wall_s", 1, 1),
     ("W1", "W1 RSS MiB", "rss_mb", 0, 1),
+    ("W1J", "W1J tokens/s (JSON schema)", "tokens_per_s", 1, 1),
+    ("W1J", "W1J generated tokens", "generated_tokens", 0, 1),
     ("W2/on", "W2 wall s, prefix cache on", "wall_s", 2, 1),
     ("W2/on", "W2 mean TTFT s, cache on", "ttft_mean_s", 3, 1),
     ("W2/off", "W2 wall s, cache off", "wall_s", 2, 1),
@@ -494,7 +548,7 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             "| workload | " + " | ".join(s["engines"][p]["label"] for p in peers) + " |",
             "|---|" + "---|" * len(peers),
         ]
-        for key in ("W1", "W2/on", "W2/off", "W3", "W6", "C4", "C16"):
+        for key in ("W1", "W1J", "W2/on", "W2/off", "W3", "W6", "C4", "C16"):
             a = _fig(s, "asyncllm", key, "tokens_per_s")
             cells = [_f(_ratio(a, _fig(s, p, key, "tokens_per_s")), 2, "×") for p in peers]
             if all(c == "–" for c in cells):
@@ -569,6 +623,11 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             f"(bandwidth {b['floor']['bandwidth_s'] * 1e3:.1f} ms, compute "
             f"{b['floor']['compute_s'] * 1e3:.1f} ms): {b['forward_over_floor']:.2f}× the floor.",
         ]
+    lines += grammar_lines(
+        s.get("grammar"),
+        _fig(s, "asyncllm", "W1", "tokens_per_s"),
+        _fig(s, "asyncllm", "W1J", "tokens_per_s"),
+    )
     th = s.get("threads") or {}
     if len(th) > 1:
         lines += [
@@ -618,6 +677,41 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def grammar_lines(g: dict[str, Any] | None, w1: float | None, w1j: float | None) -> list[str]:
+    """The report's structured-outputs section: W1J's tokens/s beside W1's (asyncllm, counted
+    runs) and the grammar's parts of the traced W1J step (:func:`grammar_share`)."""
+    if g is None and w1j is None:
+        return []
+    lines = ["", "## Structured outputs (W1J: W1 with every request under one JSON schema)", ""]
+    if w1j is not None:
+        r = _ratio(w1j, w1)
+        vs = f" against W1's {w1:.1f} ({r:.2f}×)" if w1 is not None and r is not None else ""
+        lines.append(f"asyncllm W1J: {w1j:.1f} tokens/s{vs}.")
+    if g is not None:
+        mean = g["mean_s"]
+        lines += [
+            "",
+            f"Traced W1J run ({g['steps']} steps at batch {g['batch']}, decodes only):",
+            "",
+            "| part | ms per step | share of the step |",
+            "|---|---|---|",
+        ]
+        for k, label in (
+            ("grammar_fill", "token bitmask fill (GrammarMatchers.fill)"),
+            ("grammar_mask", "sampler's mask (_apply_grammar)"),
+            ("grammar_accept", "matchers' accept (GrammarMatchers.accept)"),
+            ("sample", "sampling, mask included"),
+        ):
+            lines.append(f"| {label} | {mean[k] * 1e3:.2f} | {mean[k] / mean['step']:.1%} |")
+        lines += [
+            f"| **step** | **{mean['step'] * 1e3:.1f}** | 100% |",
+            "",
+            f"Grammar share (fill + mask) {g['share']:.1%} of the step; with the accept "
+            f"{g['share_with_accept']:.1%} (target: at most 5%).",
+        ]
+    return lines
+
+
 # ---------------------------------------------------------------------------------- plots
 
 
@@ -634,7 +728,7 @@ def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
     colors = {"asyncllm": "C0", "vllm": "C1", "hf": "C2", "hf_cb": "C3", "llamacpp": "C6"}
 
     def color(e: str) -> str:
-        return colors.get(e, "C4" if e.startswith("asyncllm") else "C5")
+        return colors.get(e, "C4" if base_engine(e) == "asyncllm" else "C5")
 
     # 1. Throughput against concurrent requests.
     if s["sweep"]:

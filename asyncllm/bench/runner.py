@@ -4,6 +4,7 @@ run, alternating engines; JSON lines, a markdown report and plots.
     python -m asyncllm bench [--quick] [--repeats 3] [--workloads W1,W3]
                              [--peers vllm,hf,hf_cb,llamacpp] [--threads N] [--compare-threads 2]
                              [--dtype D] [--quantization Q] [--asyncllm-variants "bfloat16;gguf"]
+                             [--vllm-dtype float32,bfloat16]
                              [--out bench-results]
 
 Every engine runs in a worker process of its own (:mod:`asyncllm.bench.worker`); this
@@ -15,9 +16,12 @@ skipped, with the reason; the run goes on.
 
 asyncllm runs with ``--dtype`` / ``--quantization`` (``EngineConfig`` fields, passed only when
 given); ``--asyncllm-variants`` adds more asyncllm columns in the same run, each its own
-process (its own RSS), e.g. ``"float32;bfloat16;quantization=gguf"``. The peers vLLM-CPU and
-llama.cpp (llama-cpp-python, on the default model's own Q4_1 GGUF file) run from virtual
-environments of their own (``../shared/bench/peers/*_setup.sh``).
+process (its own RSS), e.g. ``"float32;bfloat16;quantization=gguf"``. vLLM-CPU runs in
+``--vllm-dtype`` (float32 by default; ``float32,bfloat16`` runs a column of each, one process
+per dtype). The peers vLLM-CPU and llama.cpp (llama-cpp-python, on the default model's own
+Q4_1 GGUF file) run from virtual environments of their own
+(``../shared/bench/peers/*_setup.sh``). W1J (W1 under a JSON schema) runs on asyncllm and
+vLLM (both through ``StructuredOutputsParams``); the others skip it with the reason.
 
 Outputs in ``--out``: ``results.jsonl`` (one JSON line per engine, workload and run, each
 with the machine, dtype, threads and engine settings), ``summary.json``, ``report.md`` (the
@@ -63,13 +67,17 @@ LABELS = {
     "hf_cb": "transformers CB",
     "llamacpp": "llama.cpp",
 }
+# W1J's reason for the peers that have no structured outputs here.
+NO_GRAMMAR = "no JSON-schema constrained decoding in its API as this harness drives it"
 # What each peer cannot run, and why (reported as skipped).
 UNSUPPORTED = {
     "hf": {
+        "W1J": f"{NO_GRAMMAR} (generate takes no grammar)",
         "W4": "static batching admits no request while a batch runs (no online serving)",
         "W5": "no KV cache budget to shrink (W5 is asyncllm's preemption check)",
     },
     "hf_cb": {
+        "W1J": f"{NO_GRAMMAR} (generate_batch takes no grammar)",
         "W4": "offline API (generate_batch's manager); not run online here",
         "W5": "no KV cache budget to shrink (W5 is asyncllm's preemption check)",
     },
@@ -78,10 +86,13 @@ UNSUPPORTED = {
         "preemption check",
     },
     "llamacpp": {
+        "W1J": f"{NO_GRAMMAR} (its GBNF sampler is not wired into the batched argmax loop)",
         "W4": "offline batched decode loop over llama-cpp-python's low-level API (no server)",
         "W5": "no KV cache budget to shrink (W5 is asyncllm's preemption check)",
     },
 }
+# The dtypes --vllm-dtype accepts (vLLM-CPU's float16 is not benchmarked here).
+VLLM_DTYPES = ("float32", "bfloat16")
 # asyncllm precision settings (EngineConfig fields) a variant may set, and the bare words
 # --asyncllm-variants accepts for them.
 VARIANT_KEYS = ("dtype", "quantization")
@@ -89,6 +100,25 @@ VARIANT_WORDS = {
     **{d: "dtype" for d in ("float32", "float16", "bfloat16", "auto")},
     **{q: "quantization" for q in ("int8", "int4", "gguf")},
 }
+
+
+def base_engine(engine: str) -> str:
+    """The engine a column runs: "asyncllm" for its thread and precision variants
+    ("asyncllm-t1", "asyncllm-bfloat16"), "vllm" for "vllm-bfloat16"; else ``engine``."""
+    for base in ("asyncllm", "vllm"):
+        if engine.startswith(base):
+            return base
+    return engine
+
+
+def vllm_columns(dtypes: Sequence[str]) -> list[tuple[str, str, str]]:
+    """``(engine name, report label, dtype)`` of each --vllm-dtype column: the first is
+    "vllm" (labelled "vLLM-CPU" in float32), the others "vllm-<dtype>"."""
+    out = []
+    for i, d in enumerate(dtypes):
+        name = "vllm" if i == 0 else f"vllm-{d}"
+        out.append((name, LABELS["vllm"] + ("" if d == "float32" else f" ({d})"), d))
+    return out
 
 
 def log(msg: str) -> None:
@@ -461,11 +491,12 @@ class Bench:
                         "pass --vllm-venv)"
                     )
                     continue
-                specs["vllm"] = (
-                    [str(venv / "bin" / "python"), str(WORKER), "--engine", "vllm", *common,
-                     "--model", model_dir],
-                    vllm_env(venv, a.kv_gib, a.vllm_bind),
-                )  # fmt: skip
+                for name, self.labels[name], dtype in vllm_columns(a.vllm_dtype):
+                    specs[name] = (
+                        [str(venv / "bin" / "python"), str(WORKER), "--engine", "vllm", *common,
+                         "--dtype", dtype, "--model", model_dir],
+                        vllm_env(venv, a.kv_gib, a.vllm_bind),
+                    )  # fmt: skip
             elif peer == "llamacpp":
                 venv = find_llamacpp_venv(a.llamacpp_venv)
                 gguf, why = llamacpp_gguf(a.model, a.llamacpp_gguf)
@@ -510,7 +541,8 @@ class Bench:
 
     def _wait(self, w: WorkerProc) -> None:
         # vLLM compiles its model; a quantized asyncllm may convert a GGUF file first.
-        timeout = 1200 if w.name == "vllm" else 600 if w.name.startswith("asyncllm") else 300
+        base = base_engine(w.name)
+        timeout = 1200 if base == "vllm" else 600 if base == "asyncllm" else 300
         if w.wait_ready(timeout):
             log(f"{w.name} ready in {w.info['start_s']:.0f} s: {w.info}")
         else:
@@ -543,8 +575,12 @@ class Bench:
             "cache": variant or "on",
             "reset_prefix_cache": True,
             "lag": wl.name == "W4" or kw.pop("lag", False),
-            "outputs": wl.name in ("W1", "W3", "W5", "W6", "C4", "C16"),
+            "outputs": wl.name in ("W1", "W1J", "W3", "W5", "W6", "C4", "C16"),
         }
+        if wl.structured_outputs is not None:
+            s["structured_outputs"] = wl.structured_outputs
+        if not wl.ignore_eos:
+            s["ignore_eos"] = False
         if engine.startswith("asyncllm") and wl.kv_fraction is not None:
             need = max(len(r[0]) + r[1] for r in wl.requests)
             tokens = max(int(wl.peak_tokens * wl.kv_fraction), need)
@@ -596,7 +632,7 @@ class Bench:
         for variant in wl.variants:
             runnable = []
             for e in engines:
-                base = "asyncllm" if e.startswith("asyncllm") else e
+                base = base_engine(e)
                 why = UNSUPPORTED.get(base, {}).get(wl.name)
                 if why is None and base == "hf_cb" and wl.name not in self.args.hf_cb_workloads:
                     why = (
@@ -679,12 +715,13 @@ class Bench:
         return 600 + tokens / 5 + max((r[2] for r in wl.requests), default=0)
 
     def trace_runs(self, wls: dict[str, Workload]) -> None:
-        """asyncllm's instrumented runs (uncounted): the step breakdown of W1 and the KV
-        cache held against tokens in use under W1 and W6."""
+        """asyncllm's instrumented runs (uncounted): the step breakdown of W1, the KV
+        cache held against tokens in use under W1 and W6, and the grammar's share of W1J's
+        steps."""
         w = self.workers.get("asyncllm")
         if w is None or w.failed:
             return
-        for name in ("W1", "W6"):
+        for name in ("W1", "W1J", "W6"):
             wl = wls.get(name)
             if wl is None:
                 continue
@@ -833,6 +870,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         'quantization=Q or bare words: e.g. "float32;bfloat16;quantization=gguf"',
     )
     ap.add_argument("--vllm-venv", default=None, help="venv of vllm_cpu_setup.sh")
+    ap.add_argument(
+        "--vllm-dtype",
+        default="float32",
+        help=f"vLLM-CPU's dtype, or a comma list for a column each ({', '.join(VLLM_DTYPES)})",
+    )
     ap.add_argument("--llamacpp-venv", default=None, help="venv of llamacpp_setup.sh")
     ap.add_argument(
         "--llamacpp-gguf",
@@ -898,6 +940,12 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     args.repeats = 3 if args.repeats is None else args.repeats
     args.peers = parse_list(args.peers, PEERS)
     names = parse_list(args.workloads, ALL)
+    try:
+        args.vllm_dtype = list(dict.fromkeys(parse_list(args.vllm_dtype, VLLM_DTYPES)))
+    except SystemExit as e:
+        raise SystemExit(f"--vllm-dtype: {e}") from None
+    if not args.vllm_dtype:
+        raise SystemExit(f"--vllm-dtype names no dtype; choose from {', '.join(VLLM_DTYPES)}")
     # A variant sets the fields it names and keeps --dtype / --quantization for the others;
     # one equal to the main column's precision, or to an earlier variant, is dropped.
     args.precision = precision_config(args.dtype, args.quantization)

@@ -15,7 +15,9 @@ reads on stdin (``{"op": "run", "spec": {...}}`` or ``{"op": "quit"}``) one ``@@
 engine and its child processes print cannot interleave with a result), else on stdout.
 
 A run spec lists requests as ``[prompt token ids, max_tokens, arrival seconds]``; every
-request is greedy and ignores EOS (exactly ``max_tokens`` new tokens). Each request is
+request is greedy and ignores EOS (exactly ``max_tokens`` new tokens) unless the spec has
+``"ignore_eos": false``; ``"structured_outputs"`` (``StructuredOutputsParams`` fields, the
+same names in asyncllm and vLLM) constrains every request. Each request is
 streamed to a consumer that timestamps what it receives; the run is timed from the first
 submission to the last token received.
 """
@@ -315,14 +317,21 @@ class AsyncllmWorker:
 
     def run(self, spec: dict[str, Any]) -> dict[str, Any]:
         from asyncllm import SamplingParams
+        from asyncllm.sampling_params import StructuredOutputsParams
 
         engine = self.engine(spec.get("engine_config") or {})
         if spec.get("reset_prefix_cache", True):
             engine._engine.reset_prefix_cache()
         tracer = Tracer(engine) if spec.get("trace") else None
+        so = spec.get("structured_outputs")
 
         def submit(i: int, ids: list[int], max_tokens: int, salt: str | None) -> Any:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0.0,
+                ignore_eos=spec.get("ignore_eos", True),
+                structured_outputs=StructuredOutputsParams(**so) if so else None,
+            )
 
             async def gen() -> Any:
                 async for out in engine.stream(ids, params, cache_salt=salt):
@@ -384,7 +393,9 @@ class Tracer:
     front end's dispatch (detokenization and stop checks, timed apart, and posting to the
     request states), the main thread's CPU time per step (the event loop: dispatch, delivery
     to the consumers, the inbox), the batch shape, and the KV blocks held against the tokens
-    in use.
+    in use. With constrained requests, the grammar's parts: the token bitmask fill
+    (``GrammarMatchers.fill``, "grammar_fill"), the sampler's mask (``_apply_grammar``,
+    "grammar_mask") and the matchers' advance (``GrammarMatchers.accept``, "grammar_accept").
     """
 
     def __init__(self, engine: Any) -> None:
@@ -414,6 +425,7 @@ class Tracer:
 
     def install(self) -> None:
         import asyncllm.worker.model_runner as mr
+        import asyncllm.worker.sampler as sampler
         from asyncllm.engine.detokenizer import IncrementalDetokenizer
 
         core = self.core
@@ -435,6 +447,9 @@ class Tracer:
         self._wrap(runner, "execute", "execute")
         self._wrap(runner, "_forward", "forward")
         self._wrap(mr, "sample_chunks", "sample")
+        self._wrap(sampler, "_apply_grammar", "grammar_mask")
+        self._wrap(core.grammar_matchers, "fill", "grammar_fill")
+        self._wrap(core.grammar_matchers, "accept", "grammar_accept")
         tracer = self
         orig_step = core.step
 
@@ -751,7 +766,8 @@ class HFCBWorker:
 
 class VLLMWorker:
     """vLLM's ``AsyncLLM`` (V1 engine; on CPU its engine core runs in a child process),
-    streaming deltas, as asyncllm is driven. Runs under the vLLM venv's interpreter."""
+    streaming deltas, as asyncllm is driven, in ``--dtype`` (float32 unless given). Runs
+    under the vLLM venv's interpreter."""
 
     name = "vllm"
 
@@ -765,7 +781,7 @@ class VLLMWorker:
         t = time.perf_counter()
         eargs = AsyncEngineArgs(
             model=args.model,
-            dtype="float32",
+            dtype=args.dtype or "float32",
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_batch,
             enable_prefix_caching=True,
@@ -804,17 +820,19 @@ class VLLMWorker:
 
     def run(self, spec: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         engine = self.engine
         run_id = uuid.uuid4().hex[:8]
+        so = spec.get("structured_outputs")
 
         def submit(i: int, ids: list[int], max_tokens: int, salt: str | None) -> Any:
             params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=0.0,
-                ignore_eos=True,
+                ignore_eos=spec.get("ignore_eos", True),
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=StructuredOutputsParams(**so) if so else None,
             )
             prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
             if salt is not None:
@@ -1081,6 +1099,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--config", default=None, help="asyncllm: EngineConfig fields as JSON")
+    ap.add_argument("--dtype", default=None, help="vllm: its dtype (float32)")
     ap.add_argument("--prompts", default=None, help="llamacpp: prompts.json (tokenizer check)")
     ap.add_argument(
         "--extra-bufts", action="store_true", help="llamacpp: its extra buffer types (AMX)"

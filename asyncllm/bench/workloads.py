@@ -1,13 +1,14 @@
-"""The standard workloads (../shared/bench/WORKLOADS.md) as request lists, plus W6.
+"""The standard workloads (../shared/bench/WORKLOADS.md) as request lists, plus W6 and W1J.
 
 A workload is a list of requests ``[prompt token ids, max_tokens, arrival seconds]``; every
-request is greedy and ignores EOS, so it generates exactly ``max_tokens`` tokens. Prompt
+request is greedy and ignores EOS (but W1J's), so it generates exactly ``max_tokens`` tokens. Prompt
 token ids come from ``prompts.json`` (a copy of ../shared/bench/prompts.json ships with the
 package: the exact ids the peers' published figures were measured with).
 
 | id | requests | prompt | new tokens |
 |----|----------|--------|------------|
 | W1 | 64 at once | W1's chat-templated "Write a short story about a robot number {i}." | 128 |
+| W1J | as W1, each under :data:`W1J_SCHEMA` (structured outputs) | W1's | <= 128, EOS on |
 | W2 | 32 at once | W2's 528 shared prompt tokens + a distinct question | 32 (cache on, off) |
 | W3 | 1 | W1's prompt 0 | 128 |
 | W4 | Poisson arrivals at ``rate`` per second for ``duration`` s | W1's, cycled | 64 |
@@ -30,8 +31,23 @@ from typing import Any
 PROMPTS_FILE = pathlib.Path(__file__).with_name("prompts.json")
 SHARED_PROMPTS = pathlib.Path("../shared/bench/prompts.json")
 
-ALL = ("W1", "W2", "W3", "W4", "W5", "W6", "C4", "C16")
+ALL = ("W1", "W1J", "W2", "W3", "W4", "W5", "W6", "C4", "C16")
 DEFAULT = ALL
+
+#: W1J's JSON schema: a small record of the story W1's prompt asks for (typed fields, an
+#: enum, an array), as an agent would ask for one.
+W1J_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "robot_number": {"type": "integer", "minimum": 0},
+        "mood": {"type": "string", "enum": ["happy", "sad", "curious", "brave"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+        "story": {"type": "string"},
+    },
+    "required": ["title", "robot_number", "mood", "tags", "story"],
+    "additionalProperties": False,
+}
 
 
 @dataclass
@@ -45,6 +61,9 @@ class Workload:
         kv_fraction: for W5, the KV cache as a fraction of the batch's peak tokens.
         description: one line for the report.
         params: figures that define it (rate, duration...), reported with the results.
+        structured_outputs: every request's ``StructuredOutputsParams`` fields (W1J), or None.
+        ignore_eos: requests generate exactly ``max_tokens`` (False: EOS ends them too, as
+            it ends a constrained request once its JSON is complete, in asyncllm and vLLM).
     """
 
     name: str
@@ -53,6 +72,8 @@ class Workload:
     variants: tuple[str, ...] = ("",)
     kv_fraction: float | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    structured_outputs: dict[str, Any] | None = None
+    ignore_eos: bool = True
 
     @property
     def peak_tokens(self) -> int:
@@ -136,6 +157,18 @@ def build(
         if name == "W1":
             reqs = [[w1[i], new1, 0.0] for i in range(n1)]
             out.append(Workload("W1", reqs, f"offline throughput: {n1} at once, {new1} tokens"))
+        elif name == "W1J":
+            reqs = [[w1[i], new1, 0.0] for i in range(n1)]
+            out.append(
+                Workload(
+                    "W1J",
+                    reqs,
+                    f"structured outputs: W1 ({n1} at once, up to {new1} tokens), each "
+                    "constrained by one JSON schema",
+                    structured_outputs={"json": W1J_SCHEMA},
+                    ignore_eos=False,
+                )
+            )
         elif name == "W2":
             reqs = [[w2[i], new2, 0.0] for i in range(n2)]
             out.append(

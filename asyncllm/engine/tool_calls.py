@@ -451,7 +451,8 @@ class ToolCallParser:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The end of the generation: release held-back text; an unterminated call whose
-        JSON is complete is still taken (some models stop before the closing marker)."""
+        JSON is complete is still taken (some models stop before the closing marker, and
+        ``max_tokens`` may cut the text inside it: ``...}}</``)."""
         self._finished = True
         if self.fmt == HERMES:
             return self._hermes(final=True)
@@ -521,7 +522,7 @@ class ToolCallParser:
                 self._stream_feed(body)
                 self._buf = "" if end < 0 else buf[end + len(HERMES_END) :]
                 self._in_call = False
-                call = self._hermes_call(body, len(self.calls) + 1)
+                call = self._hermes_call(body, len(self.calls) + 1, closed=end >= 0)
                 if call is not None:
                     self._deliver(call, calls)
                     continue
@@ -556,9 +557,20 @@ class ToolCallParser:
             return  # the whitespace between and after calls is not content
         content.append(text)
 
-    def _hermes_call(self, body: str, number: int) -> ToolCall | None:
+    def _hermes_call(self, body: str, number: int, *, closed: bool) -> ToolCall | None:
+        """The call in ``body`` (the text after ``<tool_call>``, up to ``</tool_call>`` when
+        ``closed``), or None, with :attr:`error` noted.
+
+        The JSON is read with ``raw_decode``: after it, only whitespace may follow, and, in
+        a call cut before its closing marker (``max_tokens``), the start of that marker
+        (``...}}</``): the call is complete, only its marker is missing.
+        """
+        text = body.lstrip()
         try:
-            obj = json.loads(body, strict=False)  # see _LENIENT
+            obj, end = json.JSONDecoder(strict=False).raw_decode(text)  # see _LENIENT
+            rest = text[end:].strip()
+            if rest and (closed or not HERMES_END.startswith(rest)):
+                raise ValueError(f"Extra data after the JSON: {rest[:20]!r}")
         except ValueError as e:
             self._note(f"tool call {number}: invalid JSON ({e})")
             return None
