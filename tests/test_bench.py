@@ -136,8 +136,10 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
     a second column, in bfloat16; transformers; llama.cpp skipped with its reason (the tiny
     model has no GGUF file; or no venv); W1J on asyncllm only, with its grammar section."""
     pytest.importorskip("matplotlib")
+    import torch
+
     from asyncllm.__main__ import main
-    from asyncllm.worker.device import default_num_threads
+    from asyncllm.worker.device import default_num_threads, resolve_dtype
 
     out = tmp_path / "out"
     code = main(
@@ -148,21 +150,22 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
     assert code == 0
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     counted = [x for x in lines if x.get("counted")]
-    # "float32" is the main column's precision: no second float32 column.
+    # The main column runs dtype "auto": the variant of the same dtype is dropped.
+    auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    other = "float32" if auto == "bfloat16" else "bfloat16"
     assert {(x["engine"], x["workload"]) for x in counted} == {
         ("asyncllm", "W3"), ("asyncllm", "W6"), ("hf", "W3"), ("hf", "W6"),
-        ("asyncllm-bfloat16", "W3"), ("asyncllm-bfloat16", "W6"),
-        ("asyncllm", "W1J"), ("asyncllm-bfloat16", "W1J"),
+        (f"asyncllm-{other}", "W3"), (f"asyncllm-{other}", "W6"),
+        ("asyncllm", "W1J"), (f"asyncllm-{other}", "W1J"),
     }  # fmt: skip
     for x in counted:
         assert x["machine"]["cores"] and x["threads"] == default_num_threads()
         assert x["tokens_per_s"] > 0 and x["weight_bytes"] > 0
-        assert x["machine"]["dtype"] == (
-            "bfloat16" if x["engine"] == "asyncllm-bfloat16" else "float32"
-        )
+        if x["engine"].startswith("asyncllm"):
+            assert x["machine"]["dtype"] == (other if x["engine"] != "asyncllm" else auto)
     report = (out / "report.md").read_text()
     assert "W6 tokens/s" in report and "## Targets" in report and "## Step time" not in report
-    assert "| asyncllm (bfloat16) |" in report and "| precision | weights MB |" in report
+    assert f"| asyncllm ({other}) |" in report and "| precision | weights MB |" in report
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["agreement"]["W6"]["hf"] <= 1.0
     assert "## Structured outputs (W1J" in report and "W1J tokens/s (JSON schema)" in report
@@ -170,14 +173,13 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
     assert g["batch"] == 16 and 0 < g["share"] < 1 and g["mean_s"]["grammar_fill"] > 0
     assert "transformers generate (static), W1J: no JSON-schema" in report
     engines = summary["engines"]
-    assert engines["asyncllm"]["info"]["precision"] == "float32"
-    half = engines["asyncllm-bfloat16"]["info"]
-    assert half["precision"] == "bfloat16"
+    info = {auto: engines["asyncllm"]["info"], other: engines[f"asyncllm-{other}"]["info"]}
+    assert {k: v["precision"] for k, v in info.items()} == {auto: auto, other: other}
     # Half the bytes, give or take buffers kept in float32 (rotary frequencies).
-    assert 0.45 < half["weight_bytes"] / engines["asyncllm"]["info"]["weight_bytes"] < 0.55
+    assert 0.45 < info["bfloat16"]["weight_bytes"] / info["float32"]["weight_bytes"] < 0.55
     w6 = [d for d in summary["agreement_detail"] if d["workload"] == "W6"]
     assert {(d["engine"], d["reference"]) for d in w6} == {
-        ("hf", "asyncllm"), ("hf", "asyncllm-bfloat16"), ("asyncllm-bfloat16", "asyncllm")
+        ("hf", "asyncllm"), ("hf", f"asyncllm-{other}"), (f"asyncllm-{other}", "asyncllm")
     }  # fmt: skip
     skipped = {x["engine"]: x["reason"] for x in summary["skips"] if x["workload"] == "all"}
     assert "GGUF" in skipped["llamacpp"] or "venv" in skipped["llamacpp"]

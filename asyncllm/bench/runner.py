@@ -368,9 +368,16 @@ def precision_config(dtype: str | None, quantization: str | None) -> dict[str, s
 
 
 def same_precision(cfg: dict[str, str]) -> dict[str, str]:
-    """``cfg`` with the engine's CPU default made explicit (no dtype means float32), so that
-    equal precisions compare equal."""
-    return {"dtype": "float32", **cfg}
+    """``cfg`` with the engine's CPU dtype made explicit (no dtype, or "auto", means what
+    "auto" picks on this CPU), so that equal precisions compare equal."""
+    import torch
+
+    from asyncllm.worker.device import resolve_dtype
+
+    dtype = cfg.get("dtype") or "auto"
+    if dtype == "auto":
+        dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    return {**cfg, "dtype": dtype}
 
 
 def variant_name(cfg: dict[str, str]) -> tuple[str, str]:
@@ -858,7 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--model", default="default", help='"default" or an HF directory')
     ap.add_argument(
-        "--dtype", default=None, help="asyncllm's EngineConfig.dtype (engine default: float32)"
+        "--dtype", default=None, help="asyncllm's EngineConfig.dtype (engine default: auto)"
     )
     ap.add_argument(
         "--quantization", default=None, help="asyncllm's EngineConfig.quantization (none)"
