@@ -31,6 +31,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_num_seqs=1,
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_bytes,
+        dtype=args.dtype,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
     )
@@ -81,8 +82,15 @@ def quantization_arg(value: str) -> str | None:
     return None if value.lower() == "none" else value
 
 
-def add_quantization_args(parser: argparse.ArgumentParser) -> None:
-    """``--quantization`` and ``--quantization-group-size`` (``EngineConfig``'s fields)."""
+def add_precision_args(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``, ``--quantization`` and ``--quantization-group-size`` (``EngineConfig``'s
+    fields)."""
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default=None,
+        help="auto (default): bfloat16 on CUDA and on CPUs with native bfloat16, else float32",
+    )
     parser.add_argument(
         "--quantization",
         type=quantization_arg,
@@ -115,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument(
         "--kv-cache-bytes", type=int, default=None, help="KV cache size (20%% of free memory)"
     )
-    add_quantization_args(gen)
+    add_precision_args(gen)
     sub.add_parser(
         "bench",
         help="the standard workloads against asyncllm and its peers (see docs/benchmarks.md)",

@@ -248,9 +248,12 @@ def _from_gguf(
 
     # Each GGUF tensor dequantized once and indexed by its rows' content, so a weight finds
     # its tensor (whatever its name, and with llama.cpp's q/k row reordering) in one lookup.
+    # The model holds the dequantized values rounded to its dtype (bfloat16 by default on
+    # CPUs that have it): round the file's the same way before comparing.
+    held = next(lm.parameters()).dtype
     index: dict[tuple[tuple[int, ...], int], tuple[Any, torch.Tensor]] = {}
     for t in tensors:
-        dense = t.dequantize()
+        dense = t.dequantize().to(held).float()
         index.setdefault(content_key(dense), (t, dense))
 
     def find(name: str, weight: torch.Tensor) -> tuple[Any, torch.Tensor]:

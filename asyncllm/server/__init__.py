@@ -150,7 +150,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from asyncllm.__main__ import add_quantization_args
+from asyncllm.__main__ import add_precision_args
 from asyncllm.server.app import (
     DEFAULT_MAX_REQUEST_BYTES,
     OpenAIServer,
@@ -203,15 +203,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
     parser.add_argument("--max-waiting", type=int, default=None, help="past it: HTTP 429")
-    parser.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        default=None,
-        help="auto (default): bfloat16 on CUDA and on CPUs with native bfloat16, else float32",
-    )
     parser.add_argument("--device", default=None, help='"auto", "cpu", "cuda" or "cuda:N"')
     parser.add_argument("--no-prefix-caching", action="store_true")
-    add_quantization_args(parser)
+    add_precision_args(parser)
     parser.add_argument("--log-level", default="info")
     scale = parser.add_argument_group("replicas on Ray Serve (the ray extra; docs/scaling.md)")
     scale.add_argument(
