@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import subprocess
 
 import pytest
 
@@ -385,36 +384,3 @@ def test_bench_rejects_bad_arguments_clearly(args, message, tmp_path):
     args = [str(afile) if a == "FILE" else a for a in args]
     with pytest.raises(SystemExit, match=message):
         main(["bench", "--quick", "--no-plots", *args])
-
-
-def test_llamacpp_worker_batched_decode(tmp_path):
-    """The llama.cpp worker in its venv (skipped without one): the workloads' prompt ids are
-    its tokenizer's, and a batch of sequences decodes as each sequence alone does."""
-    from asyncllm.bench import runner
-
-    venv = runner.find_llamacpp_venv(None)
-    gguf, why = runner.llamacpp_gguf("default", None)
-    if venv is None or gguf is None:
-        pytest.skip(f"no llama.cpp venv (../shared/bench/peers/llamacpp_setup.sh) or {why}")
-    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import llama_cpp"], check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"{venv} has no llama_cpp (yet)")
-    cmd = [str(venv / "bin" / "python"), str(runner.WORKER), "--engine", "llamacpp",
-           "--threads", "1", "--prompts", str(workloads.PROMPTS_FILE), "--model", gguf]  # fmt: skip
-    w = runner.WorkerProc("llamacpp", cmd, runner.peer_env(venv), tmp_path / "log")
-    w.start()
-    try:
-        assert w.wait_ready(120), w.failed
-        assert w.info["tokenizer_ids_match"] == {"W1": "64/64", "W2": "32/32", "W3": "1/1"}
-        assert w.info["precision"] == "Q4_1 (GGUF)" and w.info["weight_bytes"] > 0
-        ids = workloads.load_prompts()["W1"]["ids"]
-        reqs = [[ids[0], 6, 0.0], [ids[1], 3, 0.0], [ids[2], 5, 0.0]]
-        both = w.run({"requests": reqs, "outputs": True}, 120)
-        assert [len(o) for o in both["outputs"]] == [6, 3, 5] and both["completed"] == 3
-        assert "3 sequence(s)" in both["settings"]["batching"]
-        alone = [w.run({"requests": [r], "outputs": True}, 120)["outputs"][0] for r in reqs]
-        assert both["outputs"] == alone
-        online = w.run({"requests": [[ids[0], 2, 0.5]]}, 60)
-        assert "offline" in online["skipped"]
-    finally:
-        w.stop()
