@@ -261,7 +261,9 @@ def test_precision_config_passes_only_what_is_given():
     from asyncllm.bench.runner import precision_config, variant_name
 
     assert precision_config(None, None) == {}
-    assert precision_config("bfloat16", "none") == {"dtype": "bfloat16"}
+    # "none" is passed on as None: EngineConfig's default quantization is "auto"
+    assert precision_config("bfloat16", "none") == {"dtype": "bfloat16", "quantization": None}
+    assert variant_name({"quantization": None}) == ("asyncllm-none", "asyncllm (none)")
     # EngineConfig's own check, before any worker starts (a quantization this asyncllm
     # lacks, or does not know, is refused the same way).
     with pytest.raises(SystemExit, match="asyncllm rejects dtype=float64"):

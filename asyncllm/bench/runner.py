@@ -344,7 +344,7 @@ def parse_variants(text: str | None) -> list[dict[str, str]]:
     return out
 
 
-def precision_config(dtype: str | None, quantization: str | None) -> dict[str, str]:
+def precision_config(dtype: str | None, quantization: str | None) -> dict[str, str | None]:
     """The EngineConfig fields of a precision setting: only those given (``quantization``
     "none" means none), so that a field this asyncllm lacks is never passed unasked.
 
@@ -352,11 +352,11 @@ def precision_config(dtype: str | None, quantization: str | None) -> dict[str, s
         SystemExit: EngineConfig rejects the values (an unknown dtype or quantization, or a
             field this version does not have), with its message.
     """
-    cfg: dict[str, str] = {}
+    cfg: dict[str, str | None] = {}
     if dtype is not None:
         cfg["dtype"] = dtype
-    if quantization is not None and quantization.lower() != "none":
-        cfg["quantization"] = quantization
+    if quantization is not None:  # "none" is passed as None: the default is "auto"
+        cfg["quantization"] = None if quantization.lower() == "none" else quantization
     from asyncllm import EngineConfig
 
     try:
@@ -382,7 +382,7 @@ def same_precision(cfg: dict[str, str]) -> dict[str, str]:
 
 def variant_name(cfg: dict[str, str]) -> tuple[str, str]:
     """The engine name (a file name) and report label of an asyncllm precision variant."""
-    words = [cfg[k] for k in VARIANT_KEYS if k in cfg] or ["default"]
+    words = [cfg[k] or "none" for k in VARIANT_KEYS if k in cfg] or ["default"]
     slug = "-".join("".join(c if c.isalnum() else "_" for c in w) for w in words)
     return f"asyncllm-{slug}", f"asyncllm ({', '.join(words)})"
 
