@@ -106,7 +106,8 @@ class CompiledForward:
         out = self.model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep
         )
-        return out.logits[0]
+        logits: torch.Tensor = out.logits[0]
+        return logits
 
     def start(self) -> None:
         """Compile on a background thread (returns at once)."""

@@ -80,7 +80,9 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         w = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_HINT_ROWS)
+        self.packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(
+            w.contiguous(), PACK_HINT_ROWS
+        )
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.dtype = w.dtype
         self._weight = linear.weight if keep_weight else None
@@ -94,7 +96,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # opaque to Inductor: see packed_linear_op
-            return packed_linear_op(x, self.packed, self.bias, self.in_features, self.out_features)
+            y: torch.Tensor = packed_linear_op(
+                x, self.packed, self.bias, self.in_features, self.out_features
+            )
+            return y
         if x.dtype != self.dtype or x.device.type != "cpu" or torch.is_grad_enabled():
             return nn.functional.linear(x, self.weight, self.bias)
         m = x.numel() // self.in_features
@@ -122,7 +127,8 @@ class PackedLinear(nn.Module):
 def _onednn_linear(
     rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return y
 
 
 @torch.library.custom_op("asyncllm::packed_linear", mutates_args=())
@@ -167,7 +173,7 @@ def packing_supported(model: nn.Module) -> bool:
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     return p.dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -180,7 +186,8 @@ def pack_linears(model: nn.Module) -> int:
     """
     if not packing_supported(model):
         return 0
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
     tied = emb.weight if emb is not None and hasattr(emb, "weight") else None
     targets = [
         (parent, name, child)

@@ -217,7 +217,8 @@ class ModelRunner:
             logits_to_keep=keep.to(dev),
             **{METADATA_KWARG: meta},
         )
-        return out.logits[0]  # [len(keep), vocab]
+        logits: torch.Tensor = out.logits[0]  # [len(keep), vocab]
+        return logits
 
     def _forward_compiled(
         self,

@@ -119,6 +119,10 @@ class Int4Linear(nn.Module):
         ValueError: a group size that the kernel lacks or that does not divide ``in``.
     """
 
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(
         self,
         q: torch.Tensor,
@@ -165,6 +169,10 @@ class Int8Linear(nn.Module):
             :class:`Int4Linear`.
     """
 
+    q: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(
         self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
     ) -> None:
@@ -191,6 +199,10 @@ class QuantEmbedding(nn.Module):
         dtype: the output dtype.
         padding_idx: kept for transformers code that reads it.
     """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
 
     def __init__(
         self,
