@@ -303,43 +303,62 @@ def test_grammar_mask_skips_greedy_rows_whose_best_token_is_allowed(monkeypatch)
 
     monkeypatch.setattr(structured_output, "apply_token_bitmask", spy)
     tokens = Sampler(0, CPU)(logits.clone(), batch).token_ids.tolist()
-    assert masked == [[1, 3, 4, 5]]
+    assert masked == [[4, 5], [1, 3]]  # the sampled rows first, then the forbidden picks
     assert all(allowed[r, t] for r, t in enumerate(tokens))
     reference = logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
     assert tokens[:4] == reference[:4]
 
 
-def test_grammar_mask_first_after_a_step_of_forbidden_picks(monkeypatch):
-    """When most greedy picks were forbidden, checking them first cost an extra argmax: the
-    sampler then masks first for MASK_FIRST_STEPS steps, with the same tokens."""
+def test_grammar_mask_first_per_request(monkeypatch):
+    """A request whose greedy pick its grammar forbade is masked first for its next
+    MASK_FIRST_STEPS steps; the other rows of the batch keep the check (one request that
+    fights its grammar does not make the batch pay the mask), and every token is the masked
+    argmax either way."""
     from asyncllm import structured_output
     from asyncllm.worker import sampler as sampler_mod
 
+    monkeypatch.setattr(sampler_mod, "MASK_FIRST_STEPS", 3)
     torch.manual_seed(1)
-    logits = torch.randn(3, 64)
-    allowed = torch.zeros(3, 64, dtype=torch.bool)
+    logits = torch.randn(4, 64)
+    allowed = torch.zeros(4, 64, dtype=torch.bool)
     allowed[:, 40:] = True
-    allowed[torch.arange(3), logits.argmax(-1)] = False
-    words = torch.zeros(3, 2, dtype=torch.int64)
+    best = logits.argmax(-1)
+    allowed[torch.arange(4), best] = torch.tensor([False, True, True, True])
+    words = torch.zeros(4, 2, dtype=torch.int64)
     for t in range(64):
         words[:, t >> 5] |= allowed[:, t].long() << (t & 31)
-    batch = SamplingBatch.from_chunks(
-        [_chunk(SamplingParams(temperature=0.0), rid=f"r{i}") for i in range(3)],
-        CPU,
-        (words.to(torch.int32), [0, 1, 2]),
-    )
-    calls = []
+    chunks = [_chunk(SamplingParams(temperature=0.0), rid=f"r{i}") for i in range(4)]
+    calls: list[list[int]] = []
     real = structured_output.apply_token_bitmask
     monkeypatch.setattr(
         structured_output, "apply_token_bitmask", lambda *a: (calls.append(a[2]), real(*a))
     )
     sampler = Sampler(0, CPU)
     expected = logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
-    assert sampler(logits.clone(), batch).token_ids.tolist() == expected
-    assert sampler._mask_first_steps == sampler_mod.MASK_FIRST_STEPS
-    assert sampler(logits.clone(), batch).token_ids.tolist() == expected
-    assert sampler._mask_first_steps == sampler_mod.MASK_FIRST_STEPS - 1
-    assert calls == [[0, 1, 2], [0, 1, 2]]
+
+    def step(rows: list[int]) -> None:
+        batch = SamplingBatch.from_chunks(
+            [chunks[r] for r in rows], CPU, (words[rows].to(torch.int32), list(range(len(rows))))
+        )
+        out = sampler(logits[rows].clone(), batch).token_ids.tolist()
+        assert out == [expected[r] for r in rows]
+
+    step([0, 1, 2, 3])  # r0's pick is forbidden: masked after the check
+    assert calls == [[0]]
+    assert vars(sampler.grammar_rows) == {"masked_first": 0, "checked": 4, "forbidden": 1}
+    step([1, 0, 2, 3])  # r0 (now row 1) is masked first; the others are checked
+    step([0, 1, 2, 3])
+    assert calls == [[0], [1], [0]]
+    assert vars(sampler.grammar_rows) == {"masked_first": 2, "checked": 10, "forbidden": 1}
+    step([0, 1, 2, 3])
+    assert vars(sampler.grammar_rows) == {"masked_first": 3, "checked": 13, "forbidden": 1}
+    step([0, 1, 2, 3])  # r0's 3 steps are over: checked again (forbidden again)
+    assert calls[-1] == [0]
+    assert vars(sampler.grammar_rows) == {"masked_first": 3, "checked": 17, "forbidden": 2}
+    step([1, 2, 3])  # a request missing from a step drops its entry
+    step([0, 1])
+    assert calls[-1] == [0]
+    assert sampler.grammar_rows.masked_first == 3
 
 
 @settings(max_examples=60, deadline=None)

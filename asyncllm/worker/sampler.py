@@ -16,7 +16,8 @@ order (see :mod:`asyncllm.sampling_params` for each parameter's definition and s
    picks a token: temperature, min-p, top-k and top-p only ever see allowed tokens. When a
    grammar allows only tokens ``min_tokens`` bans (its output is complete: only EOS may
    follow), the grammar wins for that row. A greedy row whose best token the grammar allows
-   is not masked (its argmax is the same);
+   is not masked (its argmax is the same); a request whose best token was forbidden has its
+   row masked first for its next :data:`MASK_FIRST_STEPS` steps (per request, not per batch);
 4. greedy rows take the argmax; the others divide by their temperature, apply min-p on the
    probabilities, then top-k and top-p (:func:`top_k_top_p`: a cut-off logit per row found
    among its best few hundred logits, a full sort only for rows too flat to decide there),
@@ -185,6 +186,8 @@ class SamplingBatch:
         num_logprobs: per row, None or how many top alternatives to return.
         token_bitmask: ``(bitmask [>= B, ceil(V / 32)] int32 on CPU, constrained rows)``
             from ``GrammarMatchers.fill`` (bit 0: the token is not allowed), or None.
+        request_ids: per row, its request's id (keys the sampler's per-request grammar
+            policy; empty: the row indices stand in).
     """
 
     temperatures: torch.Tensor
@@ -206,6 +209,7 @@ class SamplingBatch:
     banned: list[tuple[int, torch.Tensor]] | None = None
     num_logprobs: Sequence[int | None] = ()
     token_bitmask: tuple[torch.Tensor, list[int]] | None = None
+    request_ids: Sequence[str] = ()
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -292,6 +296,7 @@ class SamplingBatch:
             banned=banned,
             num_logprobs=[p.logprobs for p in params],
             token_bitmask=token_bitmask,
+            request_ids=[c.request_id for c in chunks],
         )
 
 
@@ -391,10 +396,13 @@ class Sampler:
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
-        # Steps left that mask every constrained row first: set when most greedy rows' best
-        # tokens were forbidden by their grammars, so checking them first did not pay (see
-        # _apply_grammar); then checking is tried again.
-        self._mask_first_steps = 0
+        # Per request id, the steps left that its greedy constrained row is masked first: set
+        # when its best token was forbidden by its grammar, so checking it first did not pay
+        # (see _apply_grammar); then checking is tried again. Only requests of the last
+        # constrained batch are kept (a request that is gone just loses its entry).
+        self._mask_first: dict[str, int] = {}
+        #: Constrained rows so far, by how the grammar was applied (tests read these).
+        self.grammar_rows = GrammarRowCounts()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample.
@@ -420,23 +428,56 @@ class Sampler:
             logits = logits.clamp(-_MAX_LOGIT, _MAX_LOGIT)
         if batch.token_bitmask is None:
             tokens = row_argmax(logits)
-        elif self._mask_first_steps == 0:
-            tokens = row_argmax(logits)
-            logits, redo, checked = _apply_grammar(logits, raw, batch, tokens)
-            if redo:  # greedy picks the grammar forbids: pick again among the allowed
-                tokens[redo] = row_argmax(logits[redo])
-            if len(redo) > checked // 2:
-                self._mask_first_steps = MASK_FIRST_STEPS
         else:
-            self._mask_first_steps -= 1
-            logits, _, _ = _apply_grammar(logits, raw, batch, None)
-            tokens = row_argmax(logits)
+            logits, tokens = self._constrained_argmax(logits, raw, batch)
         if not batch.all_greedy:
             rows = [r for r, t in enumerate(batch.temperatures.tolist()) if t > 0]
             tokens[rows] = self._sample(logits[rows], batch, rows)
         k = batch.max_num_logprobs
         lp = compute_logprobs(raw, tokens, k) if k is not None else None
         return SamplerOutput(tokens, lp)
+
+    def _constrained_argmax(
+        self, logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply the step's grammars (module docstring, 3b) and take every row's argmax.
+
+        A constrained row is masked first when it is not greedy, or when its request's
+        greedy pick was forbidden in one of the last :data:`MASK_FIRST_STEPS` steps; every
+        other greedy constrained row is checked first (:func:`_apply_grammar`) and masked
+        only when its pick is forbidden, which starts its request's mask-first steps. Per
+        row, not per batch: one request that fights its grammar does not make the whole
+        batch pay the mask. Either way a greedy row gets the argmax of its masked logits.
+
+        Returns:
+            the logits (masked where a row was masked) and the ``[B]`` argmax tokens.
+        """
+        assert batch.token_bitmask is not None
+        _, rows = batch.token_bitmask
+        temps = batch.temperatures.tolist()
+        ids = batch.request_ids or [str(r) for r in range(len(temps))]
+        left = self._mask_first
+        first = [r for r in rows if temps[r] != 0 or left.get(ids[r], 0) > 0]
+        check = [r for r in rows if temps[r] == 0 and left.get(ids[r], 0) == 0]
+        if first:
+            logits, _ = _apply_grammar(logits, raw, batch, first, None)
+        tokens = row_argmax(logits)
+        redo: list[int] = []
+        if check:
+            logits, redo = _apply_grammar(logits, raw, batch, check, tokens)
+            if redo:  # greedy picks the grammar forbids: pick again among the allowed
+                tokens[redo] = row_argmax(logits[redo])
+        # the next step's mask-first rows: a forbidden pick starts them, each step uses one
+        nxt = {ids[r]: MASK_FIRST_STEPS for r in redo}
+        for r in first:
+            if temps[r] == 0 and left.get(ids[r], 0) > 1:
+                nxt[ids[r]] = left[ids[r]] - 1
+        self._mask_first = nxt
+        counts = self.grammar_rows
+        counts.masked_first += len(first)
+        counts.checked += len(check)
+        counts.forbidden += len(redo)
+        return logits, tokens
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
         """Draw for the non-greedy ``rows`` (``logits`` holds just those rows)."""
@@ -466,38 +507,37 @@ class Sampler:
 
 
 def _apply_grammar(
-    logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch, best: torch.Tensor | None
-) -> tuple[torch.Tensor, list[int], int]:
-    """Mask the tokens the rows' grammars forbid (see the module docstring, 3b).
+    logits: torch.Tensor,
+    raw: torch.Tensor,
+    batch: SamplingBatch,
+    rows: list[int],
+    best: torch.Tensor | None,
+) -> tuple[torch.Tensor, list[int]]:
+    """Mask the tokens the grammars of ``rows`` (constrained rows) forbid (see the module
+    docstring, 3b).
 
-    Given ``best`` (the argmax of ``logits``), a greedy row whose best token its grammar
-    allows is left as it is: masking only lowers other tokens, so that token stays the first
-    maximum and greedy sampling reads nothing else. While a model follows its grammar that
-    skips most of the mask's cost (1 CPU thread, 64 greedy rows of 49,152 logits: sampling
-    takes 6.0 ms with every pick allowed, 8.6 ms with 90%, against 18.8 ms masking every
-    row); the masked rows' argmax is taken again (27.7 ms with no pick allowed, so after a
-    step where most picks were forbidden the sampler passes None, masking every row, for
-    :data:`MASK_FIRST_STEPS` steps).
+    Given ``best`` (the argmax of ``logits``; ``rows`` then greedy), a row whose best token
+    its grammar allows is left as it is: masking only lowers other tokens, so that token
+    stays the first maximum and greedy sampling reads nothing else. While a model follows
+    its grammar that skips most of the mask's cost (xgrammar's CPU kernel: ~10 ms for 64
+    rows of 49,152 logits on 1 thread, against ~1 ms for their argmax); a masked row's
+    argmax must be taken again, so a row that keeps being masked is better masked first
+    (``best`` None: every row of ``rows`` is masked; :meth:`Sampler._constrained_argmax`).
 
     Returns:
-        the logits, the greedy rows masked (with ``best``: their argmax must be taken again),
-        and how many greedy rows were checked against ``best`` (0 without it).
+        the logits and the rows masked.
     """
     from asyncllm.structured_output import apply_token_bitmask
 
     assert batch.token_bitmask is not None
-    bitmask, rows = batch.token_bitmask
-    temps = batch.temperatures.tolist()
-    greedy = [r for r in rows if temps[r] == 0]
-    checked = len(greedy) if best is not None else 0
-    if best is not None and greedy:
-        index = torch.tensor(greedy)
+    bitmask = batch.token_bitmask[0]
+    if best is not None and rows:
+        index = torch.tensor(rows)
         picks = best.cpu()[index]
         bits = (bitmask[index, picks >> 5].long() >> (picks & 31)) & 1
-        allowed = {r for r, ok in zip(greedy, bits.tolist(), strict=True) if ok}
-        rows = [r for r in rows if r not in allowed]
-        if not rows:
-            return logits, [], checked
+        rows = [r for r, ok in zip(rows, bits.tolist(), strict=True) if not ok]
+    if not rows:
+        return logits, []
     # float32 logits untouched so far are the raw ones: keep those for logprobs and for the
     # rows below (else mask in place: a copy of a [64, 49152] batch costs milliseconds).
     keep_raw = batch.max_num_logprobs is not None or batch.banned is not None
@@ -510,11 +550,26 @@ def _apply_grammar(
         if dead:  # the grammar allows only banned (stop) tokens: the grammar wins
             logits[dead] = raw[dead].float()
             apply_token_bitmask(logits, bitmask, dead)
-    return logits, [r for r in rows if temps[r] == 0], checked
+    return logits, rows
 
 
-#: Steps the sampler masks every constrained row first, after a step where most greedy
-#: rows' best tokens were forbidden (:func:`_apply_grammar`).
+@dataclass
+class GrammarRowCounts:
+    """Constrained rows a :class:`Sampler` has seen, by how their grammar was applied.
+
+    Attributes:
+        masked_first: rows masked before the argmax (not greedy, or in mask-first steps).
+        checked: greedy rows whose argmax was checked against the bitmask first.
+        forbidden: checked rows whose argmax was forbidden (masked, argmax taken again).
+    """
+
+    masked_first: int = 0
+    checked: int = 0
+    forbidden: int = 0
+
+
+#: Steps a request's greedy constrained row is masked first after a step where its best
+#: token was forbidden (:meth:`Sampler._constrained_argmax`).
 MASK_FIRST_STEPS = 16
 
 
