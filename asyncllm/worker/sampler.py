@@ -463,10 +463,8 @@ class Sampler:
             logits, _ = _apply_grammar(logits, raw, batch, first, None)
         tokens = row_argmax(logits)
         redo: list[int] = []
-        if check:
+        if check:  # greedy picks the grammar forbids are masked and picked again
             logits, redo = _apply_grammar(logits, raw, batch, check, tokens)
-            if redo:  # greedy picks the grammar forbids: pick again among the allowed
-                tokens[redo] = row_argmax(logits[redo])
         # the next step's mask-first rows: a forbidden pick starts them, each step uses one
         nxt = {ids[r]: MASK_FIRST_STEPS for r in redo}
         for r in first:
@@ -525,10 +523,8 @@ def _apply_grammar(
     (``best`` None: every row of ``rows`` is masked; :meth:`Sampler._constrained_argmax`).
 
     Returns:
-        the logits and the rows masked.
+        the logits and the rows masked (with ``best``: its entries for them taken again).
     """
-    from asyncllm.structured_output import apply_token_bitmask
-
     assert batch.token_bitmask is not None
     bitmask = batch.token_bitmask[0]
     if best is not None and rows:
@@ -538,6 +534,20 @@ def _apply_grammar(
         rows = [r for r, ok in zip(rows, bits.tolist(), strict=True) if not ok]
     if not rows:
         return logits, []
+    logits = _mask_rows(logits, raw, batch, rows)
+    if best is not None:  # the masked rows' argmax, again (here: timed as the grammar's)
+        best[rows] = row_argmax(logits[rows])
+    return logits, rows
+
+
+def _mask_rows(
+    logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch, rows: list[int]
+) -> torch.Tensor:
+    """Apply the step's token bitmask to ``rows`` (for :func:`_apply_grammar`)."""
+    from asyncllm.structured_output import apply_token_bitmask
+
+    assert batch.token_bitmask is not None
+    bitmask = batch.token_bitmask[0]
     # float32 logits untouched so far are the raw ones: keep those for logprobs and for the
     # rows below (else mask in place: a copy of a [64, 49152] batch costs milliseconds).
     keep_raw = batch.max_num_logprobs is not None or batch.banned is not None
@@ -550,7 +560,7 @@ def _apply_grammar(
         if dead:  # the grammar allows only banned (stop) tokens: the grammar wins
             logits[dead] = raw[dead].float()
             apply_token_bitmask(logits, bitmask, dead)
-    return logits, rows
+    return logits
 
 
 @dataclass
