@@ -7,12 +7,11 @@ against no constraint (one torch thread; ``asyncllm.worker.sampler._apply_gramma
 
     python benchmarks/structured_cost.py [--batch 64] [--steps 50]
 
-``--policies`` instead runs W1J (W1's first ``--batch`` prompts, each under its JSON schema,
-greedy) on the default model through ``LLMEngine``, once per sampler policy per round,
-interleaved (a shared machine drifts; compare ratios within a run), and prints per policy the
+``--engine`` instead runs W1J (W1's first ``--batch`` prompts, each under its JSON schema,
+greedy) on the default model through ``LLMEngine``, ``--rounds`` times, and prints the
 grammar's share of the decode steps at full batch and the sampler's row counters:
 
-    python benchmarks/structured_cost.py --policies [--rounds 3] [--max-tokens 48] \
+    python benchmarks/structured_cost.py --engine [--rounds 2] [--max-tokens 64] \
         [--dtype float32] [--threads 1]
 """
 
@@ -56,14 +55,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--policies", action="store_true", help="A/B the sampler's grammar policy")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--engine", action="store_true", help="W1J through LLMEngine")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    if args.policies:
-        policy_ab(args.batch, args.rounds, args.max_tokens, args.dtype, args.threads)
+    if args.engine:
+        engine_w1j(args.batch, args.rounds, args.max_tokens, args.dtype, args.threads)
         return
     tok = AutoTokenizer.from_pretrained(resolve_model_dir("default"))
     vocab = 49152
@@ -150,39 +149,13 @@ def greedy_sampler_cost(batch: int, vocab: int, steps: int) -> None:
         print(f"greedy sampler, batch {batch}, 1 thread, {name}: {ms:.2f} ms")
 
 
-def _batch_wide(self: Any, logits: torch.Tensor, raw: torch.Tensor, batch: Any) -> Any:
-    """main's policy before per-request mask-first: after a step where most greedy picks
-    were forbidden, every constrained row of the batch is masked first for 16 steps."""
-    assert batch.token_bitmask is not None
-    _, rows = batch.token_bitmask
-    temps = batch.temperatures.tolist()
-    left = getattr(self, "_batch_left", 0)
-    counts = self.grammar_rows
-    if left:
-        self._batch_left = left - 1
-        logits, _ = sampler_mod._apply_grammar(logits, raw, batch, rows, None)
-        counts.masked_first += len(rows)
-        return logits, sampler_mod.row_argmax(logits)
-    first = [r for r in rows if temps[r] != 0]
-    check = [r for r in rows if temps[r] == 0]
-    if first:
-        logits, _ = sampler_mod._apply_grammar(logits, raw, batch, first, None)
-    tokens = sampler_mod.row_argmax(logits)
-    logits, redo = sampler_mod._apply_grammar(logits, raw, batch, check, tokens)
-    if len(redo) > len(check) // 2:
-        self._batch_left = 16
-    counts.masked_first += len(first)
-    counts.checked += len(check)
-    counts.forbidden += len(redo)
-    return logits, tokens
-
-
-def policy_ab(batch: int, rounds: int, max_tokens: int, dtype: str, threads: int) -> None:
-    """W1J on the default model per sampler policy, interleaved over ``rounds``: (a) batch-wide
-    mask-first (main before), (b) per-request mask-first (16 steps), (c) no mask-first
-    (every greedy row checked first). Timed: ``LLMEngine.step``, ``GrammarMatchers.fill``
-    and the sampler's ``_apply_grammar`` (mask, check and re-argmax), decode steps at full
-    batch only; share = (fill + mask) / step, as ``asyncllm.bench.report.grammar_share``."""
+def engine_w1j(batch: int, rounds: int, max_tokens: int, dtype: str, threads: int) -> None:
+    """W1J on the default model through ``LLMEngine``, ``rounds`` times: the grammar's share
+    of the decode steps at full batch ((fill + mask) / step, as
+    ``asyncllm.bench.report.grammar_share``; "mask" is the sampler's ``_apply_grammar``:
+    check, mask and re-argmax) and the sampler's row counters (``Sampler.grammar_rows``,
+    load-independent). The A/B of three policies that chose the sampler's (module
+    docstring of ``asyncllm.worker.sampler``) is this function at commit 6e715d6."""
     from asyncllm.bench.workloads import W1J_SCHEMA, load_prompts
     from asyncllm.config import EngineConfig
     from asyncllm.engine.llm_engine import LLMEngine
@@ -220,58 +193,33 @@ def policy_ab(batch: int, rounds: int, max_tokens: int, dtype: str, threads: int
         return plan
 
     engine.scheduler.schedule = traced_schedule  # type: ignore[method-assign]
-    real = Sampler._constrained_argmax
-    policies = {
-        "a batch-wide mask-first": (_batch_wide, 16),
-        "b per-request mask-first": (real, 16),
-        "c no mask-first": (real, 0),
-    }
-    results: dict[str, list[tuple[float, float, float, int, int, int, int]]] = {}
     n = 0
     for rnd in range(rounds):
-        for name, (method, steps) in policies.items():
-            Sampler._constrained_argmax = method  # type: ignore[method-assign]
-            sampler_mod.MASK_FIRST_STEPS = steps
-            sampler.grammar_rows = sampler_mod.GrammarRowCounts()
-            sampler._batch_left = 0
-            for ids in prompts:
-                engine.add_request(engine.make_request(f"q{n}", list(ids), params))
-                n += 1
-            fill = mask = step = 0.0
-            counted = 0
-            while engine.has_unfinished():
-                timed.clear()
-                t = time.perf_counter()
-                out = engine.step()
-                dt = time.perf_counter() - t
-                if len(out) == batch and timed.get("tokens") == batch:  # decodes only
-                    fill, step = fill + timed["fill"], step + dt
-                    mask += timed.get("mask", 0.0)
-                    counted += 1
-            c = sampler.grammar_rows
-            results.setdefault(name, []).append(
-                (fill, mask, step, counted, c.masked_first, c.checked, c.forbidden)
-            )
-            per = 1e3 / max(counted, 1)
-            print(
-                f"round {rnd} {name}: {counted} steps, step {per * step:.1f} ms, "
-                f"fill {per * fill:.2f} ms, mask {per * mask:.2f} ms, "
-                f"share {(fill + mask) / step:.2%}; rows masked first {c.masked_first}, "
-                f"checked {c.checked}, forbidden {c.forbidden}",
-                flush=True,
-            )
-    Sampler._constrained_argmax = real  # type: ignore[method-assign]
-    print("per policy, all rounds: share (fill + mask) / step; ms per step; rows counted")
-    for name, rs in results.items():
-        fill, mask, step = (sum(r[i] for r in rs) for i in range(3))
-        steps_n = sum(r[3] for r in rs)
-        mf, ch, fb = (sum(r[i] for r in rs) for i in range(4, 7))
+        sampler.grammar_rows = sampler_mod.GrammarRowCounts()
+        for ids in prompts:
+            engine.add_request(engine.make_request(f"q{n}", list(ids), params))
+            n += 1
+        fill = mask = step = 0.0
+        counted = 0
+        while engine.has_unfinished():
+            timed.clear()
+            t = time.perf_counter()
+            out = engine.step()
+            dt = time.perf_counter() - t
+            if len(out) == batch and timed.get("tokens") == batch:  # decodes only
+                fill, step = fill + timed["fill"], step + dt
+                mask += timed.get("mask", 0.0)
+                counted += 1
+        c = sampler.grammar_rows
+        per = 1e3 / max(counted, 1)
         print(
-            f"{name}: share {(fill + mask) / step:.2%} (per round: "
-            f"{', '.join(f'{(r[0] + r[1]) / r[2]:.2%}' for r in rs)}); "
-            f"fill {1e3 * fill / steps_n:.2f} ms, mask {1e3 * mask / steps_n:.2f} ms, "
-            f"step {1e3 * step / steps_n:.1f} ms; masked first {mf}, checked {ch}, forbidden {fb}"
+            f"round {rnd}: {counted} steps at batch {batch}, step {per * step:.1f} ms, "
+            f"fill {per * fill:.2f} ms, mask {per * mask:.2f} ms, "
+            f"share {(fill + mask) / step:.2%}; rows checked {c.checked}, "
+            f"forbidden {c.forbidden}, sampled {c.sampled}",
+            flush=True,
         )
+    print(f"compiler: {engine.grammar_compiler.stats()}")
     engine.stop_compute_thread()
 
 

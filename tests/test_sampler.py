@@ -309,25 +309,24 @@ def test_grammar_mask_skips_greedy_rows_whose_best_token_is_allowed(monkeypatch)
     assert tokens[:4] == reference[:4]
 
 
-def test_grammar_mask_first_per_request(monkeypatch):
-    """A request whose greedy pick its grammar forbade is masked first for its next
-    MASK_FIRST_STEPS steps; the other rows of the batch keep the check (one request that
-    fights its grammar does not make the batch pay the mask), and every token is the masked
-    argmax either way."""
+def test_grammar_checks_every_greedy_pick_at_every_step(monkeypatch):
+    """Every step, each greedy constrained row is checked and only a forbidden pick is
+    masked (and its argmax taken again), however often that row was forbidden before; a
+    sampled row is masked before its draw, every step. Tokens are the masked argmax (greedy)
+    or allowed (sampled); the counters count the rows."""
     from asyncllm import structured_output
-    from asyncllm.worker import sampler as sampler_mod
 
-    monkeypatch.setattr(sampler_mod, "MASK_FIRST_STEPS", 3)
     torch.manual_seed(1)
-    logits = torch.randn(4, 64)
-    allowed = torch.zeros(4, 64, dtype=torch.bool)
+    logits = torch.randn(5, 64)
+    allowed = torch.zeros(5, 64, dtype=torch.bool)
     allowed[:, 40:] = True
     best = logits.argmax(-1)
-    allowed[torch.arange(4), best] = torch.tensor([False, True, True, True])
-    words = torch.zeros(4, 2, dtype=torch.int64)
+    allowed[torch.arange(5), best] = torch.tensor([False, True, True, True, False])
+    words = torch.zeros(5, 2, dtype=torch.int64)
     for t in range(64):
         words[:, t >> 5] |= allowed[:, t].long() << (t & 31)
-    chunks = [_chunk(SamplingParams(temperature=0.0), rid=f"r{i}") for i in range(4)]
+    params = [SamplingParams(temperature=0.0)] * 4 + [SamplingParams(temperature=1.0, seed=3)]
+    chunks = [_chunk(p, rid=f"r{i}") for i, p in enumerate(params)]
     calls: list[list[int]] = []
     real = structured_output.apply_token_bitmask
     monkeypatch.setattr(
@@ -335,30 +334,12 @@ def test_grammar_mask_first_per_request(monkeypatch):
     )
     sampler = Sampler(0, CPU)
     expected = logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
-
-    def step(rows: list[int]) -> None:
-        batch = SamplingBatch.from_chunks(
-            [chunks[r] for r in rows], CPU, (words[rows].to(torch.int32), list(range(len(rows))))
-        )
-        out = sampler(logits[rows].clone(), batch).token_ids.tolist()
-        assert out == [expected[r] for r in rows]
-
-    step([0, 1, 2, 3])  # r0's pick is forbidden: masked after the check
-    assert calls == [[0]]
-    assert vars(sampler.grammar_rows) == {"masked_first": 0, "checked": 4, "forbidden": 1}
-    step([1, 0, 2, 3])  # r0 (now row 1) is masked first; the others are checked
-    step([0, 1, 2, 3])
-    assert calls == [[0], [1], [0]]
-    assert vars(sampler.grammar_rows) == {"masked_first": 2, "checked": 10, "forbidden": 1}
-    step([0, 1, 2, 3])
-    assert vars(sampler.grammar_rows) == {"masked_first": 3, "checked": 13, "forbidden": 1}
-    step([0, 1, 2, 3])  # r0's 3 steps are over: checked again (forbidden again)
-    assert calls[-1] == [0]
-    assert vars(sampler.grammar_rows) == {"masked_first": 3, "checked": 17, "forbidden": 2}
-    step([1, 2, 3])  # a request missing from a step drops its entry
-    step([0, 1])
-    assert calls[-1] == [0]
-    assert sampler.grammar_rows.masked_first == 3
+    batch = SamplingBatch.from_chunks(chunks, CPU, (words.to(torch.int32), list(range(5))))
+    for n in range(1, 4):
+        out = sampler(logits.clone(), batch).token_ids.tolist()
+        assert out[:4] == expected[:4] and allowed[4, out[4]]
+        assert calls[-2:] == [[4], [0]]  # the sampled row, then the one forbidden pick
+        assert vars(sampler.grammar_rows) == {"sampled": n, "checked": 4 * n, "forbidden": n}
 
 
 @settings(max_examples=60, deadline=None)

@@ -11,13 +11,13 @@ order (see :mod:`asyncllm.sampling_params` for each parameter's definition and s
    penalty) are built with one ``index_put_`` each over the flattened ids of the penalized
    rows, then applied as ``[B, V]`` tensor arithmetic;
 3b. ``structured_outputs``: the step's token bitmask (one per constrained row, filled by the
-   engine's grammar matchers) sets the tokens the grammar forbids to -inf, in one call of
-   xgrammar's kernel, after everything that could raise a logit and before everything that
-   picks a token: temperature, min-p, top-k and top-p only ever see allowed tokens. When a
-   grammar allows only tokens ``min_tokens`` bans (its output is complete: only EOS may
-   follow), the grammar wins for that row. A greedy row whose best token the grammar allows
-   is not masked (its argmax is the same); a request whose best token was forbidden has its
-   row masked first for its next :data:`MASK_FIRST_STEPS` steps (per request, not per batch);
+   engine's grammar matchers) sets the tokens the grammar forbids to -inf (xgrammar's
+   kernel, one call for the sampled rows, one for the forbidden greedy picks), after
+   everything that could raise a logit and before everything that picks a token:
+   temperature, min-p, top-k and top-p only ever see allowed tokens. When a grammar allows
+   only tokens ``min_tokens`` bans (its output is complete: only EOS may follow), the
+   grammar wins for that row. A sampled row is masked before its draw; a greedy row is
+   masked only when its grammar forbids its argmax (then its argmax is taken again);
 4. greedy rows take the argmax; the others divide by their temperature, apply min-p on the
    probabilities, then top-k and top-p (:func:`top_k_top_p`: a cut-off logit per row found
    among its best few hundred logits, a full sort only for rows too flat to decide there),
@@ -186,8 +186,6 @@ class SamplingBatch:
         num_logprobs: per row, None or how many top alternatives to return.
         token_bitmask: ``(bitmask [>= B, ceil(V / 32)] int32 on CPU, constrained rows)``
             from ``GrammarMatchers.fill`` (bit 0: the token is not allowed), or None.
-        request_ids: per row, its request's id (keys the sampler's per-request grammar
-            policy; empty: the row indices stand in).
     """
 
     temperatures: torch.Tensor
@@ -209,7 +207,6 @@ class SamplingBatch:
     banned: list[tuple[int, torch.Tensor]] | None = None
     num_logprobs: Sequence[int | None] = ()
     token_bitmask: tuple[torch.Tensor, list[int]] | None = None
-    request_ids: Sequence[str] = ()
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -296,7 +293,6 @@ class SamplingBatch:
             banned=banned,
             num_logprobs=[p.logprobs for p in params],
             token_bitmask=token_bitmask,
-            request_ids=[c.request_id for c in chunks],
         )
 
 
@@ -396,11 +392,6 @@ class Sampler:
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
-        # Per request id, the steps left that its greedy constrained row is masked first: set
-        # when its best token was forbidden by its grammar, so checking it first did not pay
-        # (see _apply_grammar); then checking is tried again. Only requests of the last
-        # constrained batch are kept (a request that is gone just loses its entry).
-        self._mask_first: dict[str, int] = {}
         #: Constrained rows so far, by how the grammar was applied (tests read these).
         self.grammar_rows = GrammarRowCounts()
 
@@ -442,12 +433,17 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply the step's grammars (module docstring, 3b) and take every row's argmax.
 
-        A constrained row is masked first when it is not greedy, or when its request's
-        greedy pick was forbidden in one of the last :data:`MASK_FIRST_STEPS` steps; every
-        other greedy constrained row is checked first (:func:`_apply_grammar`) and masked
-        only when its pick is forbidden, which starts its request's mask-first steps. Per
-        row, not per batch: one request that fights its grammar does not make the whole
-        batch pay the mask. Either way a greedy row gets the argmax of its masked logits.
+        A sampled constrained row (temperature > 0) is masked before anything else: its draw
+        must see only allowed tokens. A greedy one is checked first (:func:`_apply_grammar`):
+        masked, and its argmax taken again, only when its grammar forbids its argmax.
+
+        Why no "mask first" for greedy rows that keep being forbidden: W1J on the default
+        model (64 greedy rows, float32, 1 thread; ``benchmarks/structured_cost.py
+        --policies`` at 6e715d6, two interleaved rounds on a loaded 2-core machine) masked
+        3,242 of 4,096 rows with a batch-wide mask-first policy (16 steps after a step with
+        most picks forbidden: grammar 3.84% of the step), 3,351 with a per-request one
+        (3.29%), and 1,062 checking every pick (2.37%): re-taking a masked row's argmax
+        (``row_argmax``) costs a tenth of masking it.
 
         Returns:
             the logits (masked where a row was masked) and the ``[B]`` argmax tokens.
@@ -455,26 +451,18 @@ class Sampler:
         assert batch.token_bitmask is not None
         _, rows = batch.token_bitmask
         temps = batch.temperatures.tolist()
-        ids = batch.request_ids or [str(r) for r in range(len(temps))]
-        left = self._mask_first
-        first = [r for r in rows if temps[r] != 0 or left.get(ids[r], 0) > 0]
-        check = [r for r in rows if temps[r] == 0 and left.get(ids[r], 0) == 0]
-        if first:
-            logits, _ = _apply_grammar(logits, raw, batch, first, None)
+        sampled = [r for r in rows if temps[r] != 0]
+        greedy = [r for r in rows if temps[r] == 0]
+        if sampled:
+            logits, _ = _apply_grammar(logits, raw, batch, sampled, None)
         tokens = row_argmax(logits)
-        redo: list[int] = []
-        if check:  # greedy picks the grammar forbids are masked and picked again
-            logits, redo = _apply_grammar(logits, raw, batch, check, tokens)
-        # the next step's mask-first rows: a forbidden pick starts them, each step uses one
-        nxt = {ids[r]: MASK_FIRST_STEPS for r in redo}
-        for r in first:
-            if temps[r] == 0 and left.get(ids[r], 0) > 1:
-                nxt[ids[r]] = left[ids[r]] - 1
-        self._mask_first = nxt
+        forbidden: list[int] = []
+        if greedy:
+            logits, forbidden = _apply_grammar(logits, raw, batch, greedy, tokens)
         counts = self.grammar_rows
-        counts.masked_first += len(first)
-        counts.checked += len(check)
-        counts.forbidden += len(redo)
+        counts.sampled += len(sampled)
+        counts.checked += len(greedy)
+        counts.forbidden += len(forbidden)
         return logits, tokens
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
@@ -517,10 +505,10 @@ def _apply_grammar(
     Given ``best`` (the argmax of ``logits``; ``rows`` then greedy), a row whose best token
     its grammar allows is left as it is: masking only lowers other tokens, so that token
     stays the first maximum and greedy sampling reads nothing else. While a model follows
-    its grammar that skips most of the mask's cost (xgrammar's CPU kernel: ~10 ms for 64
-    rows of 49,152 logits on 1 thread, against ~1 ms for their argmax); a masked row's
-    argmax must be taken again, so a row that keeps being masked is better masked first
-    (``best`` None: every row of ``rows`` is masked; :meth:`Sampler._constrained_argmax`).
+    its grammar that skips most of the mask's cost (xgrammar's CPU kernel: ~0.2 ms per row
+    of 49,152 logits on 1 thread, against ~0.02 ms for the row's argmax); a forbidden pick's
+    row is masked and its argmax taken again, here (so the bench's timing of this function
+    holds all of the grammar's sampler work). ``best`` None: every row of ``rows`` is masked.
 
     Returns:
         the logits and the rows masked (with ``best``: its entries for them taken again).
@@ -568,19 +556,14 @@ class GrammarRowCounts:
     """Constrained rows a :class:`Sampler` has seen, by how their grammar was applied.
 
     Attributes:
-        masked_first: rows masked before the argmax (not greedy, or in mask-first steps).
-        checked: greedy rows whose argmax was checked against the bitmask first.
+        sampled: sampled rows (temperature > 0), masked before their draw.
+        checked: greedy rows whose argmax was checked against the bitmask.
         forbidden: checked rows whose argmax was forbidden (masked, argmax taken again).
     """
 
-    masked_first: int = 0
+    sampled: int = 0
     checked: int = 0
     forbidden: int = 0
-
-
-#: Steps a request's greedy constrained row is masked first after a step where its best
-#: token was forbidden (:meth:`Sampler._constrained_argmax`).
-MASK_FIRST_STEPS = 16
 
 
 #: Candidates :func:`top_k_top_p` examines before falling back to a full sort of a row.
