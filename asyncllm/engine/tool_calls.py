@@ -197,7 +197,7 @@ def check_tool_choice(tool_choice: object, tools: Sequence[Mapping[str, Any]] | 
         and isinstance(tool_choice.get("function"), Mapping)
         and isinstance(tool_choice["function"].get("name"), str)
     ):
-        choice: str = tool_choice["function"]["name"]
+        choice = str(tool_choice["function"]["name"])
         known = [t["function"]["name"] for t in tools or ()]
         if choice not in known:
             raise InvalidRequestError(
