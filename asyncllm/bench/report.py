@@ -699,7 +699,7 @@ def grammar_lines(g: dict[str, Any] | None, w1: float | None, w1j: float | None)
         ]
         for k, label in (
             ("grammar_fill", "token bitmask fill (GrammarMatchers.fill)"),
-            ("grammar_mask", "sampler's mask (_apply_grammar)"),
+            ("grammar_mask", "sampler's check, mask, re-argmax (_apply_grammar)"),
             ("grammar_accept", "matchers' accept (GrammarMatchers.accept)"),
             ("sample", "sampling, mask included"),
         ):
