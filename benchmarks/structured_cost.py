@@ -6,6 +6,13 @@ each row's best token is allowed by its grammar (no mask needed), in 90% of rows
 against no constraint (one torch thread; ``asyncllm.worker.sampler._apply_grammar``).
 
     python benchmarks/structured_cost.py [--batch 64] [--steps 50]
+
+``--engine`` instead runs W1J (W1's first ``--batch`` prompts, each under its JSON schema,
+greedy) on the default model through ``LLMEngine``, ``--rounds`` times, and prints the
+grammar's share of the decode steps at full batch and the sampler's row counters:
+
+    python benchmarks/structured_cost.py --engine [--rounds 2] [--max-tokens 64] \
+        [--dtype float32] [--threads 1]
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import argparse
 import statistics
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -21,6 +29,7 @@ from transformers import AutoTokenizer
 from asyncllm.models.loader import resolve_model_dir
 from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncllm.structured_output import GrammarCompiler, GrammarMatchers, apply_token_bitmask
+from asyncllm.worker import sampler as sampler_mod
 from asyncllm.worker.sampler import Sampler, SamplingBatch
 
 TOOL_SCHEMA = {
@@ -46,7 +55,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--engine", action="store_true", help="W1J through LLMEngine")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    if args.engine:
+        engine_w1j(args.batch, args.rounds, args.max_tokens, args.dtype, args.threads)
+        return
     tok = AutoTokenizer.from_pretrained(resolve_model_dir("default"))
     vocab = 49152
     compiler = GrammarCompiler(tok, vocab, [tok.eos_token_id])
@@ -130,6 +147,80 @@ def greedy_sampler_cost(batch: int, vocab: int, steps: int) -> None:
     for name, ts in times.items():
         ms = statistics.median(ts) * 1e3
         print(f"greedy sampler, batch {batch}, 1 thread, {name}: {ms:.2f} ms")
+
+
+def engine_w1j(batch: int, rounds: int, max_tokens: int, dtype: str, threads: int) -> None:
+    """W1J on the default model through ``LLMEngine``, ``rounds`` times: the grammar's share
+    of the decode steps at full batch ((fill + mask) / step, as
+    ``asyncllm.bench.report.grammar_share``; "mask" is the sampler's ``_apply_grammar``:
+    check, mask and re-argmax) and the sampler's row counters (``Sampler.grammar_rows``,
+    load-independent). The A/B of three policies that chose the sampler's (module
+    docstring of ``asyncllm.worker.sampler``) is this function at commit 6e715d6."""
+    from asyncllm.bench.workloads import W1J_SCHEMA, load_prompts
+    from asyncllm.config import EngineConfig
+    from asyncllm.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model="default", max_num_seqs=batch, dtype=dtype, quantization=None, num_threads=threads
+    )
+    engine = LLMEngine.from_config(config)
+    prompts = load_prompts()["W1"]["ids"][:batch]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, structured_outputs={"json": W1J_SCHEMA}
+    )
+    sampler = engine.runner.sampler
+    timed: dict[str, float] = {}
+
+    def wrap(obj: Any, name: str, key: str) -> None:
+        orig = getattr(obj, name)
+
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                timed[key] = timed.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, wrapped)
+
+    wrap(sampler_mod, "_apply_grammar", "mask")
+    wrap(engine.grammar_matchers, "fill", "fill")
+    schedule = engine.scheduler.schedule
+
+    def traced_schedule() -> Any:
+        plan = schedule()
+        timed["tokens"] = plan.num_batched_tokens
+        return plan
+
+    engine.scheduler.schedule = traced_schedule  # type: ignore[method-assign]
+    n = 0
+    for rnd in range(rounds):
+        sampler.grammar_rows = sampler_mod.GrammarRowCounts()
+        for ids in prompts:
+            engine.add_request(engine.make_request(f"q{n}", list(ids), params))
+            n += 1
+        fill = mask = step = 0.0
+        counted = 0
+        while engine.has_unfinished():
+            timed.clear()
+            t = time.perf_counter()
+            out = engine.step()
+            dt = time.perf_counter() - t
+            if len(out) == batch and timed.get("tokens") == batch:  # decodes only
+                fill, step = fill + timed["fill"], step + dt
+                mask += timed.get("mask", 0.0)
+                counted += 1
+        c = sampler.grammar_rows
+        per = 1e3 / max(counted, 1)
+        print(
+            f"round {rnd}: {counted} steps at batch {batch}, step {per * step:.1f} ms, "
+            f"fill {per * fill:.2f} ms, mask {per * mask:.2f} ms, "
+            f"share {(fill + mask) / step:.2%}; rows checked {c.checked}, "
+            f"forbidden {c.forbidden}, sampled {c.sampled}",
+            flush=True,
+        )
+    print(f"compiler: {engine.grammar_compiler.stats()}")
+    engine.stop_compute_thread()
 
 
 if __name__ == "__main__":

@@ -303,43 +303,43 @@ def test_grammar_mask_skips_greedy_rows_whose_best_token_is_allowed(monkeypatch)
 
     monkeypatch.setattr(structured_output, "apply_token_bitmask", spy)
     tokens = Sampler(0, CPU)(logits.clone(), batch).token_ids.tolist()
-    assert masked == [[1, 3, 4, 5]]
+    assert masked == [[4, 5], [1, 3]]  # the sampled rows first, then the forbidden picks
     assert all(allowed[r, t] for r, t in enumerate(tokens))
     reference = logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
     assert tokens[:4] == reference[:4]
 
 
-def test_grammar_mask_first_after_a_step_of_forbidden_picks(monkeypatch):
-    """When most greedy picks were forbidden, checking them first cost an extra argmax: the
-    sampler then masks first for MASK_FIRST_STEPS steps, with the same tokens."""
+def test_grammar_checks_every_greedy_pick_at_every_step(monkeypatch):
+    """Every step, each greedy constrained row is checked and only a forbidden pick is
+    masked (and its argmax taken again), however often that row was forbidden before; a
+    sampled row is masked before its draw, every step. Tokens are the masked argmax (greedy)
+    or allowed (sampled); the counters count the rows."""
     from asyncllm import structured_output
-    from asyncllm.worker import sampler as sampler_mod
 
     torch.manual_seed(1)
-    logits = torch.randn(3, 64)
-    allowed = torch.zeros(3, 64, dtype=torch.bool)
+    logits = torch.randn(5, 64)
+    allowed = torch.zeros(5, 64, dtype=torch.bool)
     allowed[:, 40:] = True
-    allowed[torch.arange(3), logits.argmax(-1)] = False
-    words = torch.zeros(3, 2, dtype=torch.int64)
+    best = logits.argmax(-1)
+    allowed[torch.arange(5), best] = torch.tensor([False, True, True, True, False])
+    words = torch.zeros(5, 2, dtype=torch.int64)
     for t in range(64):
         words[:, t >> 5] |= allowed[:, t].long() << (t & 31)
-    batch = SamplingBatch.from_chunks(
-        [_chunk(SamplingParams(temperature=0.0), rid=f"r{i}") for i in range(3)],
-        CPU,
-        (words.to(torch.int32), [0, 1, 2]),
-    )
-    calls = []
+    params = [SamplingParams(temperature=0.0)] * 4 + [SamplingParams(temperature=1.0, seed=3)]
+    chunks = [_chunk(p, rid=f"r{i}") for i, p in enumerate(params)]
+    calls: list[list[int]] = []
     real = structured_output.apply_token_bitmask
     monkeypatch.setattr(
         structured_output, "apply_token_bitmask", lambda *a: (calls.append(a[2]), real(*a))
     )
     sampler = Sampler(0, CPU)
     expected = logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
-    assert sampler(logits.clone(), batch).token_ids.tolist() == expected
-    assert sampler._mask_first_steps == sampler_mod.MASK_FIRST_STEPS
-    assert sampler(logits.clone(), batch).token_ids.tolist() == expected
-    assert sampler._mask_first_steps == sampler_mod.MASK_FIRST_STEPS - 1
-    assert calls == [[0, 1, 2], [0, 1, 2]]
+    batch = SamplingBatch.from_chunks(chunks, CPU, (words.to(torch.int32), list(range(5))))
+    for n in range(1, 4):
+        out = sampler(logits.clone(), batch).token_ids.tolist()
+        assert out[:4] == expected[:4] and allowed[4, out[4]]
+        assert calls[-2:] == [[4], [0]]  # the sampled row, then the one forbidden pick
+        assert vars(sampler.grammar_rows) == {"sampled": n, "checked": 4 * n, "forbidden": n}
 
 
 @settings(max_examples=60, deadline=None)

@@ -16,6 +16,7 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 
 from asyncllm import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from asyncllm.engine.async_engine import AsyncEngine
@@ -110,6 +111,65 @@ async def test_outputs_follow_the_grammar(tiny_llama_dir, make_engine, stream):
         compiler = engine._engine.grammar_compiler
         assert compiler.num_compiled == len(kinds)  # each grammar compiled once
         assert compiler.num_cache_hits == len(kinds) * (len(SEEDS) - 1)
+
+
+def test_a_repeated_schema_is_compiled_once(tiny_llama_dir, monkeypatch):
+    """The compiler's cache: a schema seen before (equal text, another dict object) calls
+    xgrammar's compile once; hits are counted and timed apart from compiles (the bench's
+    W1J report prints them)."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.bench.report import compile_lines
+    from asyncllm.structured_output import GrammarCompiler
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    backend = compiler._backend()
+    calls = []
+    real = backend.compile_json_schema
+
+    def spy(self: object, *a: object, **k: object) -> object:
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(type(backend), "compile_json_schema", spy)
+    first = compiler.compile(StructuredOutputsParams(json=SCHEMA))
+    for _ in range(3):
+        again = compiler.compile(StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA))))
+        assert again is first
+    assert len(calls) == 1
+    stats = compiler.stats()
+    assert (stats["num_compiled"], stats["num_cache_hits"]) == (1, 3)
+    assert stats["compile_s"] > 0 and stats["backend_s"] > 0
+    (line,) = [x for x in compile_lines(stats) if x]
+    assert "1 compile(s)" in line and "3 cache hits" in line
+
+
+async def test_greedy_and_sampled_rows_in_one_batch_follow_the_grammar(tiny_llama_dir, make_engine):
+    """Greedy rows (the sampler checks their argmax against the bitmask and masks only a
+    forbidden pick, then takes the argmax again) and sampled rows (masked before sampling)
+    in one batch: every output follows its grammar; greedy outputs are the masked argmax,
+    so a repeated prompt gives the same text."""
+    engine = make_engine(tiny_llama_dir)
+    kinds = [
+        ({"json": SCHEMA, "disable_any_whitespace": True}, _check_json),
+        ({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t) or pytest.fail(t)),
+    ]
+
+    async def one(prompt: str, temperature: float, so: dict) -> tuple[str, str]:
+        p = SamplingParams(max_tokens=80, temperature=temperature, seed=7, structured_outputs=so)
+        out = await engine.generate(prompt, p)
+        return out.text, out.finish_reason
+
+    async with engine:
+        for so, check in kinds:
+            calls = [one(f"Answer {i}:", 0.0 if i % 2 else 0.8, so) for i in range(12)]
+            calls.append(one("Answer 1:", 0.0, so))  # a greedy repeat of row 1
+            results = await asyncio.gather(*calls)
+            _check_all(results, check, min_stop=0.75 if "json" in so else 1.0)
+            assert results[-1] == results[1]
+        counts = engine._engine.runner.sampler.grammar_rows
+        assert counts.checked > 0 and counts.sampled > 0
 
 
 async def test_json_object_and_any_whitespace(tiny_llama_dir, make_engine):
@@ -280,3 +340,45 @@ def test_sync_engine_compiles_at_add_request(tiny_llama_dir):
         assert len(engine.grammar_matchers) == 0
     finally:
         engine.stop_compute_thread()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (xgrammar's GPU kernel)")
+async def test_gpu_bitmask_kernel_and_engine(tiny_llama_dir, make_engine):
+    """On a CUDA device the sampler's mask is xgrammar's GPU kernel (Triton or CUDA): it must
+    mask exactly what its CPU kernel masks (a subset of rows, a vocabulary that is not a
+    multiple of 32), and constrained greedy and sampled outputs of the engine on the GPU
+    must follow their grammar. Skipped without CUDA only (a GPU machine runs it)."""
+    from asyncllm.structured_output import apply_token_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 8, 1000
+    logits = torch.randn(rows, vocab, generator=g)
+    allowed = torch.rand(rows, (vocab + 31) // 32 * 32, generator=g) < 0.3
+    words = (allowed.view(rows, -1, 32).long() << torch.arange(32)).sum(-1).to(torch.int32)
+    masked = [0, 2, 3, 7]
+    cpu = logits.clone()
+    apply_token_bitmask(cpu, words, masked)
+    gpu = logits.cuda()
+    apply_token_bitmask(gpu, words, masked)
+    assert torch.equal(gpu.cpu(), cpu)
+    expect = logits.clone()
+    expect[masked] = expect[masked].masked_fill(~allowed[masked, :vocab], float("-inf"))
+    assert torch.equal(cpu, expect)
+
+    engine = make_engine(tiny_llama_dir, device="cuda")
+    async with engine:
+        outs = await asyncio.gather(
+            *(
+                engine.generate(
+                    f"Answer {i}:",
+                    SamplingParams(
+                        max_tokens=80,
+                        temperature=0.0 if i % 2 else 0.8,
+                        seed=i,
+                        structured_outputs={"json": SCHEMA, "disable_any_whitespace": True},
+                    ),
+                )
+                for i in range(8)
+            )
+        )
+    _check_all([(o.text, o.finish_reason) for o in outs], _check_json)

@@ -261,6 +261,7 @@ def grammar_share(trace: dict[str, Any] | None) -> dict[str, Any] | None:
         "share": (mean["grammar_fill"] + mean["grammar_mask"]) / step if step else None,
         "share_with_accept": sum(mean[k] for k in GRAMMAR_PARTS) / step if step else None,
         "tokens_per_s": trace.get("tokens_per_s"),
+        "compiler": trace["trace"].get("grammar_compiler"),
     }
 
 
@@ -698,7 +699,7 @@ def grammar_lines(g: dict[str, Any] | None, w1: float | None, w1j: float | None)
         ]
         for k, label in (
             ("grammar_fill", "token bitmask fill (GrammarMatchers.fill)"),
-            ("grammar_mask", "sampler's mask (_apply_grammar)"),
+            ("grammar_mask", "sampler's check, mask, re-argmax (_apply_grammar)"),
             ("grammar_accept", "matchers' accept (GrammarMatchers.accept)"),
             ("sample", "sampling, mask included"),
         ):
@@ -709,7 +710,25 @@ def grammar_lines(g: dict[str, Any] | None, w1: float | None, w1j: float | None)
             f"Grammar share (fill + mask) {g['share']:.1%} of the step; with the accept "
             f"{g['share_with_accept']:.1%} (target: at most 5%).",
         ]
+        lines += compile_lines(g.get("compiler"))
     return lines
+
+
+def compile_lines(c: dict[str, float] | None) -> list[str]:
+    """The W1J engine's grammar compiles (``GrammarCompiler.stats``): the schema's compile
+    and the cache hits of every later request under it (issue 14: a cached schema adds no
+    compile time)."""
+    if not c or not c["num_compiled"]:
+        return []
+    hits = int(c["num_cache_hits"])
+    per_hit = f", {1e6 * c['hit_s'] / hits:.0f} µs each" if hits else ""
+    return [
+        "",
+        f"Grammar compile (W1J_SCHEMA, xgrammar): {int(c['num_compiled'])} compile(s), "
+        f"{1e3 * c['compile_s'] / c['num_compiled']:.1f} ms each (first request; plus "
+        f"{1e3 * c['backend_s']:.0f} ms once for the tokenizer's vocabulary); {hits} cache "
+        f"hits{per_hit}, no compile.",
+    ]
 
 
 # ---------------------------------------------------------------------------------- plots

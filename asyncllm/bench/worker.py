@@ -546,6 +546,7 @@ class Tracer:
             "steps": self.steps,
             "block_size": self.core.block_manager.block_size,
             "bytes_per_token": spec.bytes_per_token,
+            "grammar_compiler": self.core.grammar_compiler.stats(),
         }
 
 

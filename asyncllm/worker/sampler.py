@@ -11,12 +11,13 @@ order (see :mod:`asyncllm.sampling_params` for each parameter's definition and s
    penalty) are built with one ``index_put_`` each over the flattened ids of the penalized
    rows, then applied as ``[B, V]`` tensor arithmetic;
 3b. ``structured_outputs``: the step's token bitmask (one per constrained row, filled by the
-   engine's grammar matchers) sets the tokens the grammar forbids to -inf, in one call of
-   xgrammar's kernel, after everything that could raise a logit and before everything that
-   picks a token: temperature, min-p, top-k and top-p only ever see allowed tokens. When a
-   grammar allows only tokens ``min_tokens`` bans (its output is complete: only EOS may
-   follow), the grammar wins for that row. A greedy row whose best token the grammar allows
-   is not masked (its argmax is the same);
+   engine's grammar matchers) sets the tokens the grammar forbids to -inf (xgrammar's
+   kernel, one call for the sampled rows, one for the forbidden greedy picks), after
+   everything that could raise a logit and before everything that picks a token:
+   temperature, min-p, top-k and top-p only ever see allowed tokens. When a grammar allows
+   only tokens ``min_tokens`` bans (its output is complete: only EOS may follow), the
+   grammar wins for that row. A sampled row is masked before its draw; a greedy row is
+   masked only when its grammar forbids its argmax (then its argmax is taken again);
 4. greedy rows take the argmax; the others divide by their temperature, apply min-p on the
    probabilities, then top-k and top-p (:func:`top_k_top_p`: a cut-off logit per row found
    among its best few hundred logits, a full sort only for rows too flat to decide there),
@@ -391,10 +392,8 @@ class Sampler:
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
-        # Steps left that mask every constrained row first: set when most greedy rows' best
-        # tokens were forbidden by their grammars, so checking them first did not pay (see
-        # _apply_grammar); then checking is tried again.
-        self._mask_first_steps = 0
+        #: Constrained rows so far, by how the grammar was applied (tests read these).
+        self.grammar_rows = GrammarRowCounts()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample.
@@ -420,23 +419,51 @@ class Sampler:
             logits = logits.clamp(-_MAX_LOGIT, _MAX_LOGIT)
         if batch.token_bitmask is None:
             tokens = row_argmax(logits)
-        elif self._mask_first_steps == 0:
-            tokens = row_argmax(logits)
-            logits, redo, checked = _apply_grammar(logits, raw, batch, tokens)
-            if redo:  # greedy picks the grammar forbids: pick again among the allowed
-                tokens[redo] = row_argmax(logits[redo])
-            if len(redo) > checked // 2:
-                self._mask_first_steps = MASK_FIRST_STEPS
         else:
-            self._mask_first_steps -= 1
-            logits, _, _ = _apply_grammar(logits, raw, batch, None)
-            tokens = row_argmax(logits)
+            logits, tokens = self._constrained_argmax(logits, raw, batch)
         if not batch.all_greedy:
             rows = [r for r, t in enumerate(batch.temperatures.tolist()) if t > 0]
             tokens[rows] = self._sample(logits[rows], batch, rows)
         k = batch.max_num_logprobs
         lp = compute_logprobs(raw, tokens, k) if k is not None else None
         return SamplerOutput(tokens, lp)
+
+    def _constrained_argmax(
+        self, logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply the step's grammars (module docstring, 3b) and take every row's argmax.
+
+        A sampled constrained row (temperature > 0) is masked before anything else: its draw
+        must see only allowed tokens. A greedy one is checked first (:func:`_apply_grammar`):
+        masked, and its argmax taken again, only when its grammar forbids its argmax.
+
+        Why no "mask first" for greedy rows that keep being forbidden: W1J on the default
+        model (64 greedy rows, float32, 1 thread; ``benchmarks/structured_cost.py
+        --policies`` at 6e715d6, two interleaved rounds on a loaded 2-core machine) masked
+        3,242 of 4,096 rows with a batch-wide mask-first policy (16 steps after a step with
+        most picks forbidden: grammar 3.84% of the step), 3,351 with a per-request one
+        (3.29%), and 1,062 checking every pick (2.37%): re-taking a masked row's argmax
+        (``row_argmax``) costs a tenth of masking it.
+
+        Returns:
+            the logits (masked where a row was masked) and the ``[B]`` argmax tokens.
+        """
+        assert batch.token_bitmask is not None
+        _, rows = batch.token_bitmask
+        temps = batch.temperatures.tolist()
+        sampled = [r for r in rows if temps[r] != 0]
+        greedy = [r for r in rows if temps[r] == 0]
+        if sampled:
+            logits, _ = _apply_grammar(logits, raw, batch, sampled, None)
+        tokens = row_argmax(logits)
+        forbidden: list[int] = []
+        if greedy:
+            logits, forbidden = _apply_grammar(logits, raw, batch, greedy, tokens)
+        counts = self.grammar_rows
+        counts.sampled += len(sampled)
+        counts.checked += len(greedy)
+        counts.forbidden += len(forbidden)
+        return logits, tokens
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
         """Draw for the non-greedy ``rows`` (``logits`` holds just those rows)."""
@@ -466,38 +493,49 @@ class Sampler:
 
 
 def _apply_grammar(
-    logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch, best: torch.Tensor | None
-) -> tuple[torch.Tensor, list[int], int]:
-    """Mask the tokens the rows' grammars forbid (see the module docstring, 3b).
+    logits: torch.Tensor,
+    raw: torch.Tensor,
+    batch: SamplingBatch,
+    rows: list[int],
+    best: torch.Tensor | None,
+) -> tuple[torch.Tensor, list[int]]:
+    """Mask the tokens the grammars of ``rows`` (constrained rows) forbid (see the module
+    docstring, 3b).
 
-    Given ``best`` (the argmax of ``logits``), a greedy row whose best token its grammar
-    allows is left as it is: masking only lowers other tokens, so that token stays the first
-    maximum and greedy sampling reads nothing else. While a model follows its grammar that
-    skips most of the mask's cost (1 CPU thread, 64 greedy rows of 49,152 logits: sampling
-    takes 6.0 ms with every pick allowed, 8.6 ms with 90%, against 18.8 ms masking every
-    row); the masked rows' argmax is taken again (27.7 ms with no pick allowed, so after a
-    step where most picks were forbidden the sampler passes None, masking every row, for
-    :data:`MASK_FIRST_STEPS` steps).
+    Given ``best`` (the argmax of ``logits``; ``rows`` then greedy), a row whose best token
+    its grammar allows is left as it is: masking only lowers other tokens, so that token
+    stays the first maximum and greedy sampling reads nothing else. While a model follows
+    its grammar that skips most of the mask's cost (xgrammar's CPU kernel: ~0.2 ms per row
+    of 49,152 logits on 1 thread, against ~0.02 ms for the row's argmax); a forbidden pick's
+    row is masked and its argmax taken again, here (so the bench's timing of this function
+    holds all of the grammar's sampler work). ``best`` None: every row of ``rows`` is masked.
 
     Returns:
-        the logits, the greedy rows masked (with ``best``: their argmax must be taken again),
-        and how many greedy rows were checked against ``best`` (0 without it).
+        the logits and the rows masked (with ``best``: its entries for them taken again).
     """
+    assert batch.token_bitmask is not None
+    bitmask = batch.token_bitmask[0]
+    if best is not None and rows:
+        index = torch.tensor(rows)
+        picks = best.cpu()[index]
+        bits = (bitmask[index, picks >> 5].long() >> (picks & 31)) & 1
+        rows = [r for r, ok in zip(rows, bits.tolist(), strict=True) if not ok]
+    if not rows:
+        return logits, []
+    logits = _mask_rows(logits, raw, batch, rows)
+    if best is not None:  # the masked rows' argmax, again (here: timed as the grammar's)
+        best[rows] = row_argmax(logits[rows])
+    return logits, rows
+
+
+def _mask_rows(
+    logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch, rows: list[int]
+) -> torch.Tensor:
+    """Apply the step's token bitmask to ``rows`` (for :func:`_apply_grammar`)."""
     from asyncllm.structured_output import apply_token_bitmask
 
     assert batch.token_bitmask is not None
-    bitmask, rows = batch.token_bitmask
-    temps = batch.temperatures.tolist()
-    greedy = [r for r in rows if temps[r] == 0]
-    checked = len(greedy) if best is not None else 0
-    if best is not None and greedy:
-        index = torch.tensor(greedy)
-        picks = best.cpu()[index]
-        bits = (bitmask[index, picks >> 5].long() >> (picks & 31)) & 1
-        allowed = {r for r, ok in zip(greedy, bits.tolist(), strict=True) if ok}
-        rows = [r for r in rows if r not in allowed]
-        if not rows:
-            return logits, [], checked
+    bitmask = batch.token_bitmask[0]
     # float32 logits untouched so far are the raw ones: keep those for logprobs and for the
     # rows below (else mask in place: a copy of a [64, 49152] batch costs milliseconds).
     keep_raw = batch.max_num_logprobs is not None or batch.banned is not None
@@ -510,12 +548,22 @@ def _apply_grammar(
         if dead:  # the grammar allows only banned (stop) tokens: the grammar wins
             logits[dead] = raw[dead].float()
             apply_token_bitmask(logits, bitmask, dead)
-    return logits, [r for r in rows if temps[r] == 0], checked
+    return logits
 
 
-#: Steps the sampler masks every constrained row first, after a step where most greedy
-#: rows' best tokens were forbidden (:func:`_apply_grammar`).
-MASK_FIRST_STEPS = 16
+@dataclass
+class GrammarRowCounts:
+    """Constrained rows a :class:`Sampler` has seen, by how their grammar was applied.
+
+    Attributes:
+        sampled: sampled rows (temperature > 0), masked before their draw.
+        checked: greedy rows whose argmax was checked against the bitmask.
+        forbidden: checked rows whose argmax was forbidden (masked, argmax taken again).
+    """
+
+    sampled: int = 0
+    checked: int = 0
+    forbidden: int = 0
 
 
 #: Candidates :func:`top_k_top_p` examines before falling back to a full sort of a row.
