@@ -118,6 +118,8 @@ class SchedulerOutput:
         cpu_blocks_to_free: CPU blocks released once this step's copies are done.
         copies: (source, destination) device blocks to copy after the swaps
             (copy-on-write of shared, partly filled blocks).
+        preempted: ids of the requests preempted while planning (swapped out or dropped),
+            for the front end's per-request counts.
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -125,6 +127,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     cpu_blocks_to_free: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -554,6 +557,7 @@ class Scheduler:
         bm.free(rid)
         self.running.remove(request)
         request.num_preemptions += 1
+        out.preempted.append(rid)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self._update_shares()

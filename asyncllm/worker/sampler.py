@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker.runner_output import RunnerOutput, TokenLogprobs
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, the usual odd mixing constant
 _MASK63 = (1 << 63) - 1
@@ -574,10 +575,6 @@ def top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return scaled.masked_fill(active[:, None] & (scaled < cutoff), float("-inf"))
 
 
-#: One position's logprobs as plain Python: (logprob, rank, top ids, top logprobs).
-TokenLogprobs = tuple[float, int, list[int], list[float]]
-
-
 @dataclass(frozen=True)
 class PromptRows:
     """The logits rows of one chunk that score prompt tokens (``prompt_logprobs``).
@@ -611,23 +608,6 @@ class PromptRows:
         if stop <= start:
             return None
         return cls(chunk.request_id, start + 1, chunk.prompt_token_ids[start + 1 : stop + 1], k)
-
-
-@dataclass
-class RunnerOutput:
-    """What one step of the model runner produced, as plain Python.
-
-    Attributes:
-        sampled: request id -> sampled token id, for each chunk with ``sample`` set.
-        logprobs: request id -> the sampled token's :data:`TokenLogprobs`, for sampled
-            requests that ask for logprobs.
-        prompt_logprobs: request id -> (index in the prompt of the first token scored, one
-            :data:`TokenLogprobs` per prompt token scored this step).
-    """
-
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprobs] | None = None
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 def prompt_logprobs(
