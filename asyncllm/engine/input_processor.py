@@ -197,10 +197,7 @@ class InputProcessor:
                 f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
             )
         try:
-            token_ids = [
-                operator.index(t) if not isinstance(t, bool) else -1
-                for t in prompt  # type: ignore[attr-defined]
-            ]
+            token_ids = [operator.index(t) if not isinstance(t, bool) else -1 for t in prompt]
         except TypeError:
             raise InvalidRequestError("prompt token ids must be integers") from None
         if not token_ids:
@@ -228,12 +225,16 @@ class InputProcessor:
         Raises:
             InvalidRequestError: as :meth:`check_chat` and :meth:`render_chat`.
         """
-        kw = {
-            "add_generation_prompt": add_generation_prompt,
-            "chat_template_kwargs": chat_template_kwargs,
-        }
-        self.check_chat(messages, **kw)
-        return self.render_chat(messages, **kw)
+        self.check_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     def check_chat(
         self,

@@ -93,7 +93,8 @@ class LLMEngine:
                 f"most {loaded.max_model_len} or leave it None"
             )
         self.max_model_len = config.max_model_len or loaded.max_model_len
-        self.vocab_size = int(loaded.model.get_output_embeddings().weight.shape[0])
+        model: Any = loaded.model  # a transformers PreTrainedModel
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         #: Validates and tokenizes calls into requests (see :class:`InputProcessor`).
         self.inputs = InputProcessor(
             loaded.tokenizer,

@@ -73,7 +73,7 @@ def cpu_bf16_reason() -> tuple[bool, str]:
         return False, "the CPU has no native bfloat16 (avx512_bf16 / amx_bf16)"
     if not capability.startswith("AVX512"):
         return False, f"torch runs its CPU kernels at {capability}, not AVX512"
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False, "torch has no oneDNN"
     return True, f"the CPU has {' and '.join(have)} (torch at {capability})"
 
