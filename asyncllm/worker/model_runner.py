@@ -27,8 +27,9 @@ from asyncllm.core.scheduler import SchedulerOutput
 from asyncllm.worker.compiled import CompiledForward, pad_to
 from asyncllm.worker.cpu_linear import pack_linears
 from asyncllm.worker.kv_cache import KVCache
+from asyncllm.worker.logprobs import PromptRows, prompt_logprobs
 from asyncllm.worker.runner_output import RunnerOutput
-from asyncllm.worker.sampler import PromptRows, Sampler, prompt_logprobs, sample_chunks
+from asyncllm.worker.sampler import Sampler, sample_chunks
 
 
 def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
