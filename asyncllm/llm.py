@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequenc
 from typing import Any, TypeVar
 
 from asyncllm.engine.async_engine import AsyncEngine, collect
-from asyncllm.engine.llm_engine import PromptType
+from asyncllm.engine.input_processor import PromptType
 from asyncllm.errors import InvalidRequestError, QueueFull
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams

@@ -59,7 +59,7 @@ def engine_at_batch(
         print(f"compiled in {time.perf_counter() - t:.0f} s: {eng.runner.compiled.error or 'ok'}")
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(load_prompts()["W1"]["ids"][:batch]):
-        eng.add_request(eng.make_request(f"r{i}", ids, params))
+        eng.add_request(eng.inputs.make_request(f"r{i}", ids, params))
     while any(
         r.num_computed_tokens < len(r.prompt_token_ids) for r in eng.scheduler.requests.values()
     ):

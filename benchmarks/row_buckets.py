@@ -41,7 +41,7 @@ def decode(engine: LLMEngine, batch: int, reps: int) -> dict[bool, float]:
     params = SamplingParams(max_tokens=4 * reps + 8, temperature=0, ignore_eos=True)
     for i in range(batch):
         prompt = list(range(100 + 61 * i, 160 + 61 * i))
-        engine.add_request(engine.make_request(f"d{batch}-{i}", prompt, params))
+        engine.add_request(engine.inputs.make_request(f"d{batch}-{i}", prompt, params))
     sched = engine.scheduler
     while sched.num_waiting or any(
         r.num_computed_tokens < len(r.prompt_token_ids) for r in sched.running
@@ -65,7 +65,7 @@ def prefill(engine: LLMEngine, reps: int) -> dict[bool, float]:
             use_buckets(on)
             prompt = [(7 * j + 13 * k + 5000 * on) % 40000 + 100 for j in range(512)]
             one = SamplingParams(max_tokens=1)
-            engine.add_request(engine.make_request(f"p{k}{on}", prompt, one))
+            engine.add_request(engine.inputs.make_request(f"p{k}{on}", prompt, one))
             times[on].append(timed_step(engine))
             while engine.has_unfinished():
                 engine.step()

@@ -68,7 +68,7 @@ def run(engine: LLMEngine, n: int = 1, max_tokens: int = 12) -> dict[str, list[i
         for _ in range(2):
             if todo:
                 i, p = todo.pop(0)
-                for r in engine.make_requests(f"r{i}", p, params):
+                for r in engine.inputs.make_requests(f"r{i}", p, params):
                     engine.add_request(r)
         for u in engine.step():
             out.setdefault(u.request_id, []).append(u.token_id)

@@ -86,7 +86,7 @@ async def test_stops_at_eos_and_respects_max_model_len(tiny_llama_dir, make_engi
     engine = make_engine(
         tiny_llama_dir, block_size=4, kv_cache_bytes=2**20, max_model_len=40, dtype="float32"
     )
-    engine._engine.eos_token_ids = frozenset({eos})
+    engine._engine.inputs.eos_token_ids = frozenset({eos})
     async with engine:
         out = await engine.generate(prompts[0], SamplingParams(max_tokens=10, temperature=0))
         assert out.finish_reason == "stop"
@@ -265,7 +265,7 @@ async def test_all_torch_work_runs_on_the_compute_thread(tiny_llama_dir, make_en
         with pytest.raises(RuntimeError, match="AsyncEngine drives"):
             core.step()  # its outputs would never reach the streams
     # The sync engine, driven from this (the main) thread.
-    core.add_request(core.make_request("direct", "hello", SamplingParams(max_tokens=2)))
+    core.add_request(core.inputs.make_request("direct", "hello", SamplingParams(max_tokens=2)))
     while core.has_unfinished():
         core.step()
     core.stop_compute_thread()

@@ -257,7 +257,7 @@ class Untouchable(collections.abc.Sequence):  # type: ignore[type-arg]
 async def test_a_huge_prompt_is_refused_without_tokenizing_it(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, **SMALL)
     spy = TokenizerSpy(engine._engine.tokenizer)
-    engine._engine.tokenizer = spy
+    engine._engine.inputs.tokenizer = spy
     huge = "a" * 10_000_000
     async with engine:
         other = engine.stream(list(range(100, 110)), _greedy(30))
@@ -287,9 +287,9 @@ async def test_text_prompts_and_chat_templates_are_tokenized_off_the_loop(
     engine = make_engine(tiny_llama_dir, **SMALL)
     core = engine._engine
     spy = TokenizerSpy(core.tokenizer)
-    core.tokenizer = spy
+    core.inputs.tokenizer = spy
     fits_chars = "word " * 2000  # 10,000 characters: under the bound, over 256 tokens
-    assert len(fits_chars) < core.max_prompt_chars
+    assert len(fits_chars) < core.inputs.max_prompt_chars
     async with engine:
         loop_thread, compute_thread = threading.get_ident(), core.compute_thread.ident
         with pytest.raises(InvalidRequestError, match="max_model_len"):
@@ -311,13 +311,13 @@ def hold_tokenization(engine: Any) -> threading.Event:
     """Make the engine's tokenization of text prompts wait until the returned event is set."""
     core = engine._engine
     release = threading.Event()
-    real = core.make_requests
+    real = core.inputs.make_requests
 
     def slow_make_requests(*args: Any, **kw: Any) -> Any:
         release.wait(10)
         return real(*args, **kw)
 
-    core.make_requests = slow_make_requests
+    core.inputs.make_requests = slow_make_requests
     return release
 
 

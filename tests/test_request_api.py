@@ -160,7 +160,7 @@ async def test_rendered_chat_text_gets_one_bos(bos_llama_dir, make_engine):
     assert plain.prompt_token_ids == tok.encode("Hi")  # BOS still added to plain text
     assert ids.prompt_token_ids[:2] == [bos, bos]  # token ids are taken as given
     # Two BOS written in the text are the caller's: one added BOS is dropped, not theirs.
-    twice = engine._engine._prompt_token_ids(tok.bos_token * 2 + "Hi")
+    twice = engine._engine.inputs._prompt_token_ids(tok.bos_token * 2 + "Hi")
     assert twice == tok.encode(tok.bos_token * 2 + "Hi", add_special_tokens=False)
 
 
@@ -204,7 +204,7 @@ async def test_min_tokens_suppresses_an_early_eos(tiny_llama_dir, make_engine):
     ref = _reference(_hf(tiny_llama_dir), [prompt], 10)[0]
     eos = ref[2]
     engine = make_engine(tiny_llama_dir, **F32)
-    engine._engine.eos_token_ids = frozenset({eos})
+    engine._engine.inputs.eos_token_ids = frozenset({eos})
     async with engine:
         early = await engine.generate(prompt, SamplingParams(max_tokens=10, temperature=0))
         late = await engine.generate(

@@ -241,7 +241,7 @@ def test_request_tensors_are_built_once_per_request(tiny_llama_dir, monkeypatch)
         max_tokens=6, min_tokens=6, temperature=1.0, ignore_eos=True, n=4,
         logit_bias=bias, stop_token_ids=stops,
     )  # fmt: skip
-    engine.add_parallel_requests(engine.make_requests("r", [5, 6, 7, 8], params))
+    engine.add_parallel_requests(engine.inputs.make_requests("r", [5, 6, 7, 8], params))
     while engine.has_unfinished():
         engine.step()
     engine.stop_compute_thread()

@@ -326,10 +326,10 @@ def test_sync_engine_compiles_at_add_request(tiny_llama_dir):
     try:
         bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(?<=a)b"))
         with pytest.raises(InvalidRequestError, match=r"structured_outputs\.regex"):
-            engine.add_request(engine.make_request("bad", [5, 6], bad))
+            engine.add_request(engine.inputs.make_request("bad", [5, 6], bad))
         assert not engine.has_unfinished() and len(engine.grammar_matchers) == 0
         good = SamplingParams(max_tokens=20, structured_outputs={"choice": ["ok", "fine"]})
-        engine.add_request(engine.make_request("good", [5, 6], good))
+        engine.add_request(engine.inputs.make_request("good", [5, 6], good))
         tokens = []
         while engine.has_unfinished():
             for u in engine.step():

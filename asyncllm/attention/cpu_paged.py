@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from asyncllm.attention.hf_integration import AttentionBackend
+from asyncllm.attention.backend_registry import AttentionBackend
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
 
 logger = logging.getLogger("asyncllm")

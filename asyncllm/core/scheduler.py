@@ -27,11 +27,12 @@ arrival. A victim's KV blocks are either
 Either way the request's output is unchanged. The copies of one step are listed in its plan
 (``swap_out`` before ``swap_in``) and done by the worker before the forward pass.
 
-Parallel sampling (n > 1): the n samples of one prompt share its KV blocks. A hidden prefix
-request computes all prompt tokens but the last; then each sample forks its block table
-(reference counts, no copies) and computes the last prompt token itself, which samples its
-first token. The partly filled last block is copied on write by each sample that writes into
-it while others still share it; the copies of a step are in its plan (``copies``).
+Parallel sampling (n > 1), kept in :class:`~asyncllm.core.parallel.SampleGroups`: the n
+samples of one prompt share its KV blocks. A hidden prefix request computes all prompt tokens
+but the last; then each sample forks its block table (reference counts, no copies) and
+computes the last prompt token itself, which samples its first token. The partly filled last
+block is copied on write by each sample that writes into it while others still share it; the
+copies of a step are in its plan (``copies``).
 
 Fairness between calls: the n samples of one call (``group_id``) must not take every running
 slot from other calls. The calls that want slots (running or waiting) share ``max_num_seqs``
@@ -58,13 +59,13 @@ Pure Python: the plan crosses to the worker as a :class:`SchedulerOutput` of pla
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.core.block_manager import BlockManager, BlockPool
-from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
+from asyncllm.core.parallel import SampleGroups
+from asyncllm.core.request import Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +119,8 @@ class SchedulerOutput:
         cpu_blocks_to_free: CPU blocks released once this step's copies are done.
         copies: (source, destination) device blocks to copy after the swaps
             (copy-on-write of shared, partly filled blocks).
+        preempted: ids of the requests preempted while planning (swapped out or dropped),
+            for the front end's per-request counts.
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -125,6 +128,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     cpu_blocks_to_free: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -182,8 +186,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Prefix request id -> the samples waiting for it to finish before they fork.
-        self._forks: dict[str, list[Request]] = {}
+        #: Parallel sampling: prompt sharing and fairness between calls.
+        self.groups = SampleGroups(max_num_seqs)
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
@@ -191,9 +195,6 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache at first admission (not readmission).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0  # of which served from cached blocks
-        # Fairness between calls (see the module docstring), refreshed by _update_shares.
-        self._group_running: Counter[str] = Counter()
-        self._fair_share = max_num_seqs
 
     @property
     def num_unfinished(self) -> int:
@@ -219,28 +220,12 @@ class Scheduler:
         Raises:
             ValueError: a duplicate request id.
         """
-        first = samples[0]
-        if len(samples) == 1 or len(first.prompt_token_ids) < 2:
+        prefix = self.groups.split(samples, self.requests)
+        if prefix is None:
             for r in samples:
                 self.add_request(r)
             return
-        ids = [r.request_id for r in samples]
-        prefix_id = f"{first.request_id}{SAMPLE_ID_SEP}prefix"
-        if len(set(ids)) != len(ids) or any(i in self.requests for i in [*ids, prefix_id]):
-            raise ValueError(f"duplicate request id among {ids}")
-        prefix = Request(
-            prefix_id,
-            first.prompt_token_ids[:-1],
-            max_tokens=1,
-            max_model_len=first.max_model_len,
-            arrival_time=first.arrival_time,
-            priority=first.priority,
-            cache_salt=first.cache_salt,
-            prefill_only=True,
-            group_id=first.group_id,
-        )
         self.add_request(prefix)
-        self._forks[prefix_id] = list(samples)
         for r in samples:
             r.status = RequestStatus.WAITING
             self.requests[r.request_id] = r
@@ -253,14 +238,10 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        for prefix_id, samples in self._forks.items():
-            if request in samples:  # not forked yet: it holds no blocks
-                samples.remove(request)
-                if not samples:
-                    del self._forks[prefix_id]
-                    self.abort_request(prefix_id)
-                break
-        else:
+        unforked, orphan_prefix = self.groups.discard(request)  # not forked: holds no blocks
+        if orphan_prefix is not None:
+            self.abort_request(orphan_prefix)
+        if not unforked:
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
@@ -279,7 +260,7 @@ class Scheduler:
         return (
             not self.is_protected(request),
             request.priority,
-            self._over_share(request),
+            self.groups.over_share(request),
             request.arrival_time,
         )
 
@@ -287,31 +268,12 @@ class Scheduler:
     # running list reversed).
     _victim_key = _admission_key
 
-    def _update_shares(self) -> None:
-        """Count the running requests of each call with parallel samples, and the fair share
-        of running slots per call that wants one (see the module docstring)."""
-        self._group_running = Counter(r.group_id for r in self.running if r.group_id)
-        if not self._group_running:  # no call of several samples runs: nobody is above
-            self._fair_share = self.max_num_seqs
-            return
-        calls = {r.group_id or r.request_id for r in self.running}
-        calls.update(r.group_id or r.request_id for r in self.waiting)
-        self._fair_share = max(1, self.max_num_seqs // len(calls))
-
-    def _over_share(self, request: Request) -> bool:
-        """Whether the request's call holds (or, once it is admitted, would hold) more than
-        its fair share of running slots."""
-        if request.group_id is None:
-            return False
-        held = self._group_running[request.group_id]
-        return held + (request.status is not RequestStatus.RUNNING) > self._fair_share
-
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
-        self._update_shares()
+        self.groups.refresh(self.running, self.waiting)
         self.waiting.sort(key=self._admission_key)
         self._preempt_for_priority(out)
         self._preempt_for_fairness(out)
@@ -341,11 +303,9 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(self._chunk(request, n))
             budget -= n
-            if request.group_id is not None:
-                self._group_running[request.group_id] += 1
-                if self._group_running[request.group_id] == self._fair_share:
-                    # Its call's other waiting samples are now above the share: others first.
-                    self.waiting.sort(key=self._admission_key)
+            if self.groups.admitted(request):
+                # Its call's other waiting samples are now above the share: others first.
+                self.waiting.sort(key=self._admission_key)
         return out
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
@@ -399,7 +359,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Requests waiting: queued, plus parallel samples waiting for their prefix."""
-        return len(self.waiting) + sum(len(s) for s in self._forks.values())
+        return len(self.waiting) + self.groups.num_unforked
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempt running requests of worse priority until the best waiting request fits
@@ -427,25 +387,19 @@ class Scheduler:
     def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
         """With every running slot taken, preempt samples of calls above their fair share for
         the waiting requests within theirs (see the module docstring)."""
-        if not self.waiting or len(self.running) < self.max_num_seqs or not self._group_running:
+        groups = self.groups
+        if not self.waiting or len(self.running) < self.max_num_seqs or not groups.any_running:
             return
         tokens = 0
         for head in list(self.waiting):
             if tokens >= self.max_num_batched_tokens:
                 return  # these cannot all start this step anyway
-            if self._over_share(head):
+            if groups.over_share(head):
                 continue
-            victims = [
-                r for r in self.running
-                if r.group_id is not None and r.group_id != head.group_id
-                and r.priority >= head.priority and self._over_share(r)
-                # Age does not protect here (the call keeps its fair share running); being
-                # preempted PROTECT_AFTER_PREEMPTIONS times does.
-                and r.num_preemptions < self.protect_after_preemptions
-            ]  # fmt: skip
-            if not victims:
+            victim = groups.fairness_victim(head, self.running, self.protect_after_preemptions)
+            if victim is None:
                 return  # later waiting requests have no better priority
-            self._preempt(victims[-1], out)  # the call's most recently admitted sample
+            self._preempt(victim, out)
             tokens += head.num_tokens - head.num_computed_tokens
 
     def update_from_output(
@@ -510,12 +464,7 @@ class Scheduler:
 
     def _fork(self, prefix: Request) -> None:
         """The prefix is computed: its samples share its blocks and join the waiting queue."""
-        for r in self._forks.pop(prefix.request_id, []):
-            self.block_manager.fork(prefix.request_id, r.request_id)
-            r.num_computed_tokens = prefix.num_computed_tokens
-            r.num_cached_tokens = prefix.num_cached_tokens
-            r.admitted = True  # its prefix was (and counted its prompt)
-            self.waiting.append(r)
+        self.waiting.extend(self.groups.fork(prefix, self.block_manager))
         self.waiting.sort(key=self._admission_key)
         self.running.remove(prefix)
         self._finish(prefix, RequestStatus.FINISHED_STOPPED)
@@ -554,9 +503,10 @@ class Scheduler:
         bm.free(rid)
         self.running.remove(request)
         request.num_preemptions += 1
+        out.preempted.append(rid)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
-        self._update_shares()
+        self.groups.refresh(self.running, self.waiting)
         self.waiting.sort(key=self._admission_key)
         self.num_preemptions += 1
 

@@ -17,7 +17,7 @@ the caller's id.
 Text prompts and chat templates are tokenized on a small thread pool of the front end (never
 on the event loop, never on the engine's compute thread, which alone does torch work); a
 text too long to fit ``max_model_len`` is refused before any tokenization
-(``LLMEngine.check_prompt_chars``). Grammars (``SamplingParams.structured_outputs``) are
+(``InputProcessor.check_prompt_chars``). Grammars (``SamplingParams.structured_outputs``) are
 compiled on another thread of the front end, with a cache (``LLMEngine.compile_grammar``),
 before the request is queued: a grammar that does not compile fails only its call, and a
 slow compile holds neither the step loop nor tokenization.
@@ -34,15 +34,22 @@ import math
 import operator
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from asyncllm.config import EngineConfig
 from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
-from asyncllm.core.scheduler import RequestUpdate
-from asyncllm.engine.llm_engine import LLMEngine, PromptType
-from asyncllm.engine.output_processor import RequestState, TokenTextCache, merge_outputs
+from asyncllm.engine.input_processor import PromptType
+from asyncllm.engine.output_processor import (
+    RequestState,
+    TokenTextCache,
+    merge_outputs,
+    process_step,
+)
+from asyncllm.engine.parallel_sampling import merge_samples
+from asyncllm.engine.parallel_sampling import num_samples as _num_samples
+from asyncllm.engine.step_output import StepOutput
 from asyncllm.engine.tool_calls import ChatTools
 from asyncllm.errors import (
     EngineDeadError,
@@ -52,6 +59,9 @@ from asyncllm.errors import (
 )
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine core imports torch; the front end does not
+    from asyncllm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("asyncllm")
 
@@ -136,6 +146,8 @@ class AsyncEngine:
             ValueError: a bad config field; ModelNotFoundError, ModelLoadError or
                 UnsupportedModelError (all ValueError) for the model.
         """
+        from asyncllm.engine.llm_engine import LLMEngine  # torch: only when building one
+
         return cls(LLMEngine.from_config(EngineConfig(model=model, **config)))
 
     @property
@@ -333,7 +345,7 @@ class AsyncEngine:
             Other arguments as in :meth:`stream`.
 
         The messages are checked on the loop (their contents' length included: see
-        ``LLMEngine.check_prompt_chars``); the template is rendered and tokenized on the
+        ``InputProcessor.check_prompt_chars``); the template is rendered and tokenized on the
         front end's tokenizer thread.
 
         Raises:
@@ -345,7 +357,7 @@ class AsyncEngine:
                 :meth:`stream` raises.
         """
         self._check_running()
-        self._engine.check_chat(
+        self._engine.inputs.check_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
@@ -380,7 +392,7 @@ class AsyncEngine:
             params = msgspec.structs.replace(params or SamplingParams(), structured_outputs=spec)
         prompt = await self._off_loop(
             functools.partial(
-                self._engine.render_chat,
+                self._engine.inputs.render_chat,
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
@@ -611,18 +623,18 @@ class AsyncEngine:
                 grammar=True,
             )
         make = functools.partial(
-            self._engine.make_requests,
+            self._engine.inputs.make_requests,
             f"{request_id}{SAMPLE_ID_SEP}{next(self._ids)}",  # unique for the engine's life
             prompt,
             params if params is not None else SamplingParams(),
             priority=priority,
             cache_salt=cache_salt,
         )
-        text = self._engine.prompt_text(prompt)
+        text = self._engine.inputs.prompt_text(prompt)
         if text is None:  # token ids: cheap, validated here
             requests = make()
         else:
-            self._engine.check_prompt_chars(len(text))
+            self._engine.inputs.check_prompt_chars(len(text))
             requests = await self._off_loop(make, _num_samples(params))
         if request_id in self._calls:  # taken while this one was tokenized or compiled
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
@@ -665,27 +677,17 @@ class AsyncEngine:
                 self._engine.add_parallel_requests(live, call.grammar)
         self._inbox_add.clear()
 
-    def _dispatch(self, updates: list[RequestUpdate]) -> None:
-        logprobs = getattr(updates, "logprobs", None) or {}
-        for request_id, (first, entries) in (
-            getattr(updates, "prompt_logprobs", None) or {}
-        ).items():
-            state = self._states.get(request_id)
-            if state is not None:
-                state.add_prompt_logprobs(first, entries)
-        for u in updates:
-            # Keyed by internal ids: a request that ended during the step has no state, and
-            # no later call (even one reusing the caller's id) shares its internal id.
-            state = self._states.get(u.request_id)
-            if state is None:
-                continue  # aborted by its consumer during the step
-            if state.post(u.token_id, u.finish_reason, logprobs.get(u.request_id)):
+    def _dispatch(self, updates: StepOutput) -> None:
+        # Keyed by internal ids: a request that ended during the step has no state, and
+        # no later call (even one reusing the caller's id) shares its internal id.
+        for state, must_stop_core in process_step(self._states, updates):
+            if must_stop_core:
                 # A stop string: finish it in the core now, before the next step.
-                self._engine.abort_request(u.request_id, RequestStatus.FINISHED_STOPPED)
+                self._engine.abort_request(state.request_id, RequestStatus.FINISHED_STOPPED)
             if state.finished:
                 self._forget(state)
 
-    def _step(self) -> list[RequestUpdate]:
+    def _step(self) -> StepOutput:
         try:
             return self._engine.step()
         finally:
@@ -706,7 +708,7 @@ class AsyncEngine:
                 self._stepping = True
                 updates = await loop.run_in_executor(self._engine.compute_thread, self._step)
                 self._dispatch(updates)
-                if getattr(updates, "idle", False):
+                if updates.idle:
                     # Nothing was schedulable: do not spin; wait for news, re-plan soon.
                     self._wakeup.clear()
                     with contextlib.suppress(TimeoutError):
@@ -746,21 +748,10 @@ class AsyncEngine:
             logger.exception("asyncllm: could not release the requests of a dead engine")
 
 
-def _num_samples(params: object) -> int:
-    """The core requests a call with ``params`` makes (its ``n``; 1 for bad params, which
-    are refused later with their own error)."""
-    n = getattr(params, "n", 1) if isinstance(params, SamplingParams) else 1
-    return n if isinstance(n, int) and n >= 1 else 1
-
-
 async def collect(stream: AsyncIterator[RequestOutput], output_kind: str) -> RequestOutput:
     """Read a stream to its end and return the whole output (deltas merged); with several
     parallel samples, sample 0's output with all of them in ``samples``."""
     by_index: dict[int, list[RequestOutput]] = {}
     async for out in stream:
         by_index.setdefault(out.index, []).append(out)
-    merged = [merge_outputs(by_index[i], output_kind) for i in sorted(by_index)]
-    if len(merged) == 1:
-        return merged[0]
-    first = msgspec.structs.replace(merged[0], samples=merged)
-    return first
+    return merge_samples([merge_outputs(by_index[i], output_kind) for i in sorted(by_index)])

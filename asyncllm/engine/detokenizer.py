@@ -215,7 +215,7 @@ class _TokenBytesMap:
 def _gpt2_byte_decoder() -> dict[str, int]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    return {c: b for b, c in bytes_to_unicode().items()}
+    return {c: b for b, c in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
 
 
 _TOKEN_BYTES_MAPS: weakref.WeakKeyDictionary[Any, _TokenBytesMap] = weakref.WeakKeyDictionary()
@@ -361,7 +361,8 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ internals
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
+        # transformers types decode() as str | list[str]; a flat id list gives a str.
+        return self._tokenizer.decode(  # type: ignore[return-value]
             ids,
             skip_special_tokens=self._skip_special_tokens,
             clean_up_tokenization_spaces=False,

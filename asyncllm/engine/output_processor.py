@@ -4,23 +4,27 @@ The engine task feeds each step's update of a request into its :class:`RequestSt
 (detokenization, stop strings, logprobs, timings); the request's stream reads it. What the
 stream has not read yet is merged, so a slow reader gets several steps in one item instead
 of an unbounded queue. Everything here runs on the event loop; nothing holds model state.
+A state reads its core request only when it is made (before the core has it); what the core
+learns later (first scheduling, prefix-cache hits, preemptions) arrives as plain data in each
+step's :class:`~asyncllm.engine.step_output.StepOutput` (:func:`process_step`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from asyncllm.core.request import Request
 from asyncllm.engine.detokenizer import IncrementalDetokenizer, token_bytes
+from asyncllm.engine.step_output import StepOutput
 from asyncllm.engine.stop_checker import StopChecker
 from asyncllm.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.worker.sampler import TokenLogprobs
+from asyncllm.worker.runner_output import TokenLogprobs
 
-__all__ = ["RequestState", "TokenTextCache", "merge_outputs"]
+__all__ = ["RequestState", "TokenTextCache", "merge_outputs", "process_step"]
 
 
 class TokenTextCache:
@@ -62,7 +66,8 @@ class RequestState:
     """One request's output as the front end sees it.
 
     Args:
-        request: the core request (read for its prompt, prefix-cache hits and timings).
+        request: the core request, not yet queued (read here only: its id, prompt and
+            arrival time).
         params: its validated sampling parameters.
         tokenizer: the model's tokenizer.
         token_text: the engine's :class:`TokenTextCache`.
@@ -85,8 +90,13 @@ class RequestState:
         output_id: str | None = None,
         index: int = 0,
     ) -> None:
-        self.request = request
         self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.arrival_time = request.arrival_time
+        #: From the step that first scheduled the request (:meth:`start`).
+        self.first_scheduled_time: float | None = None
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
         self.output_id = output_id or request.request_id
         self.index = index
         self.params = params
@@ -128,12 +138,18 @@ class RequestState:
 
     # ------------------------------------------------------------------ engine task side
 
+    def start(self, first_scheduled_time: float, num_cached_tokens: int) -> None:
+        """The core scheduled the request for the first time (monotonic seconds), with
+        ``num_cached_tokens`` prompt tokens from the prefix cache."""
+        self.first_scheduled_time = first_scheduled_time
+        self.num_cached_tokens = num_cached_tokens
+
     def add_prompt_logprobs(self, first_index: int, entries: Sequence[TokenLogprobs]) -> None:
         """Store the logprobs of prompt tokens ``first_index ..`` (a recomputed prompt after
         preemption overwrites them with equal values)."""
         if self._prompt_logprobs is None:
             return
-        ids = self.request.prompt_token_ids
+        ids = self.prompt_token_ids
         for i, lp in enumerate(entries, start=first_index):
             self._prompt_logprobs[i] = self._token_text.entry(ids[i], lp)
 
@@ -246,26 +262,24 @@ class RequestState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_tokens=self.request.num_cached_tokens,
+            num_cached_tokens=self.num_cached_tokens,
             num_generated_tokens=self.num_generated,
             logprobs=logprobs,
             cumulative_logprob=self.cumulative_logprob if logprobs is not None else None,
             prompt_logprobs=prompt_lps,
-            prompt_token_ids=list(self.request.prompt_token_ids) if finished else None,
+            prompt_token_ids=list(self.prompt_token_ids) if finished else None,
             metrics=self.metrics() if finished else None,
         )
 
     def metrics(self) -> RequestMetrics:
         """Timings and counts so far (see :class:`RequestMetrics`)."""
-        r = self.request
-        arrival = r.arrival_time
+        arrival = self.arrival_time
+        scheduled = self.first_scheduled_time
         first, last = self.first_token_time, self.last_token_time
         n = self.num_generated
         return RequestMetrics(
             arrival_time=arrival,
-            queue_time=(
-                r.first_scheduled_time - arrival if r.first_scheduled_time is not None else None
-            ),
+            queue_time=scheduled - arrival if scheduled is not None else None,
             ttft=first - arrival if first is not None else None,
             mean_tpot=(
                 (last - first) / (n - 1)
@@ -274,10 +288,40 @@ class RequestState:
             ),
             e2e_latency=(self.finish_time or time.monotonic()) - arrival,
             num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_tokens=r.num_cached_tokens,
+            num_cached_tokens=self.num_cached_tokens,
             num_generated_tokens=n,
-            num_preemptions=r.num_preemptions,
+            num_preemptions=self.num_preemptions,
         )
+
+
+def process_step(
+    states: Mapping[str, RequestState], step: StepOutput
+) -> Iterator[tuple[RequestState, bool]]:
+    """Feed one step's result into the states of its requests (by internal request id;
+    requests without a state, ended during the step, are skipped).
+
+    Yields:
+        (state, must_stop_core) for each sampled request that has a state, after its token
+        was posted (:meth:`RequestState.post`): the caller finishes the request in the core
+        when ``must_stop_core`` and forgets the state once it is ``finished``.
+    """
+    for request_id, start in step.started.items():
+        state = states.get(request_id)
+        if state is not None:
+            state.start(*start)
+    for request_id in step.preempted:
+        state = states.get(request_id)
+        if state is not None:
+            state.num_preemptions += 1
+    for request_id, (first, entries) in step.prompt_logprobs.items():
+        state = states.get(request_id)
+        if state is not None:
+            state.add_prompt_logprobs(first, entries)
+    logprobs = step.logprobs
+    for u in step.updates:
+        state = states.get(u.request_id)
+        if state is not None:
+            yield state, state.post(u.token_id, u.finish_reason, logprobs.get(u.request_id))
 
 
 def merge_outputs(items: Sequence[RequestOutput], kind: str) -> RequestOutput:

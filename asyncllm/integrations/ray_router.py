@@ -131,7 +131,7 @@ def routing_token_ids(
     with ``add_generation_prompt`` and ``chat_template_kwargs`` (``tools`` are not
     rendered here, so a tool request's key is its messages' prefix).
     """
-    from asyncllm.engine.llm_engine import _without_added_bos
+    from asyncllm.engine.input_processor import _without_added_bos
     from asyncllm.engine.tool_calls import template_messages
 
     try:

@@ -2,7 +2,7 @@
 
 What is compiled: the transformers ``*ForCausalLM`` call of one step (embedding, every
 decoder layer, the final norm and the LM head on the kept rows). Paged attention with its
-K/V write (``asyncllm::paged_attention``, :mod:`asyncllm.attention.hf_integration`) and the
+K/V write (``asyncllm::paged_attention``, :mod:`asyncllm.attention.backend_registry`) and the
 oneDNN-packed linears (``asyncllm::packed_linear``, :mod:`asyncllm.worker.cpu_linear`) are
 custom ops, opaque to Dynamo, so the step's plan objects stay out of the graph and Inductor
 fuses what lies between them (RMSNorm, rotary embedding, SiLU-and-multiply, residual adds).
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from asyncllm.attention.hf_integration import step_metadata
+from asyncllm.attention.backend_registry import step_metadata
 
 logger = logging.getLogger("asyncllm")
 

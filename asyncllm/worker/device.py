@@ -1,5 +1,5 @@
-"""Where the engine runs and in which dtype: ``EngineConfig.device``, ``dtype`` and
-``num_threads`` resolved to concrete values.
+"""Where the engine runs and in which dtype: ``EngineConfig.device``, ``dtype``,
+``num_threads`` and ``compile`` resolved to concrete values.
 
 ``dtype="auto"`` (the default) picks bfloat16 on CUDA and on CPUs with native bfloat16
 arithmetic (x86's AVX-512 BF16 or AMX-BF16: ``avx512_bf16`` / ``amx_bf16`` in
@@ -73,7 +73,7 @@ def cpu_bf16_reason() -> tuple[bool, str]:
         return False, "the CPU has no native bfloat16 (avx512_bf16 / amx_bf16)"
     if not capability.startswith("AVX512"):
         return False, f"torch runs its CPU kernels at {capability}, not AVX512"
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False, "torch has no oneDNN"
     return True, f"the CPU has {' and '.join(have)} (torch at {capability})"
 
@@ -111,3 +111,18 @@ def default_num_threads() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
+
+def resolve_compile(compile: str | bool) -> bool:
+    """``EngineConfig.compile`` -> whether to compile. "auto" is off on every device for
+    now: on the 2-core CPU it was not faster (docs/tuning.md), and on CUDA the compiled
+    forward has not been run yet."""
+    return compile is True
+
+
+def set_cpu_threads(device: torch.device, num_threads: int | None) -> None:
+    """On CPU, set torch's intra-op thread count for the calling thread's work
+    (``EngineConfig.num_threads``; None: :func:`default_num_threads`). Call it on the
+    engine's compute thread (see ``LLMEngine.from_config`` for why one thread)."""
+    if device.type == "cpu":
+        torch.set_num_threads(num_threads or default_num_threads())

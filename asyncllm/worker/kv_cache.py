@@ -67,6 +67,63 @@ def default_kv_cache_bytes(device: torch.device, cap_bytes: int) -> int:
     return min(int(available_memory_bytes(device) * fraction), cap_bytes)
 
 
+def kv_cache_spec(config: object, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+    """The per-token K/V shape of a transformers decoder config (``head_dim`` when the
+    config has one, else ``hidden_size // num_attention_heads``; ``num_key_value_heads``
+    for grouped-query attention, else one K/V head per query head)."""
+    heads = config.num_attention_heads  # type: ignore[attr-defined]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
+    return KVCacheSpec(
+        num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        block_size=block_size,
+    )
+
+
+def size_kv_cache(
+    model_config: object,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    kv_cache_bytes: int | None,
+) -> tuple[KVCacheSpec, int]:
+    """The KV cache's shape and its number of blocks.
+
+    Args:
+        model_config: the model's transformers config (:func:`kv_cache_spec`).
+        dtype: the cache's element type (the model's).
+        device: where the cache lives.
+        block_size: tokens per block.
+        max_model_len: the longest sequence, tokens.
+        max_num_seqs: the most sequences running at once.
+        kv_cache_bytes: the budget in bytes; None: :func:`default_kv_cache_bytes` of the
+            device's free memory, capped at ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens.
+
+    Returns:
+        (the spec, the number of blocks the budget holds).
+
+    Raises:
+        ValueError: a budget that cannot hold one sequence of ``max_model_len`` tokens.
+    """
+    spec = kv_cache_spec(model_config, dtype, block_size)
+    cap = max_num_seqs * max_model_len * spec.bytes_per_token
+    budget = kv_cache_bytes or default_kv_cache_bytes(device, cap)
+    num_blocks = budget // spec.bytes_per_block
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"kv_cache_bytes={budget} holds {num_blocks * block_size} tokens "
+            f"({spec.bytes_per_token} bytes per token), fewer than max_model_len="
+            f"{max_model_len}: raise kv_cache_bytes or lower max_model_len"
+        )
+    return spec, num_blocks
+
+
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
 

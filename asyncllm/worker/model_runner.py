@@ -13,7 +13,7 @@ import importlib.util
 import torch
 
 from asyncllm.attention import cpu_paged
-from asyncllm.attention.hf_integration import (
+from asyncllm.attention.backend_registry import (
     METADATA_KWARG,
     TORCH_BACKEND,
     TRITON_BACKEND,
@@ -26,27 +26,10 @@ from asyncllm.attention.triton_paged import interpreter_enabled
 from asyncllm.core.scheduler import SchedulerOutput
 from asyncllm.worker.compiled import CompiledForward, pad_to
 from asyncllm.worker.cpu_linear import pack_linears
-from asyncllm.worker.kv_cache import KVCache, KVCacheSpec
-from asyncllm.worker.sampler import (
-    PromptRows,
-    RunnerOutput,
-    Sampler,
-    prompt_logprobs,
-    sample_chunks,
-)
-
-
-def kv_cache_spec(config: object, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
-    """The per-token K/V shape of a transformers decoder config."""
-    heads = config.num_attention_heads  # type: ignore[attr-defined]
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
-    return KVCacheSpec(
-        num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        block_size=block_size,
-    )
+from asyncllm.worker.kv_cache import KVCache
+from asyncllm.worker.logprobs import PromptRows, prompt_logprobs
+from asyncllm.worker.runner_output import RunnerOutput
+from asyncllm.worker.sampler import Sampler, sample_chunks
 
 
 def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker.logprobs import LogprobsTensors, compute_logprobs
+from asyncllm.worker.runner_output import RunnerOutput
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, the usual odd mixing constant
 _MASK63 = (1 << 63) - 1
@@ -294,52 +296,6 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in params],
             token_bitmask=token_bitmask,
         )
-
-
-@dataclass(frozen=True)
-class LogprobsTensors:
-    """Logprobs of N positions: the chosen token's and the top ``k`` alternatives.
-
-    Attributes:
-        token_logprobs: ``[N]`` float32 logprob of the chosen token.
-        token_ranks: ``[N]`` int64 1-based rank of the chosen token (tokens with a logprob
-            >= its own, as vLLM counts).
-        top_ids: ``[N, k]`` int64 most likely tokens, best first.
-        top_logprobs: ``[N, k]`` float32 their logprobs.
-    """
-
-    token_logprobs: torch.Tensor
-    token_ranks: torch.Tensor
-    top_ids: torch.Tensor
-    top_logprobs: torch.Tensor
-
-    def to_lists(self, num_top: Sequence[int]) -> list[tuple[float, int, list[int], list[float]]]:
-        """Per position ``(logprob, rank, top ids, top logprobs)``, the top lists cut to
-        ``num_top[i]`` entries; one device-to-host copy per tensor."""
-        lp = self.token_logprobs.tolist()
-        rk = self.token_ranks.tolist()
-        ids = self.top_ids.tolist()
-        tlp = self.top_logprobs.tolist()
-        return [(lp[i], rk[i], ids[i][:k], tlp[i][:k]) for i, k in enumerate(num_top)]
-
-
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """Raw logprobs of ``token_ids`` under ``logits`` and the top ``k`` alternatives.
-
-    Args:
-        logits: ``[N, V]`` raw model logits (any float dtype; computed in float32).
-        token_ids: ``[N]`` int64 chosen token per row.
-        k: alternatives per row (>= 0).
-    """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(-1, token_ids[:, None])
-    ranks = (logprobs >= chosen).sum(dim=-1)
-    if k > 0:
-        top_lp, top_ids = logprobs.topk(k, dim=-1)
-    else:
-        top_lp = logprobs.new_empty((logprobs.shape[0], 0))
-        top_ids = token_ids.new_empty((logprobs.shape[0], 0))
-    return LogprobsTensors(chosen[:, 0], ranks, top_ids, top_lp)
 
 
 @dataclass(frozen=True)
@@ -620,79 +576,6 @@ def top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
         cutoff[undecided] = full.gather(-1, (n - 1)[:, None])
     active = (k < vocab) | (top_p < 1.0)
     return scaled.masked_fill(active[:, None] & (scaled < cutoff), float("-inf"))
-
-
-#: One position's logprobs as plain Python: (logprob, rank, top ids, top logprobs).
-TokenLogprobs = tuple[float, int, list[int], list[float]]
-
-
-@dataclass(frozen=True)
-class PromptRows:
-    """The logits rows of one chunk that score prompt tokens (``prompt_logprobs``).
-
-    The row of position ``p`` scores prompt token ``p + 1``.
-
-    Attributes:
-        request_id: the request.
-        first_token_index: index in the prompt of the token the first row scores (>= 1).
-        target_ids: the prompt tokens scored, one per row.
-        num_top: alternatives to return per row.
-    """
-
-    request_id: str
-    first_token_index: int
-    target_ids: list[int]
-    num_top: int
-
-    @classmethod
-    def of_chunk(cls, chunk: Any) -> PromptRows | None:
-        """The rows of a ``ScheduledChunk`` whose params ask for prompt logprobs, or None.
-
-        The chunk computes positions ``[start_pos, start_pos + len(token_ids))``; those below
-        the prompt's last position score the next prompt token.
-        """
-        k = getattr(chunk.params, "prompt_logprobs", None)
-        if k is None:
-            return None
-        start = chunk.start_pos
-        stop = min(start + len(chunk.token_ids), len(chunk.prompt_token_ids) - 1)
-        if stop <= start:
-            return None
-        return cls(chunk.request_id, start + 1, chunk.prompt_token_ids[start + 1 : stop + 1], k)
-
-
-@dataclass
-class RunnerOutput:
-    """What one step of the model runner produced, as plain Python.
-
-    Attributes:
-        sampled: request id -> sampled token id, for each chunk with ``sample`` set.
-        logprobs: request id -> the sampled token's :data:`TokenLogprobs`, for sampled
-            requests that ask for logprobs.
-        prompt_logprobs: request id -> (index in the prompt of the first token scored, one
-            :data:`TokenLogprobs` per prompt token scored this step).
-    """
-
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprobs] | None = None
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
-
-
-def prompt_logprobs(
-    logits: torch.Tensor, rows: Sequence[PromptRows]
-) -> dict[str, tuple[int, list[TokenLogprobs]]]:
-    """Score the prompt tokens of ``rows`` (their logits rows stacked in order, ``[N, V]``)
-    in one batched pass."""
-    targets = list(itertools.chain.from_iterable(r.target_ids for r in rows))
-    num_top = [r.num_top for r in rows for _ in r.target_ids]
-    ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
-    lists = compute_logprobs(logits, ids, max(num_top)).to_lists(num_top)
-    out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
-    i = 0
-    for r in rows:
-        out[r.request_id] = (r.first_token_index, lists[i : i + len(r.target_ids)])
-        i += len(r.target_ids)
-    return out
 
 
 def sample_chunks(

@@ -1,4 +1,6 @@
-"""Our paged attention registered with transformers' attention interface.
+"""The attention backend registry: the paged attention backends (torch, Triton; the CPU
+kernel registers its own in :mod:`asyncllm.attention.cpu_paged`) the model runner picks from,
+and their registration with transformers' attention interface.
 
 transformers' modeling code calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
 in every attention layer and forwards the model's extra keyword arguments to it. A model
