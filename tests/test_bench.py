@@ -9,7 +9,8 @@ import json
 import pytest
 
 from asyncllm.bench import ceilings, workloads
-from asyncllm.bench.worker import AsyncllmWorker, Timeline, percentile
+from asyncllm.bench.asyncllm_engine import AsyncllmWorker
+from asyncllm.bench.engine_process import Timeline, percentile
 
 
 def test_workloads_follow_the_spec():
@@ -119,11 +120,13 @@ def test_asyncllm_worker_traces_and_restores(tiny_llama_dir):
     assert [len(o) for o in res["outputs"]] == [6, 4]
     assert res["loop_lag_ms"]["samples"] > 0
     steps = res["trace"]["steps"]
-    assert steps and {"schedule", "forward", "sample", "batch", "blocks_held"} <= set(steps[0])
+    keys = {"schedule", "prep", "forward", "sample", "update", "execute", "batch", "blocks_held"}
+    assert steps and keys <= set(steps[0]) and steps[0]["step"] >= steps[0]["forward"] > 0
     assert any("dispatch" in s for s in steps)
     engine = w.engine({})
     core = engine._engine
     assert "step" not in core.__dict__ and "schedule" not in core.scheduler.__dict__
+    assert core.step_observer is None  # the hook is unset after a traced run
     # Untraced, a W5-like small cache, and "cache off" (unique salts) give the same tokens.
     small = {"kv_cache_bytes": 32 * core.kv_cache.spec.bytes_per_token * 16, "max_model_len": 64}
     res2 = w.run({**spec, "cache": "off", "engine_config": small})

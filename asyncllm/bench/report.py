@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncllm.bench import ceilings
+from asyncllm.bench.engine_process import percentile
 from asyncllm.bench.runner import base_engine
-from asyncllm.bench.worker import percentile
 
 ENGINE_ORDER = ("asyncllm", "vllm", "llamacpp", "hf", "hf_cb")
 
@@ -233,7 +233,7 @@ def _breakdown(
     }
 
 
-#: The grammar's parts of a traced step (see :class:`asyncllm.bench.worker.Tracer`).
+#: The grammar's parts of a traced step (see :class:`asyncllm.bench.asyncllm_engine.Tracer`).
 GRAMMAR_PARTS = ("grammar_fill", "grammar_mask", "grammar_accept")
 
 

@@ -7,7 +7,7 @@ run, alternating engines; JSON lines, a markdown report and plots.
                              [--vllm-dtype float32,bfloat16]
                              [--out bench-results]
 
-Every engine runs in a worker process of its own (:mod:`asyncllm.bench.worker`); this
+Every engine runs in a worker process of its own (:mod:`asyncllm.bench.engine_process`); this
 process only sends it workloads and collects what it measured. For each workload, each engine
 first runs an uncounted warm-up (the same prompts, 8 tokens each), then the counted runs
 alternate between engines (the order rotates each repeat), so that every ratio compares runs
@@ -56,7 +56,7 @@ from asyncllm.bench.workloads import (
     shared_copy_differs,
 )
 
-WORKER = pathlib.Path(__file__).with_name("worker.py")
+WORKER = pathlib.Path(__file__).with_name("engine_process.py")
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 PEERS = ("vllm", "hf", "hf_cb", "llamacpp")
@@ -413,7 +413,7 @@ def vllm_env(venv: pathlib.Path, kv_gib: int, bind: str) -> dict[str, str]:
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     """The figures of one run (drops the per-request lists, keeps their statistics)."""
-    from asyncllm.bench.worker import percentile
+    from asyncllm.bench.engine_process import percentile
 
     out = {
         k: v
@@ -477,7 +477,7 @@ class Bench:
             # its own quantization); others share the resolved directory.
             model = a.model if precision.get("quantization") else model_dir
             cfg = json.dumps({**base, **precision})
-            return [py, "-m", "asyncllm.bench.worker", "--engine", "asyncllm", "--threads",
+            return [py, "-m", "asyncllm.bench.engine_process", "--engine", "asyncllm", "--threads",
                     str(threads), "--config", cfg, *common, "--model", model]  # fmt: skip
 
         for t in [a.threads, *a.compare_threads]:
@@ -525,13 +525,13 @@ class Bench:
                 )  # fmt: skip
             elif peer == "hf_cb":
                 specs["hf_cb"] = (
-                    [py, "-m", "asyncllm.bench.worker", "--engine", "hf_cb", "--threads",
+                    [py, "-m", "asyncllm.bench.engine_process", "--engine", "hf_cb", "--threads",
                      str(a.threads), *common, "--model", model_dir],
                     env,
                 )  # fmt: skip
             elif peer == "hf":
                 specs["hf"] = (
-                    [py, "-m", "asyncllm.bench.worker", "--engine", "hf", "--threads",
+                    [py, "-m", "asyncllm.bench.engine_process", "--engine", "hf", "--threads",
                      str(a.threads), *common, "--model", model_dir],
                     env,
                 )  # fmt: skip
