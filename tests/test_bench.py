@@ -43,7 +43,7 @@ def test_w1j_is_w1_under_one_json_schema():
     ends a request, in asyncllm and vLLM alike); the peers without a grammar skip it."""
     import types
 
-    from asyncllm.bench import runner
+    from asyncllm.bench import options, runner
     from asyncllm.sampling_params import StructuredOutputsParams
 
     data = workloads.load_prompts()
@@ -59,7 +59,7 @@ def test_w1j_is_w1_under_one_json_schema():
     assert spec["outputs"] and json.loads(json.dumps(spec)) == spec  # sent as JSON
     plain = runner.Bench.spec(bench, "vllm", w1, "", w1.requests)  # type: ignore[arg-type]
     assert "structured_outputs" not in plain and "ignore_eos" not in plain
-    assert {p for p in runner.PEERS if "W1J" in runner.UNSUPPORTED.get(p, {})} == {
+    assert {p for p in options.PEERS if "W1J" in options.UNSUPPORTED.get(p, {})} == {
         "hf", "hf_cb", "llamacpp"
     }  # fmt: skip
 
@@ -192,39 +192,39 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
 
 
 def test_bench_reports_a_missing_peer(tmp_path, monkeypatch):
-    from asyncllm.bench import runner
+    from asyncllm.bench import processes
 
     monkeypatch.setenv("ASYNCLLM_BENCH_VLLM_VENV", str(tmp_path / "nowhere"))
-    monkeypatch.setattr(runner, "REPO", tmp_path)
-    assert runner.find_vllm_venv(None) is None
+    monkeypatch.setattr(processes, "REPO", tmp_path)
+    assert processes.find_vllm_venv(None) is None
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    assert runner.find_vllm_venv(str(venv)) == venv
-    env = runner.vllm_env(venv, 1, "auto")
+    assert processes.find_vllm_venv(str(venv)) == venv
+    env = processes.vllm_env(venv, 1, "auto")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
 
 
 def test_llamacpp_peer_is_found_or_skipped_with_a_reason(tmp_path, monkeypatch):
-    from asyncllm.bench import runner
+    from asyncllm.bench import processes
 
-    monkeypatch.setattr(runner, "REPO", tmp_path / "repo")
+    monkeypatch.setattr(processes, "REPO", tmp_path / "repo")
     monkeypatch.setenv("ASYNCLLM_BENCH_LLAMACPP_VENV", str(tmp_path / "nowhere"))
-    assert runner.find_llamacpp_venv(None) is None
+    assert processes.find_llamacpp_venv(None) is None
     venv = tmp_path / ".venv-llamacpp"  # the repository's parent's, the default place
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    assert runner.find_llamacpp_venv(None) == venv
+    assert processes.find_llamacpp_venv(None) == venv
     monkeypatch.setenv("ASYNCLLM_BENCH_LLAMACPP_VENV", str(tmp_path / "other"))
-    assert runner.find_llamacpp_venv(None) == venv  # a missing one is passed over
+    assert processes.find_llamacpp_venv(None) == venv  # a missing one is passed over
     gguf = tmp_path / "m.gguf"
-    assert runner.llamacpp_gguf(str(gguf), None)[0] is None
-    assert "no such file" in runner.llamacpp_gguf("default", str(gguf))[1]
+    assert processes.llamacpp_gguf(str(gguf), None)[0] is None
+    assert "no such file" in processes.llamacpp_gguf("default", str(gguf))[1]
     gguf.write_bytes(b"GGUF")
-    assert runner.llamacpp_gguf(str(gguf), None) == (str(gguf), "")
-    assert "not a GGUF file" in runner.llamacpp_gguf(str(tmp_path), None)[1]
+    assert processes.llamacpp_gguf(str(gguf), None) == (str(gguf), "")
+    assert "not a GGUF file" in processes.llamacpp_gguf(str(tmp_path), None)[1]
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    assert "PYTHONPATH" not in runner.peer_env(venv)
+    assert "PYTHONPATH" not in processes.peer_env(venv)
 
 
 @pytest.mark.parametrize(
@@ -239,7 +239,7 @@ def test_llamacpp_peer_is_found_or_skipped_with_a_reason(tmp_path, monkeypatch):
     ],
 )  # fmt: skip
 def test_asyncllm_variants_parse(text, expected):
-    from asyncllm.bench.runner import parse_variants
+    from asyncllm.bench.options import parse_variants
 
     assert parse_variants(text) == expected
 
@@ -254,14 +254,14 @@ def test_asyncllm_variants_parse(text, expected):
     ],
 )
 def test_asyncllm_variants_reject_bad_text(text, message):
-    from asyncllm.bench.runner import parse_variants
+    from asyncllm.bench.options import parse_variants
 
     with pytest.raises(SystemExit, match=message):
         parse_variants(text)
 
 
 def test_precision_config_passes_only_what_is_given():
-    from asyncllm.bench.runner import precision_config, variant_name
+    from asyncllm.bench.options import precision_config, variant_name
 
     assert precision_config(None, None) == {}
     # "none" is passed on as None: EngineConfig's default quantization is "auto"
@@ -279,13 +279,13 @@ def test_precision_config_passes_only_what_is_given():
 
 
 def test_vllm_dtype_columns():
-    from asyncllm.bench import runner
+    from asyncllm.bench import options
 
-    assert runner.vllm_columns(["float32"]) == [("vllm", "vLLM-CPU", "float32")]
-    assert runner.vllm_columns(["bfloat16", "float32"]) == [
+    assert options.vllm_columns(["float32"]) == [("vllm", "vLLM-CPU", "float32")]
+    assert options.vllm_columns(["bfloat16", "float32"]) == [
         ("vllm", "vLLM-CPU (bfloat16)", "bfloat16"), ("vllm-float32", "vLLM-CPU", "float32")
     ]  # fmt: skip
-    assert [runner.base_engine(e) for e in ("vllm-bfloat16", "asyncllm-t1", "hf_cb")] == [
+    assert [options.base_engine(e) for e in ("vllm-bfloat16", "asyncllm-t1", "hf_cb")] == [
         "vllm", "asyncllm", "hf_cb"
     ]  # fmt: skip
 

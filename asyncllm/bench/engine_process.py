@@ -42,8 +42,6 @@ from typing import Any
 READY = "@@READY@@"
 RESULT = "@@RESULT@@"
 
-# ---------------------------------------------------------------------------------- helpers
-
 
 def rss_mb(pids: Sequence[int] = ()) -> float:
     """Resident memory (MiB) of this process plus ``pids`` (children, e.g. vLLM's engine)."""
@@ -210,9 +208,6 @@ async def drive_async(
     return out
 
 
-# ---------------------------------------------------------------------------------- vLLM
-
-
 class VLLMWorker:
     """vLLM's ``AsyncLLM`` (V1 engine; on CPU its engine core runs in a child process),
     streaming deltas, as asyncllm is driven, in ``--dtype`` (float32 unless given). Runs
@@ -301,9 +296,6 @@ class VLLMWorker:
 
     def close(self) -> None:
         self.engine.shutdown()
-
-
-# ---------------------------------------------------------------------------------- llama.cpp
 
 
 def pad256(n: int) -> int:
@@ -508,9 +500,6 @@ class LlamaCppWorker:
     def close(self) -> None:
         self.free_context()
         self.ll.llama_model_free(self.model)
-
-
-# ---------------------------------------------------------------------------------- main
 
 
 class Unsupported(Exception):

@@ -11,7 +11,7 @@ from typing import Any
 
 from asyncllm.bench import ceilings
 from asyncllm.bench.engine_process import percentile
-from asyncllm.bench.runner import base_engine
+from asyncllm.bench.options import base_engine
 
 ENGINE_ORDER = ("asyncllm", "vllm", "llamacpp", "hf", "hf_cb")
 
