@@ -6,7 +6,10 @@ import ast
 import pathlib
 import re
 import sys
-import tomllib
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Distribution name -> the module it is imported as, where they differ.
@@ -28,9 +31,10 @@ def _names(requirements: list[str]) -> set[str]:
     return out
 
 
-def _imports() -> dict[str, set[str]]:
-    """Third-party top-level modules imported anywhere in the package (lazy imports
-    included), each with the subpackages that import it."""
+def _imports(stdlib: bool = False) -> dict[str, set[str]]:
+    """Top-level modules imported anywhere in the package (lazy imports included), each with
+    the subpackages that import it: third-party ones, or with ``stdlib`` the standard
+    library's."""
     found: dict[str, set[str]] = {}
     for path in (ROOT / "asyncllm").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -42,7 +46,7 @@ def _imports() -> dict[str, set[str]]:
                 continue
             for m in mods:
                 top = m.split(".")[0]
-                if top != "asyncllm" and top not in sys.stdlib_module_names:
+                if top != "asyncllm" and (top in sys.stdlib_module_names) == stdlib:
                     found.setdefault(top, set()).add(path.relative_to(ROOT).parts[1])
     return found
 
@@ -62,5 +66,4 @@ def test_dependencies_are_what_the_package_imports():
 
 def test_no_platform_specific_file_lock():
     """The conversion cache's lock is filelock's (portable), not fcntl's (POSIX only)."""
-    for path in (ROOT / "asyncllm").rglob("*.py"):
-        assert "fcntl" not in path.read_text(), path
+    assert "fcntl" not in _imports(stdlib=True)
