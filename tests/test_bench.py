@@ -65,7 +65,7 @@ def test_w1j_is_w1_under_one_json_schema():
 
 
 def test_grammar_share_and_its_report_section():
-    from asyncllm.bench import report
+    from asyncllm.bench import report, summary
 
     def step(batch, fill, mask, accept=0.0005, step=0.1):
         return {"batch": batch, "tokens": batch, "step": step, "sample": 0.004,
@@ -73,11 +73,11 @@ def test_grammar_share_and_its_report_section():
 
     steps = [step(64, 0.002, 0.001), step(64, 0.004, 0.001), step(12, 0.05, 0.05)]
     steps.append({"batch": 64, "tokens": 64, "step": 0.1})  # no constrained row: not counted
-    g = report.grammar_share({"trace": {"steps": steps}, "tokens_per_s": 500.0})
+    g = summary.grammar_share({"trace": {"steps": steps}, "tokens_per_s": 500.0})
     assert g is not None and g["batch"] == 64 and g["steps"] == 2
     assert g["share"] == pytest.approx(0.04) and g["share_with_accept"] == pytest.approx(0.045)
-    assert report.grammar_share(None) is None
-    assert report.grammar_share({"trace": {"steps": steps[3:]}}) is None
+    assert summary.grammar_share(None) is None
+    assert summary.grammar_share({"trace": {"steps": steps[3:]}}) is None
     text = "\n".join(report.grammar_lines(g, 600.0, 500.0))
     assert "asyncllm W1J: 500.0 tokens/s against W1's 600.0 (0.83×)" in text
     assert "| token bitmask fill (GrammarMatchers.fill) | 3.00 | 3.0% |" in text
@@ -85,7 +85,7 @@ def test_grammar_share_and_its_report_section():
     assert report.grammar_lines(None, 600.0, None) == []
     # The target row, met at 4%.
     s = {"ceilings": {}, "model": {}, "figures": {}, "engines": {}, "grammar": g}
-    (row,) = [t for t in report._targets(s, 1) if t["target"].startswith("W1J")]
+    (row,) = [t for t in summary._targets(s, 1) if t["target"].startswith("W1J")]
     assert row["value"] == pytest.approx(0.04) and row["met"] is True
 
 
@@ -291,7 +291,7 @@ def test_vllm_dtype_columns():
 
 
 def test_output_agreement():
-    from asyncllm.bench.report import output_agreement
+    from asyncllm.bench.summary import output_agreement
 
     a = output_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 9], [5, 6]])
     assert a == {"identical": 0.5, "prefix": pytest.approx((0.5 + 1.0) / 2)}
@@ -299,7 +299,7 @@ def test_output_agreement():
 
 
 def test_precision_targets_compare_the_right_columns():
-    from asyncllm.bench import report
+    from asyncllm.bench import summary
 
     def eng(dtype, quant=None, precision=None):
         return {"failed": None, "info": {"dtype": dtype, "quantization": quant,
@@ -329,7 +329,7 @@ def test_precision_targets_compare_the_right_columns():
         },
     }  # fmt: skip
     got = {}
-    report._precision_targets(
+    summary._precision_targets(
         s, lambda name, value, goal, ok, note="": got.update({name: (value, ok)})
     )
     assert got == {
@@ -347,12 +347,12 @@ def test_precision_targets_compare_the_right_columns():
     s["engines"]["vllm"], s["engines"]["vllm-float32"] = eng(None, precision="bfloat16"), s[
         "engines"].pop("vllm")  # fmt: skip
     s["figures"]["vllm-float32"] = s["figures"].pop("vllm")
-    (row,) = [t for t in report._targets({**s, "ceilings": {}, "model": {}}, 1)
+    (row,) = [t for t in summary._targets({**s, "ceilings": {}, "model": {}}, 1)
               if t["target"] == "W1 throughput / vLLM-CPU's"]  # fmt: skip
     assert row["value"] == pytest.approx(100 / 120) and row["note"] == "vLLM in float32"
     # Without the columns, no target is claimed.
     got.clear()
-    report._precision_targets({"engines": {"asyncllm": eng("float32")}, "figures": {}},
+    summary._precision_targets({"engines": {"asyncllm": eng("float32")}, "figures": {}},
                               lambda *a, **k: got.update({a[0]: a}))  # fmt: skip
     assert got == {}
 

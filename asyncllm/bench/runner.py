@@ -526,14 +526,16 @@ def _write_outputs(
     bench: Bench, wls: list[Workload], cold: dict[str, Any], elapsed: float, model_dir: str
 ) -> None:
     """summary.json, the plots and report.md (also printed)."""
+    from asyncllm.bench import plots as plotting
     from asyncllm.bench import report
+    from asyncllm.bench.summary import build_summary
 
-    summary = report.build_summary(bench, wls, cold, elapsed, model_dir)
+    summary = build_summary(bench, wls, cold, elapsed, model_dir)
     (bench.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     img = pathlib.Path(bench.args.img_dir) if bench.args.img_dir else bench.out / "img"
     plots: list[str] = []
     if not bench.args.no_plots:
-        plots = report.make_plots(summary, bench, img)
+        plots = plotting.make_plots(summary, bench, img)
     md = report.markdown(summary, plots, bench.out)
     (bench.out / "report.md").write_text(md)
     print(md)
