@@ -11,21 +11,32 @@ from asyncllm.bench.summary import _order
 
 
 def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
-    """PNG plots; returns their paths."""
+    """PNG plots of a summary (:data:`PLOTS`, those with data); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     img.mkdir(parents=True, exist_ok=True)
-    paths: list[str] = []
     labels = {e: v["label"] for e, v in s["engines"].items()}
-    colors = {"asyncllm": "C0", "vllm": "C1", "hf": "C2", "hf_cb": "C3", "llamacpp": "C6"}
+    paths: list[str] = []
+    for plot, name in PLOTS:
+        fig = plot(s, plt, labels)
+        if fig is not None:
+            paths.append(_save(fig, img / name))
+    return paths
 
-    def color(e: str) -> str:
-        return colors.get(e, "C4" if base_engine(e) == "asyncllm" else "C5")
 
-    # 1. Throughput against concurrent requests.
+COLORS = {"asyncllm": "C0", "vllm": "C1", "hf": "C2", "hf_cb": "C3", "llamacpp": "C6"}
+
+
+def color(e: str) -> str:
+    """An engine's line color (asyncllm's variants and other peers share one each)."""
+    return COLORS.get(e, "C4" if base_engine(e) == "asyncllm" else "C5")
+
+
+def _plot_sweep(s: dict[str, Any], plt: Any, labels: dict[str, str]) -> Any:
+    """Throughput against concurrent requests. None: nothing to plot."""
     if s["sweep"]:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for e in _order(list(s["sweep"])):
@@ -41,9 +52,13 @@ def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
         ax.set_title("Throughput against concurrency")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        paths.append(_save(fig, img / "throughput_vs_concurrency.png"))
+        return fig
 
-    # 2. TTFT and TPOT distributions under W4.
+    return None
+
+
+def _plot_w4(s: dict[str, Any], plt: Any, labels: dict[str, str]) -> Any:
+    """TTFT and TPOT distributions under W4. None: nothing to plot."""
     if s["w4"]:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for e in _order(list(s["w4"])):
@@ -63,9 +78,14 @@ def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="lower right")
         fig.suptitle(f"W4: {w4.get('description', '')}", fontsize=10)
-        paths.append(_save(fig, img / "w4_latency_cdf.png"))
+        return fig
 
-    # 3. KV cache held against tokens in use.
+    return None
+
+
+def _plot_kv(s: dict[str, Any], plt: Any, labels: dict[str, str]) -> Any:
+    """KV cache held against tokens in use (W1, W6), and against a static batch's. None:
+    nothing to plot."""
     if s["kv"]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         ax = axes[0]
@@ -114,9 +134,13 @@ def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
         ax.set_title(f"{name}: held against in use")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        paths.append(_save(fig, img / "kv_cache_waste.png"))
+        return fig
 
-    # 4. Step-time breakdown.
+    return None
+
+
+def _plot_breakdown(s: dict[str, Any], plt: Any, labels: dict[str, str]) -> Any:
+    """The step time's parts at W1's peak batch. None: nothing to plot."""
     b = s.get("breakdown")
     if b:
         mean = b["mean_s"]
@@ -125,9 +149,8 @@ def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
             ("input prep", mean["prep"]),
             ("forward", mean["forward"]),
             ("sampling", mean["sample"]),
-            ("detokenization", mean["detok"]),
-            ("posting", mean["post"]),
-            ("handoff", max(mean["other"], 0)),
+            ("event loop between steps", mean["post"]),
+            ("trace bookkeeping", max(mean["other"], 0)),
         ]
         fig, ax = plt.subplots(figsize=(9, 3.0))
         left = 0.0
@@ -145,8 +168,16 @@ def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
         ax.set_title(f"W1 step at batch {b['batch']} ({b['threads']} torch thread(s)), ms per step")
         ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
         ax.set_ylim(-0.6, 0.6)
-        paths.append(_save(fig, img / "w1_step_breakdown.png"))
-    return paths
+        return fig
+    return None
+
+
+PLOTS = (
+    (_plot_sweep, "throughput_vs_concurrency.png"),
+    (_plot_w4, "w4_latency_cdf.png"),
+    (_plot_kv, "kv_cache_waste.png"),
+    (_plot_breakdown, "w1_step_breakdown.png"),
+)
 
 
 def _save(fig: Any, path: pathlib.Path) -> str:

@@ -75,11 +75,32 @@ def _cell(
 
 
 def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
-    m = s["machine"]
-    model = s["model"]
+    """``report.md`` from a summary (:func:`asyncllm.bench.summary.build_summary`); ``plots``
+    are the plot files, linked relative to ``out``."""
     engines = _order(
         [e for e in s["engines"] if not s["engines"][e]["failed"] and e in s["figures"]]
     )
+    lines = [
+        *_head(s),
+        *_engines(s),
+        *_results(s, engines),
+        *_notes(s),
+        *_targets_and_breakdown(s),
+        *grammar_lines(
+            s.get("grammar"),
+            _fig(s, "asyncllm", "W1", "tokens_per_s"),
+            _fig(s, "asyncllm", "W1J", "tokens_per_s"),
+        ),
+        *_threads(s),
+        *_tail(s, plots, out),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _head(s: dict[str, Any]) -> list[str]:
+    """The title, the command, the machine, the model and the ceilings."""
+    m = s["machine"]
+    model = s["model"]
     lines = [
         f"# asyncllm benchmark{' (quick: smoke-test sizes, not comparable)' if s['quick'] else ''}",
         "",
@@ -101,6 +122,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
     ]
     for t, c in sorted(s["ceilings"].items()):
         lines.append(f"| {t} | {c['copy_gbs']:.1f} GB/s | {c['matmul_gflops']:.0f} GFLOP/s |")
+    return lines
+
+
+def _engines(s: dict[str, Any]) -> list[str]:
+    """Each engine's version, threads, precision, settings and memory."""
+    lines: list[str] = []
     lines += [
         "",
         "## Engines",
@@ -128,6 +155,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             tok = ", ".join(f"{k} {v}" for k, v in info["tokenizer_ids_match"].items())
             notes.append(f"{label}: its tokenizer gives transformers' prompt ids for {tok}.")
     lines += ["", *notes] if notes else []
+    return lines
+
+
+def _results(s: dict[str, Any], engines: list[str]) -> list[str]:
+    """The figures of each workload per engine, and the ratios to the peers."""
+    lines: list[str] = []
     lines += [
         "",
         f"## Results (median of {s['repeats']} counted runs; † one run: W4, W5, and a peer "
@@ -160,6 +193,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             if all(c == "–" for c in cells):
                 continue
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _notes(s: dict[str, Any]) -> list[str]:
+    """Prefix-cache hits, W5 against W1, and greedy agreement with asyncllm's outputs."""
+    lines: list[str] = []
     w2 = s["figures"].get("asyncllm", {}).get("W2/on")
     if w2 and w2.get("stats"):
         lines += [
@@ -190,6 +229,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
                 f"| {label.get(d['reference'], d['reference'])} | {d['identical']:.0%} "
                 f"| {d['prefix']:.0%} |"
             )
+    return lines
+
+
+def _targets_and_breakdown(s: dict[str, Any]) -> list[str]:
+    """The targets, and the step time's parts at W1's peak batch."""
+    lines: list[str] = []
     lines += ["", "## Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
     for t in s["targets"]:
         met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
@@ -213,9 +258,8 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             ("prep", "input preparation (tensors, attention plan)"),
             ("forward", "model forward"),
             ("sample", "sampling"),
-            ("detok", "detokenization"),
-            ("post", "posting to request states"),
-            ("other", "handoff between loop and worker thread, inbox"),
+            ("post", "event loop between steps (detokenization, stop strings, posting, inbox)"),
+            ("other", "the trace's own bookkeeping (its step observer)"),
         ):
             lines.append(f"| {label} | {mean[k] * 1e3:.2f} | {mean[k] / cyc:.1%} |")
         lines.append(f"| **step cycle** | **{cyc * 1e3:.1f}** | 100% |")
@@ -229,11 +273,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             f"(bandwidth {b['floor']['bandwidth_s'] * 1e3:.1f} ms, compute "
             f"{b['floor']['compute_s'] * 1e3:.1f} ms): {b['forward_over_floor']:.2f}× the floor.",
         ]
-    lines += grammar_lines(
-        s.get("grammar"),
-        _fig(s, "asyncllm", "W1", "tokens_per_s"),
-        _fig(s, "asyncllm", "W1J", "tokens_per_s"),
-    )
+    return lines
+
+
+def _threads(s: dict[str, Any]) -> list[str]:
+    """asyncllm at each torch thread count."""
+    lines: list[str] = []
     th = s.get("threads") or {}
     if len(th) > 1:
         lines += [
@@ -256,6 +301,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
                 for t in sorted(th)
             ]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _tail(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> list[str]:
+    """What was skipped and why, the cold start, and the plots."""
+    lines: list[str] = []
     if s["skips"]:
         lines += ["", "## Skipped", ""]
         seen = set()
@@ -280,7 +331,7 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             with contextlib.suppress(ValueError):
                 rel = rel.resolve().relative_to(out.resolve())
             lines.append(f"![{rel.stem}]({rel})")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def grammar_lines(g: dict[str, Any] | None, w1: float | None, w1j: float | None) -> list[str]:

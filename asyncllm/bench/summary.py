@@ -37,80 +37,15 @@ def build_summary(
     ceil = ceilings.best_of(bench.ceiling_samples)
     model = {**bench.model_info, "dir": model_dir}
 
-    # Medians over counted runs, per engine and workload (variant).
-    figures: dict[str, dict[str, dict[str, Any]]] = {}
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in bench.records:
-        if r.get("counted"):
-            runs.setdefault((r["engine"], _key(r["workload"], r.get("variant"))), []).append(r)
-    for (engine, key), rs in runs.items():
-        med: dict[str, Any] = {}
-        for k, v in rs[0].items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "run":
-                med[k] = _median([x.get(k) for x in rs])
-            elif k in ("loop_lag_ms", "stats") and isinstance(v, dict):
-                med[k] = {
-                    kk: _median([x[k].get(kk) for x in rs if isinstance(x.get(k), dict)])
-                    for kk, vv in v.items()
-                    if isinstance(vv, (int, float))
-                }
-        med["runs"] = len(rs)
-        med["settings"] = rs[0].get("settings")
-        med["rss_mb_max"] = max(x.get("rss_mb") or 0 for x in rs)
-        figures.setdefault(engine, {})[key] = med
-
-    skips = [
-        {
-            "engine": r["engine"],
-            "workload": _key(r["workload"], r.get("variant")),
-            "reason": r["skipped"],
-        }
-        for r in bench.records
-        if "skipped" in r
-    ]
-    skips += [
-        {"engine": e, "label": bench.label(e), "workload": "all", "reason": why}
-        for e, why in bench.skipped.items()
-    ]
-
-    # Greedy agreement with asyncllm's outputs (first counted run of each); a peer is also
-    # compared with each asyncllm precision variant (llama.cpp's Q4_1 with asyncllm's gguf).
-    agreement: dict[str, dict[str, float]] = {}
-    agreement_detail: list[dict[str, Any]] = []
-    variants = [e for e in bench.workers if e.startswith("asyncllm")]
-    variants = [e for e in variants if e not in getattr(bench, "thread_engines", [])]
-    for (engine, key), outs in bench.outputs.items():
-        refs = ["asyncllm"] + ([] if engine.startswith("asyncllm") else variants)
-        for r in refs:
-            ref = bench.outputs.get((r, key))
-            if engine == r or ref is None or len(ref) != len(outs):
-                continue
-            a = output_agreement(ref, outs)
-            if r == "asyncllm":
-                agreement.setdefault(key, {})[engine] = a["identical"]
-            agreement_detail.append({"workload": key, "engine": engine, "reference": r, **a})
+    figures = _figures(bench)
+    skips = _skips(bench)
+    agreement, agreement_detail = _agreement(bench)
     w5_equal = None
     if ("asyncllm", "W5") in bench.outputs and ("asyncllm", "W1") in bench.outputs:
         w5_equal = bench.outputs[("asyncllm", "W5")] == bench.outputs[("asyncllm", "W1")]
 
-    # W4 distributions (all counted runs' requests).
-    w4: dict[str, dict[str, list[float]]] = {}
-    for (engine, wl, _variant), rs in bench.raw_runs.items():
-        if wl != "W4":
-            continue
-        for res in rs:
-            d = w4.setdefault(engine, {"ttft_s": [], "tpot_s": []})
-            d["ttft_s"] += res.get("ttft_s") or []
-            d["tpot_s"] += res.get("tpot_s") or []
-
-    sweep: dict[str, dict[int, float]] = {}
-    for engine, figs in figures.items():
-        for key, n in (("W3", 1), ("C4", 4), ("C16", 16), ("W1", 64)):
-            if key in figs and figs[key].get("tokens_per_s"):
-                if args.quick and key != "W3":
-                    n = len(next(w for w in wls if w.name == key).requests)
-                sweep.setdefault(engine, {})[n] = figs[key]["tokens_per_s"]
-
+    w4 = _w4(bench)
+    sweep = _sweep(figures, wls, args.quick)
     threads = {
         str(bench.workers[e].info.get("threads")): e
         for e in getattr(bench, "thread_engines", ["asyncllm"])
@@ -152,6 +87,100 @@ def build_summary(
     }
     summary["targets"] = _targets(summary, args.threads)
     return summary
+
+
+def _figures(bench: Any) -> dict[str, dict[str, dict[str, Any]]]:
+    """Medians over counted runs, per engine and workload (variant)."""
+    figures: dict[str, dict[str, dict[str, Any]]] = {}
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in bench.records:
+        if r.get("counted"):
+            runs.setdefault((r["engine"], _key(r["workload"], r.get("variant"))), []).append(r)
+    for (engine, key), rs in runs.items():
+        med: dict[str, Any] = {}
+        for k, v in rs[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "run":
+                med[k] = _median([x.get(k) for x in rs])
+            elif k in ("loop_lag_ms", "stats") and isinstance(v, dict):
+                med[k] = {
+                    kk: _median([x[k].get(kk) for x in rs if isinstance(x.get(k), dict)])
+                    for kk, vv in v.items()
+                    if isinstance(vv, (int, float))
+                }
+        med["runs"] = len(rs)
+        med["settings"] = rs[0].get("settings")
+        med["rss_mb_max"] = max(x.get("rss_mb") or 0 for x in rs)
+        figures.setdefault(engine, {})[key] = med
+
+    return figures
+
+
+def _skips(bench: Any) -> list[dict[str, Any]]:
+    """What was skipped (per run, and whole engines), with the reasons."""
+    skips = [
+        {
+            "engine": r["engine"],
+            "workload": _key(r["workload"], r.get("variant")),
+            "reason": r["skipped"],
+        }
+        for r in bench.records
+        if "skipped" in r
+    ]
+    skips += [
+        {"engine": e, "label": bench.label(e), "workload": "all", "reason": why}
+        for e, why in bench.skipped.items()
+    ]
+
+    return skips
+
+
+def _agreement(bench: Any) -> tuple[dict[str, dict[str, float]], list[dict[str, Any]]]:
+    """Greedy agreement with asyncllm's outputs (first counted run of each); a peer is also
+    compared with each asyncllm precision variant (llama.cpp's Q4_1 with asyncllm's gguf)."""
+    agreement: dict[str, dict[str, float]] = {}
+    agreement_detail: list[dict[str, Any]] = []
+    variants = [e for e in bench.workers if e.startswith("asyncllm")]
+    variants = [e for e in variants if e not in getattr(bench, "thread_engines", [])]
+    for (engine, key), outs in bench.outputs.items():
+        refs = ["asyncllm"] + ([] if engine.startswith("asyncllm") else variants)
+        for r in refs:
+            ref = bench.outputs.get((r, key))
+            if engine == r or ref is None or len(ref) != len(outs):
+                continue
+            a = output_agreement(ref, outs)
+            if r == "asyncllm":
+                agreement.setdefault(key, {})[engine] = a["identical"]
+            agreement_detail.append({"workload": key, "engine": engine, "reference": r, **a})
+    return agreement, agreement_detail
+
+
+def _w4(bench: Any) -> dict[str, dict[str, list[float]]]:
+    """W4's TTFT and TPOT distributions (all counted runs' requests)."""
+    w4: dict[str, dict[str, list[float]]] = {}
+    for (engine, wl, _variant), rs in bench.raw_runs.items():
+        if wl != "W4":
+            continue
+        for res in rs:
+            d = w4.setdefault(engine, {"ttft_s": [], "tpot_s": []})
+            d["ttft_s"] += res.get("ttft_s") or []
+            d["tpot_s"] += res.get("tpot_s") or []
+
+    return w4
+
+
+def _sweep(
+    figures: dict[str, dict[str, dict[str, Any]]], wls: Sequence[Any], quick: bool
+) -> dict[str, dict[int, float]]:
+    """tokens/s against the number of requests submitted at once (W3, C4, C16, W1)."""
+    sweep: dict[str, dict[int, float]] = {}
+    for engine, figs in figures.items():
+        for key, n in (("W3", 1), ("C4", 4), ("C16", 16), ("W1", 64)):
+            if key in figs and figs[key].get("tokens_per_s"):
+                if quick and key != "W3":
+                    n = len(next(w for w in wls if w.name == key).requests)
+                sweep.setdefault(engine, {})[n] = figs[key]["tokens_per_s"]
+
+    return sweep
 
 
 def output_agreement(
