@@ -357,11 +357,12 @@ def _targets(s: dict[str, Any], threads: int) -> list[dict[str, Any]]:
     b = s.get("breakdown")
     if b:
         f = b["overhead_fraction"]
-        name = "scheduling + input prep + sampling + detokenization, share of the step"
+        name = "scheduling + input prep + sampling, share of the step (detokenization: event loop)"
         add(f"{name} at batch {b['batch']}", f, "< 0.10", f < 0.10)
     g = s.get("grammar")
     if g and g["share"] is not None:
-        add(f"W1J grammar (bitmask fill + mask), share of the step at batch {g['batch']}",
+        add(f"W1J grammar (bitmask fill; its mask is in sampling), share of the step at "
+            f"batch {g['batch']}",
             g["share"], "<= 0.05", g["share"] <= 0.05,
             f"{g['share_with_accept']:.1%} with the matchers' accept")  # fmt: skip
     lag = (s["figures"].get("asyncllm", {}).get("W4", {}).get("loop_lag_ms") or {}).get("p99")
