@@ -83,6 +83,13 @@ def test_grammar_share_and_its_report_section():
     assert "| token bitmask fill (GrammarMatchers.fill) | 3.00 | 3.0% |" in text
     assert "Grammar share (fill + mask) 4.0% of the step; with the accept 4.5%" in text
     assert report.grammar_lines(None, 600.0, None) == []
+    # The engine's step hook times the mask inside sampling: no mask part, share = fill.
+    hooked = [{k: v for k, v in x.items() if k != "grammar_mask"} for x in steps]
+    h = summary.grammar_share({"trace": {"steps": hooked}})
+    assert h is not None and "grammar_mask" not in h["mean_s"]
+    assert h["share"] == pytest.approx(0.03) and h["share_with_accept"] == pytest.approx(0.035)
+    text = "\n".join(report.grammar_lines(h, 600.0, 500.0))
+    assert "sampler's mask" not in text and "Grammar share (fill) 3.0% of the step" in text
     # The target row, met at 4%.
     s = {"ceilings": {}, "model": {}, "figures": {}, "engines": {}, "grammar": g}
     (row,) = [t for t in summary._targets(s, 1) if t["target"].startswith("W1J")]

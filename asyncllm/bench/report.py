@@ -359,11 +359,13 @@ def grammar_lines(g: dict[str, Any] | None, w1: float | None, w1j: float | None)
             ("grammar_accept", "matchers' accept (GrammarMatchers.accept)"),
             ("sample", "sampling, mask included"),
         ):
-            lines.append(f"| {label} | {mean[k] * 1e3:.2f} | {mean[k] / mean['step']:.1%} |")
+            if k in mean:  # the engine's step hook times the mask as part of sampling
+                lines.append(f"| {label} | {mean[k] * 1e3:.2f} | {mean[k] / mean['step']:.1%} |")
         lines += [
             f"| **step** | **{mean['step'] * 1e3:.1f}** | 100% |",
             "",
-            f"Grammar share (fill + mask) {g['share']:.1%} of the step; with the accept "
+            f"Grammar share (fill{' + mask' * ('grammar_mask' in mean)}) {g['share']:.1%} of "
+            f"the step; with the accept "
             f"{g['share_with_accept']:.1%} (target: at most 5%).",
         ]
     return lines

@@ -265,7 +265,7 @@ GRAMMAR_PARTS = ("grammar_fill", "grammar_mask", "grammar_accept")
 def grammar_share(trace: dict[str, Any] | None) -> dict[str, Any] | None:
     """What the grammar costs in the steps of a traced constrained run (W1J) at its peak
     batch (decodes only, as :func:`_breakdown`): mean seconds per step of the bitmask fill,
-    the sampler's mask and the matchers' accept, of the step (``LLMEngine.step``) and of
+    the sampler's mask where traced apart and the matchers' accept, of the step and of
     sampling, and ``share``: (fill + mask) / step, issue 14's target (<= 5% at batch 64);
     ``share_with_accept`` adds the accept. None without a trace or a constrained step.
     """
@@ -276,15 +276,18 @@ def grammar_share(trace: dict[str, Any] | None) -> dict[str, Any] | None:
     at = [s for s in steps if s.get("batch") == peak and s.get("tokens") == peak]
     if not at:
         return None
-    mean = {k: statistics.fmean(s.get(k, 0.0) for s in at) for k in (*GRAMMAR_PARTS, "step")}
-    mean["sample"] = statistics.fmean(s.get("sample", 0.0) for s in at)
+    # The engine's step hook has no "grammar_mask" (the mask is part of "sample"); a trace
+    # that has it (an older harness) still counts it.
+    parts = [k for k in GRAMMAR_PARTS if any(k in s for s in at)]
+    mean = {k: statistics.fmean(s.get(k, 0.0) for s in at) for k in (*parts, "step", "sample")}
     step = mean["step"]
+    share = mean["grammar_fill"] + mean.get("grammar_mask", 0.0)
     return {
         "batch": peak,
         "steps": len(at),
         "mean_s": mean,
-        "share": (mean["grammar_fill"] + mean["grammar_mask"]) / step if step else None,
-        "share_with_accept": sum(mean[k] for k in GRAMMAR_PARTS) / step if step else None,
+        "share": share / step if step else None,
+        "share_with_accept": sum(mean[k] for k in parts) / step if step else None,
         "tokens_per_s": trace.get("tokens_per_s"),
     }
 

@@ -1,6 +1,7 @@
 """Per-phase wall time of one engine step: the hook profilers and the benchmark use.
 
-Set :attr:`asyncllm.engine.llm_engine.LLMEngine.step_observer` to a callable; each step then
+Set :attr:`asyncllm.engine.llm_engine.LLMEngine.step_observer` to a callable; each step that
+runs a batch (an idle step, with nothing schedulable, is not observed) then
 measures its phases with a :class:`StepTimings` and calls the observer with it and the step's
 plan, on the compute thread, at the end of the step (before the front end sees its outputs).
 Unset (None, the default), a step measures nothing: it only checks that the attribute is None.
