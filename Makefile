@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint bench
 
 # torch==2.13.0 first: on a CPU machine an unpinned torch would pull a multi-GB CUDA build
 # (xgrammar, a dependency, asks only torch>=1.10, so this CPU build stays).
@@ -21,3 +21,8 @@ lint:
 
 test: setup lint
 	$(PYTHON) -m pytest -q
+
+# The benchmark harness (asyncllm/bench/, docs/benchmarks.md) in its smoke-test sizes; the
+# developer scripts are in benchmarks/ (run them from a checkout).
+bench: setup
+	$(PYTHON) -m asyncllm bench --quick --no-cold-start

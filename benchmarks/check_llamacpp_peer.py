@@ -16,12 +16,12 @@ import subprocess
 import sys
 import tempfile
 
-from asyncllm.bench import runner, workloads
+from asyncllm.bench import processes, workloads
 
 
 def main() -> int:
-    venv = runner.find_llamacpp_venv(None)
-    gguf, why = runner.llamacpp_gguf("default", None)
+    venv = processes.find_llamacpp_venv(None)
+    gguf, why = processes.llamacpp_gguf("default", None)
     if venv is None or gguf is None:
         print(f"no llama.cpp venv (../shared/bench/peers/llamacpp_setup.sh) or {why}")
         return 2
@@ -29,10 +29,10 @@ def main() -> int:
     if probe.returncode != 0:
         print(f"{venv} has no llama_cpp")
         return 2
-    cmd = [str(venv / "bin" / "python"), str(runner.WORKER), "--engine", "llamacpp",
+    cmd = [str(venv / "bin" / "python"), str(processes.WORKER), "--engine", "llamacpp",
            "--threads", "1", "--prompts", str(workloads.PROMPTS_FILE), "--model", gguf]  # fmt: skip
     log = pathlib.Path(tempfile.mkdtemp()) / "log"
-    w = runner.WorkerProc("llamacpp", cmd, runner.peer_env(venv), log)
+    w = processes.WorkerProc("llamacpp", cmd, processes.peer_env(venv), log)
     w.start()
     try:
         assert w.wait_ready(120), w.failed

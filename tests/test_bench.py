@@ -9,7 +9,8 @@ import json
 import pytest
 
 from asyncllm.bench import ceilings, workloads
-from asyncllm.bench.worker import AsyncllmWorker, Timeline, percentile
+from asyncllm.bench.asyncllm_engine import AsyncllmWorker
+from asyncllm.bench.engine_process import Timeline, percentile
 
 
 def test_workloads_follow_the_spec():
@@ -42,7 +43,7 @@ def test_w1j_is_w1_under_one_json_schema():
     ends a request, in asyncllm and vLLM alike); the peers without a grammar skip it."""
     import types
 
-    from asyncllm.bench import runner
+    from asyncllm.bench import options, runner
     from asyncllm.sampling_params import StructuredOutputsParams
 
     data = workloads.load_prompts()
@@ -58,13 +59,13 @@ def test_w1j_is_w1_under_one_json_schema():
     assert spec["outputs"] and json.loads(json.dumps(spec)) == spec  # sent as JSON
     plain = runner.Bench.spec(bench, "vllm", w1, "", w1.requests)  # type: ignore[arg-type]
     assert "structured_outputs" not in plain and "ignore_eos" not in plain
-    assert {p for p in runner.PEERS if "W1J" in runner.UNSUPPORTED.get(p, {})} == {
+    assert {p for p in options.PEERS if "W1J" in options.UNSUPPORTED.get(p, {})} == {
         "hf", "hf_cb", "llamacpp"
     }  # fmt: skip
 
 
 def test_grammar_share_and_its_report_section():
-    from asyncllm.bench import report
+    from asyncllm.bench import report, summary
 
     def step(batch, fill, mask, accept=0.0005, step=0.1):
         return {"batch": batch, "tokens": batch, "step": step, "sample": 0.004,
@@ -72,19 +73,26 @@ def test_grammar_share_and_its_report_section():
 
     steps = [step(64, 0.002, 0.001), step(64, 0.004, 0.001), step(12, 0.05, 0.05)]
     steps.append({"batch": 64, "tokens": 64, "step": 0.1})  # no constrained row: not counted
-    g = report.grammar_share({"trace": {"steps": steps}, "tokens_per_s": 500.0})
+    g = summary.grammar_share({"trace": {"steps": steps}, "tokens_per_s": 500.0})
     assert g is not None and g["batch"] == 64 and g["steps"] == 2
     assert g["share"] == pytest.approx(0.04) and g["share_with_accept"] == pytest.approx(0.045)
-    assert report.grammar_share(None) is None
-    assert report.grammar_share({"trace": {"steps": steps[3:]}}) is None
+    assert summary.grammar_share(None) is None
+    assert summary.grammar_share({"trace": {"steps": steps[3:]}}) is None
     text = "\n".join(report.grammar_lines(g, 600.0, 500.0))
     assert "asyncllm W1J: 500.0 tokens/s against W1's 600.0 (0.83×)" in text
     assert "| token bitmask fill (GrammarMatchers.fill) | 3.00 | 3.0% |" in text
     assert "Grammar share (fill + mask) 4.0% of the step; with the accept 4.5%" in text
     assert report.grammar_lines(None, 600.0, None) == []
+    # The engine's step hook times the mask inside sampling: no mask part, share = fill.
+    hooked = [{k: v for k, v in x.items() if k != "grammar_mask"} for x in steps]
+    h = summary.grammar_share({"trace": {"steps": hooked}})
+    assert h is not None and "grammar_mask" not in h["mean_s"]
+    assert h["share"] == pytest.approx(0.03) and h["share_with_accept"] == pytest.approx(0.035)
+    text = "\n".join(report.grammar_lines(h, 600.0, 500.0))
+    assert "sampler's mask" not in text and "Grammar share (fill) 3.0% of the step" in text
     # The target row, met at 4%.
     s = {"ceilings": {}, "model": {}, "figures": {}, "engines": {}, "grammar": g}
-    (row,) = [t for t in report._targets(s, 1) if t["target"].startswith("W1J")]
+    (row,) = [t for t in summary._targets(s, 1) if t["target"].startswith("W1J")]
     assert row["value"] == pytest.approx(0.04) and row["met"] is True
 
 
@@ -119,11 +127,13 @@ def test_asyncllm_worker_traces_and_restores(tiny_llama_dir):
     assert [len(o) for o in res["outputs"]] == [6, 4]
     assert res["loop_lag_ms"]["samples"] > 0
     steps = res["trace"]["steps"]
-    assert steps and {"schedule", "forward", "sample", "batch", "blocks_held"} <= set(steps[0])
+    keys = {"schedule", "prep", "forward", "sample", "update", "execute", "batch", "blocks_held"}
+    assert steps and keys <= set(steps[0]) and steps[0]["step"] >= steps[0]["forward"] > 0
     assert any("dispatch" in s for s in steps)
     engine = w.engine({})
     core = engine._engine
     assert "step" not in core.__dict__ and "schedule" not in core.scheduler.__dict__
+    assert core.step_observer is None  # the hook is unset after a traced run
     # Untraced, a W5-like small cache, and "cache off" (unique salts) give the same tokens.
     small = {"kv_cache_bytes": 32 * core.kv_cache.spec.bytes_per_token * 16, "max_model_len": 64}
     res2 = w.run({**spec, "cache": "off", "engine_config": small})
@@ -189,39 +199,39 @@ def test_bench_command_quick(tiny_llama_dir, tmp_path):
 
 
 def test_bench_reports_a_missing_peer(tmp_path, monkeypatch):
-    from asyncllm.bench import runner
+    from asyncllm.bench import processes
 
     monkeypatch.setenv("ASYNCLLM_BENCH_VLLM_VENV", str(tmp_path / "nowhere"))
-    monkeypatch.setattr(runner, "REPO", tmp_path)
-    assert runner.find_vllm_venv(None) is None
+    monkeypatch.setattr(processes, "REPO", tmp_path)
+    assert processes.find_vllm_venv(None) is None
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    assert runner.find_vllm_venv(str(venv)) == venv
-    env = runner.vllm_env(venv, 1, "auto")
+    assert processes.find_vllm_venv(str(venv)) == venv
+    env = processes.vllm_env(venv, 1, "auto")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
 
 
 def test_llamacpp_peer_is_found_or_skipped_with_a_reason(tmp_path, monkeypatch):
-    from asyncllm.bench import runner
+    from asyncllm.bench import processes
 
-    monkeypatch.setattr(runner, "REPO", tmp_path / "repo")
+    monkeypatch.setattr(processes, "REPO", tmp_path / "repo")
     monkeypatch.setenv("ASYNCLLM_BENCH_LLAMACPP_VENV", str(tmp_path / "nowhere"))
-    assert runner.find_llamacpp_venv(None) is None
+    assert processes.find_llamacpp_venv(None) is None
     venv = tmp_path / ".venv-llamacpp"  # the repository's parent's, the default place
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    assert runner.find_llamacpp_venv(None) == venv
+    assert processes.find_llamacpp_venv(None) == venv
     monkeypatch.setenv("ASYNCLLM_BENCH_LLAMACPP_VENV", str(tmp_path / "other"))
-    assert runner.find_llamacpp_venv(None) == venv  # a missing one is passed over
+    assert processes.find_llamacpp_venv(None) == venv  # a missing one is passed over
     gguf = tmp_path / "m.gguf"
-    assert runner.llamacpp_gguf(str(gguf), None)[0] is None
-    assert "no such file" in runner.llamacpp_gguf("default", str(gguf))[1]
+    assert processes.llamacpp_gguf(str(gguf), None)[0] is None
+    assert "no such file" in processes.llamacpp_gguf("default", str(gguf))[1]
     gguf.write_bytes(b"GGUF")
-    assert runner.llamacpp_gguf(str(gguf), None) == (str(gguf), "")
-    assert "not a GGUF file" in runner.llamacpp_gguf(str(tmp_path), None)[1]
+    assert processes.llamacpp_gguf(str(gguf), None) == (str(gguf), "")
+    assert "not a GGUF file" in processes.llamacpp_gguf(str(tmp_path), None)[1]
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    assert "PYTHONPATH" not in runner.peer_env(venv)
+    assert "PYTHONPATH" not in processes.peer_env(venv)
 
 
 @pytest.mark.parametrize(
@@ -236,7 +246,7 @@ def test_llamacpp_peer_is_found_or_skipped_with_a_reason(tmp_path, monkeypatch):
     ],
 )  # fmt: skip
 def test_asyncllm_variants_parse(text, expected):
-    from asyncllm.bench.runner import parse_variants
+    from asyncllm.bench.options import parse_variants
 
     assert parse_variants(text) == expected
 
@@ -251,14 +261,14 @@ def test_asyncllm_variants_parse(text, expected):
     ],
 )
 def test_asyncllm_variants_reject_bad_text(text, message):
-    from asyncllm.bench.runner import parse_variants
+    from asyncllm.bench.options import parse_variants
 
     with pytest.raises(SystemExit, match=message):
         parse_variants(text)
 
 
 def test_precision_config_passes_only_what_is_given():
-    from asyncllm.bench.runner import precision_config, variant_name
+    from asyncllm.bench.options import precision_config, variant_name
 
     assert precision_config(None, None) == {}
     # "none" is passed on as None: EngineConfig's default quantization is "auto"
@@ -276,19 +286,19 @@ def test_precision_config_passes_only_what_is_given():
 
 
 def test_vllm_dtype_columns():
-    from asyncllm.bench import runner
+    from asyncllm.bench import options
 
-    assert runner.vllm_columns(["float32"]) == [("vllm", "vLLM-CPU", "float32")]
-    assert runner.vllm_columns(["bfloat16", "float32"]) == [
+    assert options.vllm_columns(["float32"]) == [("vllm", "vLLM-CPU", "float32")]
+    assert options.vllm_columns(["bfloat16", "float32"]) == [
         ("vllm", "vLLM-CPU (bfloat16)", "bfloat16"), ("vllm-float32", "vLLM-CPU", "float32")
     ]  # fmt: skip
-    assert [runner.base_engine(e) for e in ("vllm-bfloat16", "asyncllm-t1", "hf_cb")] == [
+    assert [options.base_engine(e) for e in ("vllm-bfloat16", "asyncllm-t1", "hf_cb")] == [
         "vllm", "asyncllm", "hf_cb"
     ]  # fmt: skip
 
 
 def test_output_agreement():
-    from asyncllm.bench.report import output_agreement
+    from asyncllm.bench.summary import output_agreement
 
     a = output_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 9], [5, 6]])
     assert a == {"identical": 0.5, "prefix": pytest.approx((0.5 + 1.0) / 2)}
@@ -296,7 +306,7 @@ def test_output_agreement():
 
 
 def test_precision_targets_compare_the_right_columns():
-    from asyncllm.bench import report
+    from asyncllm.bench import summary
 
     def eng(dtype, quant=None, precision=None):
         return {"failed": None, "info": {"dtype": dtype, "quantization": quant,
@@ -326,7 +336,7 @@ def test_precision_targets_compare_the_right_columns():
         },
     }  # fmt: skip
     got = {}
-    report._precision_targets(
+    summary._precision_targets(
         s, lambda name, value, goal, ok, note="": got.update({name: (value, ok)})
     )
     assert got == {
@@ -344,12 +354,12 @@ def test_precision_targets_compare_the_right_columns():
     s["engines"]["vllm"], s["engines"]["vllm-float32"] = eng(None, precision="bfloat16"), s[
         "engines"].pop("vllm")  # fmt: skip
     s["figures"]["vllm-float32"] = s["figures"].pop("vllm")
-    (row,) = [t for t in report._targets({**s, "ceilings": {}, "model": {}}, 1)
+    (row,) = [t for t in summary._targets({**s, "ceilings": {}, "model": {}}, 1)
               if t["target"] == "W1 throughput / vLLM-CPU's"]  # fmt: skip
     assert row["value"] == pytest.approx(100 / 120) and row["note"] == "vLLM in float32"
     # Without the columns, no target is claimed.
     got.clear()
-    report._precision_targets({"engines": {"asyncllm": eng("float32")}, "figures": {}},
+    summary._precision_targets({"engines": {"asyncllm": eng("float32")}, "figures": {}},
                               lambda *a, **k: got.update({a[0]: a}))  # fmt: skip
     assert got == {}
 

@@ -1,408 +1,13 @@
-"""Turns a benchmark run's records into ``summary.json``, ``report.md`` and plots."""
+"""A benchmark run's ``summary.json`` as ``report.md``."""
 
 from __future__ import annotations
 
 import contextlib
 import pathlib
-import statistics
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from asyncllm.bench import ceilings
-from asyncllm.bench.runner import base_engine
-from asyncllm.bench.worker import percentile
-
-ENGINE_ORDER = ("asyncllm", "vllm", "llamacpp", "hf", "hf_cb")
-
-
-def _median(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _key(workload: str, variant: str | None) -> str:
-    return f"{workload}/{variant}" if variant else workload
-
-
-def _order(engines: Sequence[str]) -> list[str]:
-    def rank(e: str) -> tuple[int, str]:
-        base = base_engine(e)
-        return (ENGINE_ORDER.index(base) if base in ENGINE_ORDER else 9, e)
-
-    return sorted(engines, key=rank)
-
-
-def build_summary(
-    bench: Any, wls: Sequence[Any], cold: dict[str, Any], elapsed_s: float, model_dir: str
-) -> dict[str, Any]:
-    """Everything the report and the plots need, as plain JSON."""
-    args = bench.args
-    ceil = ceilings.best_of(bench.ceiling_samples)
-    model = {**bench.model_info, "dir": model_dir}
-
-    # Medians over counted runs, per engine and workload (variant).
-    figures: dict[str, dict[str, dict[str, Any]]] = {}
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in bench.records:
-        if r.get("counted"):
-            runs.setdefault((r["engine"], _key(r["workload"], r.get("variant"))), []).append(r)
-    for (engine, key), rs in runs.items():
-        med: dict[str, Any] = {}
-        for k, v in rs[0].items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "run":
-                med[k] = _median([x.get(k) for x in rs])
-            elif k in ("loop_lag_ms", "stats") and isinstance(v, dict):
-                med[k] = {
-                    kk: _median([x[k].get(kk) for x in rs if isinstance(x.get(k), dict)])
-                    for kk, vv in v.items()
-                    if isinstance(vv, (int, float))
-                }
-        med["runs"] = len(rs)
-        med["settings"] = rs[0].get("settings")
-        med["rss_mb_max"] = max(x.get("rss_mb") or 0 for x in rs)
-        figures.setdefault(engine, {})[key] = med
-
-    skips = [
-        {
-            "engine": r["engine"],
-            "workload": _key(r["workload"], r.get("variant")),
-            "reason": r["skipped"],
-        }
-        for r in bench.records
-        if "skipped" in r
-    ]
-    skips += [
-        {"engine": e, "label": bench.label(e), "workload": "all", "reason": why}
-        for e, why in bench.skipped.items()
-    ]
-
-    # Greedy agreement with asyncllm's outputs (first counted run of each); a peer is also
-    # compared with each asyncllm precision variant (llama.cpp's Q4_1 with asyncllm's gguf).
-    agreement: dict[str, dict[str, float]] = {}
-    agreement_detail: list[dict[str, Any]] = []
-    variants = [e for e in bench.workers if e.startswith("asyncllm")]
-    variants = [e for e in variants if e not in getattr(bench, "thread_engines", [])]
-    for (engine, key), outs in bench.outputs.items():
-        refs = ["asyncllm"] + ([] if engine.startswith("asyncllm") else variants)
-        for r in refs:
-            ref = bench.outputs.get((r, key))
-            if engine == r or ref is None or len(ref) != len(outs):
-                continue
-            a = output_agreement(ref, outs)
-            if r == "asyncllm":
-                agreement.setdefault(key, {})[engine] = a["identical"]
-            agreement_detail.append({"workload": key, "engine": engine, "reference": r, **a})
-    w5_equal = None
-    if ("asyncllm", "W5") in bench.outputs and ("asyncllm", "W1") in bench.outputs:
-        w5_equal = bench.outputs[("asyncllm", "W5")] == bench.outputs[("asyncllm", "W1")]
-
-    # W4 distributions (all counted runs' requests).
-    w4: dict[str, dict[str, list[float]]] = {}
-    for (engine, wl, _variant), rs in bench.raw_runs.items():
-        if wl != "W4":
-            continue
-        for res in rs:
-            d = w4.setdefault(engine, {"ttft_s": [], "tpot_s": []})
-            d["ttft_s"] += res.get("ttft_s") or []
-            d["tpot_s"] += res.get("tpot_s") or []
-
-    sweep: dict[str, dict[int, float]] = {}
-    for engine, figs in figures.items():
-        for key, n in (("W3", 1), ("C4", 4), ("C16", 16), ("W1", 64)):
-            if key in figs and figs[key].get("tokens_per_s"):
-                if args.quick and key != "W3":
-                    n = len(next(w for w in wls if w.name == key).requests)
-                sweep.setdefault(engine, {})[n] = figs[key]["tokens_per_s"]
-
-    threads = {
-        str(bench.workers[e].info.get("threads")): e
-        for e in getattr(bench, "thread_engines", ["asyncllm"])
-        if e in bench.workers and not bench.workers[e].failed
-    }
-    breakdown = _breakdown(bench, ceil, model)
-    grammar = grammar_share(bench.traces.get("W1J"))
-    kv = _kv(bench)
-    summary = {
-        "command": "python -m asyncllm bench " + " ".join(getattr(args, "argv", []) or []),
-        "quick": args.quick,
-        "elapsed_min": elapsed_s / 60,
-        "machine": bench.machine,
-        "ceilings": ceil,
-        "ceiling_samples": bench.ceiling_samples,
-        "model": model,
-        "engines": {
-            e: {
-                "label": bench.label(e),
-                "info": w.info,
-                "failed": w.failed,
-            }
-            for e, w in bench.workers.items()
-        },
-        "workloads": {w.name: {"description": w.description, **w.params} for w in wls},
-        "figures": figures,
-        "skips": skips,
-        "agreement": agreement,
-        "agreement_detail": agreement_detail,
-        "w5_outputs_equal_w1": w5_equal,
-        "w4": w4,
-        "sweep": sweep,
-        "threads": threads,
-        "breakdown": breakdown,
-        "grammar": grammar,
-        "kv": kv,
-        "cold_start": cold,
-        "repeats": args.repeats,
-    }
-    summary["targets"] = _targets(summary, args.threads)
-    return summary
-
-
-def output_agreement(
-    ref: Sequence[Sequence[int]], outs: Sequence[Sequence[int]]
-) -> dict[str, float]:
-    """How far greedy outputs agree with reference ones, request by request: the fraction
-    identical, and the mean fraction of each reference output before the first token that
-    differs (1.0 when all are identical; 0.0 when every first token differs)."""
-    same = sum(1 for a, b in zip(ref, outs, strict=True) if list(a) == list(b))
-    prefix = []
-    for a, b in zip(ref, outs, strict=True):
-        n = 0
-        for x, y in zip(a, b, strict=False):
-            if x != y:
-                break
-            n += 1
-        prefix.append(n / len(a) if a else 1.0)
-    return {
-        "identical": same / len(ref) if ref else 1.0,
-        "prefix": statistics.fmean(prefix) if prefix else 1.0,
-    }
-
-
-def _breakdown(
-    bench: Any, ceil: dict[str, dict[str, float]], model: dict[str, Any]
-) -> dict[str, Any] | None:
-    """Mean step-time components over W1's steps at its peak batch (all decodes)."""
-    t = bench.traces.get("W1")
-    if not t:
-        return None
-    steps = t["trace"]["steps"]
-    peak = int(max((s.get("batch", 0) for s in steps), default=0))
-    idx = [
-        i
-        for i, s in enumerate(steps[:-1])
-        if s.get("batch") == peak and s.get("tokens") == peak and "dispatch" in s
-    ]
-    if not idx:
-        return None
-    comp: dict[str, list[float]] = {k: [] for k in (
-        "cycle", "step", "schedule", "update", "prep", "forward", "sample", "dispatch", "detok",
-        "post", "loop_cpu", "delivery", "other",
-    )}  # fmt: skip
-    for i in idx:
-        s, nxt = steps[i], steps[i + 1]
-        cycle = nxt["t0"] - s["t0"]
-        prep = s.get("execute", 0) - s.get("forward", 0) - s.get("sample", 0)
-        comp["cycle"].append(cycle)
-        comp["step"].append(s["step"])
-        comp["schedule"].append(s.get("schedule", 0))
-        comp["update"].append(s.get("update", 0))
-        comp["prep"].append(prep)
-        comp["forward"].append(s.get("forward", 0))
-        comp["sample"].append(s.get("sample", 0))
-        comp["dispatch"].append(s["dispatch"])
-        comp["detok"].append(s.get("detok", 0))
-        comp["post"].append(s["dispatch"] - s.get("detok", 0))
-        comp["loop_cpu"].append(nxt.get("loop_cpu", 0))
-        comp["delivery"].append(max(0.0, nxt.get("loop_cpu", 0) - s["dispatch"]))
-        comp["other"].append(cycle - s["step"] - s["dispatch"])
-    mean = {k: statistics.fmean(v) for k, v in comp.items()}
-    threads = str(bench.args.threads)
-    c = ceil.get(threads) or next(iter(ceil.values()))
-    fl = ceilings.floors(c, model["weight_bytes"], model["num_params"], int(peak))
-    overhead = mean["schedule"] + mean["update"] + mean["prep"] + mean["sample"] + mean["detok"]
-    return {
-        "batch": peak,
-        "steps": len(idx),
-        "mean_s": mean,
-        "floor": fl,
-        "forward_over_floor": mean["forward"] / fl["floor_s"],
-        "overhead_fraction": overhead / mean["cycle"],
-        "threads": bench.args.threads,
-        "loop_lag_ms": t.get("loop_lag_ms"),
-    }
-
-
-#: The grammar's parts of a traced step (see :class:`asyncllm.bench.worker.Tracer`).
-GRAMMAR_PARTS = ("grammar_fill", "grammar_mask", "grammar_accept")
-
-
-def grammar_share(trace: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What the grammar costs in the steps of a traced constrained run (W1J) at its peak
-    batch (decodes only, as :func:`_breakdown`): mean seconds per step of the bitmask fill,
-    the sampler's mask and the matchers' accept, of the step (``LLMEngine.step``) and of
-    sampling, and ``share``: (fill + mask) / step, issue 14's target (<= 5% at batch 64);
-    ``share_with_accept`` adds the accept. None without a trace or a constrained step.
-    """
-    if not trace:
-        return None
-    steps = [s for s in trace["trace"]["steps"] if "grammar_fill" in s]
-    peak = int(max((s.get("batch", 0) for s in steps), default=0))
-    at = [s for s in steps if s.get("batch") == peak and s.get("tokens") == peak]
-    if not at:
-        return None
-    mean = {k: statistics.fmean(s.get(k, 0.0) for s in at) for k in (*GRAMMAR_PARTS, "step")}
-    mean["sample"] = statistics.fmean(s.get("sample", 0.0) for s in at)
-    step = mean["step"]
-    return {
-        "batch": peak,
-        "steps": len(at),
-        "mean_s": mean,
-        "share": (mean["grammar_fill"] + mean["grammar_mask"]) / step if step else None,
-        "share_with_accept": sum(mean[k] for k in GRAMMAR_PARTS) / step if step else None,
-        "tokens_per_s": trace.get("tokens_per_s"),
-        "compiler": trace["trace"].get("grammar_compiler"),
-    }
-
-
-def _kv(bench: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, t in bench.traces.items():
-        if name not in ("W1", "W6"):  # the plotted ones
-            continue
-        tr = t["trace"]
-        steps = tr["steps"]
-        t0 = steps[0]["t0"] if steps else 0.0
-        out[name] = {
-            "block_size": tr["block_size"],
-            "bytes_per_token": tr["bytes_per_token"],
-            "time_s": [s["t0"] - t0 for s in steps],
-            "blocks_held": [s["blocks_held"] for s in steps],
-            "tokens_in_use": [s["tokens_in_use"] for s in steps],
-            "prompt_lens": t["prompt_lens"],
-            "max_tokens": t["max_tokens"],
-        }
-    return out
-
-
-def _fig(summary: dict[str, Any], engine: str, key: str, metric: str) -> float | None:
-    return summary["figures"].get(engine, {}).get(key, {}).get(metric)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _targets(s: dict[str, Any], threads: int) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    ceil = s["ceilings"].get(str(threads)) or {}
-    model = s["model"]
-
-    def add(name: str, value: float | None, goal: str, ok: bool | None, note: str = "") -> None:
-        out.append({"target": name, "value": value, "goal": goal, "met": ok, "note": note})
-
-    w1 = _fig(s, "asyncllm", "W1", "tokens_per_s")
-    # vLLM in asyncllm's precision where it ran so, else its first column.
-    main = (s["engines"].get("asyncllm", {}).get("info") or {}).get("precision")
-    vllm = _vllm_with(s, main) or "vllm"
-    v1 = _fig(s, vllm, "W1", "tokens_per_s")
-    r = _ratio(w1, v1)
-    vprec = (s["engines"].get(vllm, {}).get("info") or {}).get("precision")
-    note = "vLLM not measured in this run" if r is None else f"vLLM in {vprec}"
-    add("W1 throughput / vLLM-CPU's", r, ">= 1.5", None if r is None else r >= 1.5, note)
-    if ceil and w1:
-        roof = ceil["matmul_gflops"] * 1e9 / (2 * model["num_params"])
-        gf = ceil["matmul_gflops"]
-        note = f"roofline {roof:.0f} tokens/s: {gf:.0f} GFLOP/s, {threads} thread(s)"
-        add("W1 throughput / matmul roofline", w1 / roof, ">= 0.85", w1 / roof >= 0.85, note)
-    tpot = _fig(s, "asyncllm", "W3", "tpot_mean_s")
-    if ceil and tpot:
-        floor = ceil["copy_gbs"] * 1e9 / model["weight_bytes"]
-        frac = (1 / tpot) / floor
-        note = (
-            f"floor {floor:.1f} tokens/s: {ceil['copy_gbs']:.1f} GB/s copy, {threads} thread(s); "
-            f"decode {1 / tpot:.1f} tokens/s"
-        )
-        add("W3 decode / bandwidth floor", frac, ">= 0.85", frac >= 0.85, note)
-    ttft = _fig(s, "asyncllm", "W3", "ttft_mean_s")
-    add("W3 TTFT (s)", ttft, "< 0.15", None if ttft is None else ttft < 0.15)
-    w6 = _fig(s, "asyncllm", "W6", "tokens_per_s")
-    h6 = _fig(s, "hf", "W6", "tokens_per_s")
-    r = _ratio(w6, h6)
-    add("W6 throughput / transformers static generate", r, ">= 2", None if r is None else r >= 2)
-    b = s.get("breakdown")
-    if b:
-        f = b["overhead_fraction"]
-        name = "scheduling + input prep + sampling + detokenization, share of the step"
-        add(f"{name} at batch {b['batch']}", f, "< 0.10", f < 0.10)
-    g = s.get("grammar")
-    if g and g["share"] is not None:
-        add(f"W1J grammar (bitmask fill + mask), share of the step at batch {g['batch']}",
-            g["share"], "<= 0.05", g["share"] <= 0.05,
-            f"{g['share_with_accept']:.1%} with the matchers' accept")  # fmt: skip
-    lag = (s["figures"].get("asyncllm", {}).get("W4", {}).get("loop_lag_ms") or {}).get("p99")
-    add("event-loop lag p99 under W4 (ms)", lag, "< 20", None if lag is None else lag < 20)
-    _precision_targets(s, add)
-    cs = (s.get("cold_start") or {}).get("cold_start_s")
-    add("cold start to first token (s)", cs, "< 10", None if cs is None else cs < 10,
-        "`python -m asyncllm generate`, cached default model")  # fmt: skip
-    return out
-
-
-def _vllm_with(s: dict[str, Any], precision: str | None) -> str | None:
-    """The vLLM column (engine) that ran in ``precision`` ("bfloat16"), if one did."""
-    for e in _order([e for e in s["engines"] if base_engine(e) == "vllm"]):
-        info = s["engines"][e]["info"] or {}
-        if not s["engines"][e]["failed"] and info.get("precision") == precision:
-            return e
-    return None
-
-
-def _engine_with(s: dict[str, Any], dtype: str | None, quantization: str | None) -> str | None:
-    """The asyncllm engine (column) of this precision, if it ran: the main one first."""
-    for e in _order([e for e in s["engines"] if e.startswith("asyncllm")]):
-        info = s["engines"][e]["info"] or {}
-        if s["engines"][e]["failed"] or info.get("quantization") != quantization:
-            continue
-        if dtype is None or info.get("dtype") == dtype:
-            return e
-    return None
-
-
-def _precision_targets(s: dict[str, Any], add: Callable[..., None]) -> None:
-    """Issue 17's targets, where this run measured both sides: the GGUF (Q4_1) engine against
-    llama.cpp on the same file and against float32, bfloat16 against float32 and vLLM."""
-    f32 = _engine_with(s, "float32", None)
-    bf16 = _engine_with(s, "bfloat16", None)
-    gguf = _engine_with(s, None, "gguf")
-
-    def cmp(name: str, a: str | None, b: str | None, key: str, metric: str, goal: str) -> None:
-        if a is None or b is None or a == b:
-            return
-        r = _ratio(_fig(s, a, key, metric), _fig(s, b, key, metric))
-        if r is None:
-            return
-        op, bound = goal.split()
-        add(name, r, goal, r <= float(bound) if op == "<=" else r >= float(bound))
-
-    cmp("W3 TPOT, asyncllm Q4_1 (gguf) / llama.cpp's", gguf, "llamacpp", "W3", "tpot_mean_s",
-        "<= 1")  # fmt: skip
-    cmp("W3 TTFT, asyncllm Q4_1 (gguf) / llama.cpp's", gguf, "llamacpp", "W3", "ttft_mean_s",
-        "<= 1")  # fmt: skip
-    cmp("W1 tokens/s, asyncllm Q4_1 (gguf) / float32", gguf, f32, "W1", "tokens_per_s", ">= 1")
-    cmp("W1 tokens/s, asyncllm Q4_1 (gguf) / llama.cpp's", gguf, "llamacpp", "W1",
-        "tokens_per_s", ">= 3")  # fmt: skip
-    cmp("W1 tokens/s, asyncllm bfloat16 / float32", bf16, f32, "W1", "tokens_per_s", ">= 1.6")
-    cmp("W3 TPOT, asyncllm bfloat16 / float32", bf16, f32, "W3", "tpot_mean_s", "<= 0.625")
-    vllm_bf16 = _vllm_with(s, "bfloat16")
-    cmp("W1 tokens/s, asyncllm bfloat16 / vLLM-CPU bfloat16", bf16, vllm_bf16, "W1",
-        "tokens_per_s", ">= 1")  # fmt: skip
-    cmp("W3 TPOT, asyncllm bfloat16 / vLLM-CPU bfloat16", bf16, vllm_bf16, "W3", "tpot_mean_s",
-        "<= 1")  # fmt: skip
-    cmp("W3 peak RSS, asyncllm Q4_1 (gguf) / float32", gguf, f32, "W3", "rss_mb_max", "<= 0.4")
-
-
-# ---------------------------------------------------------------------------------- markdown
+from asyncllm.bench.summary import _fig, _order, _ratio
 
 
 def _f(x: Any, digits: int = 1, unit: str = "") -> str:
@@ -470,11 +75,32 @@ def _cell(
 
 
 def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
-    m = s["machine"]
-    model = s["model"]
+    """``report.md`` from a summary (:func:`asyncllm.bench.summary.build_summary`); ``plots``
+    are the plot files, linked relative to ``out``."""
     engines = _order(
         [e for e in s["engines"] if not s["engines"][e]["failed"] and e in s["figures"]]
     )
+    lines = [
+        *_head(s),
+        *_engines(s),
+        *_results(s, engines),
+        *_notes(s),
+        *_targets_and_breakdown(s),
+        *grammar_lines(
+            s.get("grammar"),
+            _fig(s, "asyncllm", "W1", "tokens_per_s"),
+            _fig(s, "asyncllm", "W1J", "tokens_per_s"),
+        ),
+        *_threads(s),
+        *_tail(s, plots, out),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _head(s: dict[str, Any]) -> list[str]:
+    """The title, the command, the machine, the model and the ceilings."""
+    m = s["machine"]
+    model = s["model"]
     lines = [
         f"# asyncllm benchmark{' (quick: smoke-test sizes, not comparable)' if s['quick'] else ''}",
         "",
@@ -496,6 +122,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
     ]
     for t, c in sorted(s["ceilings"].items()):
         lines.append(f"| {t} | {c['copy_gbs']:.1f} GB/s | {c['matmul_gflops']:.0f} GFLOP/s |")
+    return lines
+
+
+def _engines(s: dict[str, Any]) -> list[str]:
+    """Each engine's version, threads, precision, settings and memory."""
+    lines: list[str] = []
     lines += [
         "",
         "## Engines",
@@ -523,6 +155,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             tok = ", ".join(f"{k} {v}" for k, v in info["tokenizer_ids_match"].items())
             notes.append(f"{label}: its tokenizer gives transformers' prompt ids for {tok}.")
     lines += ["", *notes] if notes else []
+    return lines
+
+
+def _results(s: dict[str, Any], engines: list[str]) -> list[str]:
+    """The figures of each workload per engine, and the ratios to the peers."""
+    lines: list[str] = []
     lines += [
         "",
         f"## Results (median of {s['repeats']} counted runs; † one run: W4, W5, and a peer "
@@ -555,6 +193,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             if all(c == "–" for c in cells):
                 continue
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _notes(s: dict[str, Any]) -> list[str]:
+    """Prefix-cache hits, W5 against W1, and greedy agreement with asyncllm's outputs."""
+    lines: list[str] = []
     w2 = s["figures"].get("asyncllm", {}).get("W2/on")
     if w2 and w2.get("stats"):
         lines += [
@@ -585,6 +229,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
                 f"| {label.get(d['reference'], d['reference'])} | {d['identical']:.0%} "
                 f"| {d['prefix']:.0%} |"
             )
+    return lines
+
+
+def _targets_and_breakdown(s: dict[str, Any]) -> list[str]:
+    """The targets, and the step time's parts at W1's peak batch."""
+    lines: list[str] = []
     lines += ["", "## Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
     for t in s["targets"]:
         met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
@@ -608,9 +258,8 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             ("prep", "input preparation (tensors, attention plan)"),
             ("forward", "model forward"),
             ("sample", "sampling"),
-            ("detok", "detokenization"),
-            ("post", "posting to request states"),
-            ("other", "handoff between loop and worker thread, inbox"),
+            ("post", "event loop between steps (detokenization, stop strings, posting, inbox)"),
+            ("other", "the trace's own bookkeeping (its step observer)"),
         ):
             lines.append(f"| {label} | {mean[k] * 1e3:.2f} | {mean[k] / cyc:.1%} |")
         lines.append(f"| **step cycle** | **{cyc * 1e3:.1f}** | 100% |")
@@ -624,11 +273,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             f"(bandwidth {b['floor']['bandwidth_s'] * 1e3:.1f} ms, compute "
             f"{b['floor']['compute_s'] * 1e3:.1f} ms): {b['forward_over_floor']:.2f}× the floor.",
         ]
-    lines += grammar_lines(
-        s.get("grammar"),
-        _fig(s, "asyncllm", "W1", "tokens_per_s"),
-        _fig(s, "asyncllm", "W1J", "tokens_per_s"),
-    )
+    return lines
+
+
+def _threads(s: dict[str, Any]) -> list[str]:
+    """asyncllm at each torch thread count."""
+    lines: list[str] = []
     th = s.get("threads") or {}
     if len(th) > 1:
         lines += [
@@ -651,6 +301,12 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
                 for t in sorted(th)
             ]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _tail(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> list[str]:
+    """What was skipped and why, the cold start, and the plots."""
+    lines: list[str] = []
     if s["skips"]:
         lines += ["", "## Skipped", ""]
         seen = set()
@@ -675,7 +331,7 @@ def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
             with contextlib.suppress(ValueError):
                 rel = rel.resolve().relative_to(out.resolve())
             lines.append(f"![{rel.stem}]({rel})")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def grammar_lines(g: dict[str, Any] | None, w1: float | None, w1j: float | None) -> list[str]:
@@ -699,15 +355,17 @@ def grammar_lines(g: dict[str, Any] | None, w1: float | None, w1j: float | None)
         ]
         for k, label in (
             ("grammar_fill", "token bitmask fill (GrammarMatchers.fill)"),
-            ("grammar_mask", "sampler's check, mask, re-argmax (_apply_grammar)"),
+            ("grammar_mask", "sampler's check, mask, re-argmax (_constrained_argmax)"),
             ("grammar_accept", "matchers' accept (GrammarMatchers.accept)"),
             ("sample", "sampling, mask included"),
         ):
-            lines.append(f"| {label} | {mean[k] * 1e3:.2f} | {mean[k] / mean['step']:.1%} |")
+            if k in mean:
+                lines.append(f"| {label} | {mean[k] * 1e3:.2f} | {mean[k] / mean['step']:.1%} |")
         lines += [
             f"| **step** | **{mean['step'] * 1e3:.1f}** | 100% |",
             "",
-            f"Grammar share (fill + mask) {g['share']:.1%} of the step; with the accept "
+            f"Grammar share (fill{' + mask' * ('grammar_mask' in mean)}) {g['share']:.1%} of "
+            f"the step; with the accept "
             f"{g['share_with_accept']:.1%} (target: at most 5%).",
         ]
         lines += compile_lines(g.get("compiler"))
@@ -732,155 +390,3 @@ def compile_lines(c: dict[str, float] | None) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- plots
-
-
-def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:
-    """PNG plots; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    img.mkdir(parents=True, exist_ok=True)
-    paths: list[str] = []
-    labels = {e: v["label"] for e, v in s["engines"].items()}
-    colors = {"asyncllm": "C0", "vllm": "C1", "hf": "C2", "hf_cb": "C3", "llamacpp": "C6"}
-
-    def color(e: str) -> str:
-        return colors.get(e, "C4" if base_engine(e) == "asyncllm" else "C5")
-
-    # 1. Throughput against concurrent requests.
-    if s["sweep"]:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for e in _order(list(s["sweep"])):
-            pts = sorted((int(k), v) for k, v in s["sweep"][e].items())
-            ls = "--" if e.startswith("asyncllm-t") else "-"
-            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            ax.plot(xs, ys, marker="o", label=labels.get(e, e), color=color(e), linestyle=ls)
-        ax.set_xscale("log", base=2)
-        xs = sorted({int(k) for d in s["sweep"].values() for k in d})
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("concurrent requests (W3, C4, C16, W1: all submitted at once)")
-        ax.set_ylabel("generated tokens / s")
-        ax.set_title("Throughput against concurrency")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        paths.append(_save(fig, img / "throughput_vs_concurrency.png"))
-
-    # 2. TTFT and TPOT distributions under W4.
-    if s["w4"]:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for e in _order(list(s["w4"])):
-            d = s["w4"][e]
-            for ax, key, scale in ((axes[0], "ttft_s", 1.0), (axes[1], "tpot_s", 1e3)):
-                xs = sorted(x * scale for x in d[key])
-                if xs:
-                    ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                    ls = "--" if e.startswith("asyncllm-t") else "-"
-                    lab = f"{labels.get(e, e)} (n={len(xs)})"
-                    ax.step(xs, ys, where="post", label=lab, color=color(e), linestyle=ls)
-        w4 = s["workloads"].get("W4", {})
-        axes[0].set_xlabel("TTFT (s)")
-        axes[1].set_xlabel("TPOT, mean per request (ms)")
-        for ax in axes:
-            ax.set_ylabel("fraction of requests")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8, loc="lower right")
-        fig.suptitle(f"W4: {w4.get('description', '')}", fontsize=10)
-        paths.append(_save(fig, img / "w4_latency_cdf.png"))
-
-    # 3. KV cache held against tokens in use.
-    if s["kv"]:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        ax = axes[0]
-        top = 0.0
-        for name, style in (("W1", "C0"), ("W6", "C1")):
-            k = s["kv"].get(name)
-            if not k:
-                continue
-            bpt = k["bytes_per_token"] / 2**20
-            held = [b * k["block_size"] * bpt for b in k["blocks_held"]]
-            used = [u * bpt for u in k["tokens_in_use"]]
-            ax.plot(k["time_s"], held, color=style, label=f"{name}: held by asyncllm (blocks)")
-            ax.plot(k["time_s"], used, color=style, linestyle=":", label=f"{name}: tokens in use")
-            top = max(top, max(held, default=0))
-        ax.set_xlabel("time in the run (s)")
-        ax.set_ylabel("KV cache (MiB)")
-        ax.set_title("asyncllm: KV memory held vs in use, per step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax = axes[1]
-        k = s["kv"].get("W6") or s["kv"].get("W1")
-        name = "W6" if s["kv"].get("W6") else "W1"
-        if k:
-            bpt = k["bytes_per_token"] / 2**20
-            held = [b * k["block_size"] for b in k["blocks_held"]]
-            used = k["tokens_in_use"]
-            ax.plot([u * bpt for u in used], [h * bpt for h in held], ".", ms=3, color="C0",
-                    label="asyncllm (paged, 16-token blocks)")  # fmt: skip
-            # The same requests in one static batch with left padding (what transformers'
-            # generate holds): batch x (longest prompt + step) until the longest is done.
-            p, m = k["prompt_lens"], k["max_tokens"]
-            pmax, steps = max(p), max(m)
-            sh = [len(p) * (pmax + t) for t in range(1, steps + 1)]
-            su = [
-                sum(pi + min(t, mi) for pi, mi in zip(p, m, strict=True))
-                for t in range(1, steps + 1)
-            ]
-            ax.plot([u * bpt for u in su], [h * bpt for h in sh], "-", color="C2",
-                    label="static batch, left padding (computed)")  # fmt: skip
-            lim = max(max(sh) * bpt, max(held) * bpt) * 1.05
-            ax.plot([0, lim], [0, lim], color="gray", lw=0.8, label="no waste")
-            ax.set_xlim(0, lim)
-            ax.set_ylim(0, lim)
-        ax.set_xlabel("tokens in use (MiB of K/V)")
-        ax.set_ylabel("KV memory held (MiB)")
-        ax.set_title(f"{name}: held against in use")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        paths.append(_save(fig, img / "kv_cache_waste.png"))
-
-    # 4. Step-time breakdown.
-    b = s.get("breakdown")
-    if b:
-        mean = b["mean_s"]
-        parts = [
-            ("scheduling", mean["schedule"] + mean["update"]),
-            ("input prep", mean["prep"]),
-            ("forward", mean["forward"]),
-            ("sampling", mean["sample"]),
-            ("detokenization", mean["detok"]),
-            ("posting", mean["post"]),
-            ("handoff", max(mean["other"], 0)),
-        ]
-        fig, ax = plt.subplots(figsize=(9, 3.0))
-        left = 0.0
-        for i, (name, v) in enumerate(parts):
-            ax.barh([0], [v * 1e3], left=left, color=f"C{i}", label=f"{name} {v * 1e3:.1f} ms")
-            left += v * 1e3
-        ax.axvline(
-            b["floor"]["floor_s"] * 1e3,
-            color="k",
-            ls="--",
-            lw=1,
-            label=f"forward floor {b['floor']['floor_s'] * 1e3:.0f} ms",
-        )
-        ax.set_yticks([])
-        ax.set_title(f"W1 step at batch {b['batch']} ({b['threads']} torch thread(s)), ms per step")
-        ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
-        ax.set_ylim(-0.6, 0.6)
-        paths.append(_save(fig, img / "w1_step_breakdown.png"))
-    return paths
-
-
-def _save(fig: Any, path: pathlib.Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    print(f"wrote {path}", file=sys.stderr)
-    return str(path)
-
-
-__all__ = ["build_summary", "make_plots", "markdown", "percentile"]

@@ -22,9 +22,12 @@ are smoke checks, not comparable to full ones.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import pathlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +137,115 @@ def w6_lengths(n: int, quick: bool = False) -> list[int]:
     return [16 + (37 * i) % 241 for i in range(n)]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """What the workloads are built from: prompts.json's ids and the sizes a run asks for."""
+
+    data: dict[str, Any]
+    quick: bool
+    rate: float
+    duration: float
+    seed: int
+
+    @property
+    def w1(self) -> list[list[int]]:
+        return self.data["W1"]["ids"]  # type: ignore[no-any-return]
+
+    @property
+    def n1(self) -> int:
+        return 16 if self.quick else len(self.w1)
+
+    @property
+    def new1(self) -> int:
+        return 32 if self.quick else int(self.data["W1"]["new"])
+
+    def w1_requests(self, n: int) -> list[list[Any]]:
+        return [[self.w1[i], self.new1, 0.0] for i in range(n)]
+
+
+def _w1(z: _Sizes) -> Workload:
+    return Workload(
+        "W1", z.w1_requests(z.n1), f"offline throughput: {z.n1} at once, {z.new1} tokens"
+    )
+
+
+def _w1j(z: _Sizes) -> Workload:
+    return Workload(
+        "W1J",
+        z.w1_requests(z.n1),
+        f"structured outputs: W1 ({z.n1} at once, up to {z.new1} tokens), each "
+        "constrained by one JSON schema",
+        structured_outputs={"json": W1J_SCHEMA},
+        ignore_eos=False,
+    )
+
+
+def _w2(z: _Sizes) -> Workload:
+    w2 = z.data["W2"]["ids"]
+    n2, new2 = (8, 16) if z.quick else (len(w2), int(z.data["W2"]["new"]))
+    return Workload(
+        "W2",
+        [[w2[i], new2, 0.0] for i in range(n2)],
+        f"shared system prompt: {n2} at once, "
+        f"{z.data['W2']['common_prefix_tokens']} shared tokens, {new2} tokens",
+        variants=("on", "off"),
+    )
+
+
+def _w3(z: _Sizes) -> Workload:
+    new3 = 32 if z.quick else int(z.data["W3"]["new"])
+    return Workload("W3", [[z.data["W3"]["ids"][0], new3, 0.0]], f"single stream: {new3} tokens")
+
+
+def _w4(z: _Sizes) -> Workload:
+    arrivals = poisson_arrivals(z.rate, z.duration, z.seed)
+    reqs = [[z.w1[i % len(z.w1)], 16 if z.quick else 64, t] for i, t in enumerate(arrivals)]
+    return Workload(
+        "W4",
+        reqs,
+        f"online: Poisson {z.rate:g} req/s for {z.duration:g} s ({len(reqs)} requests), "
+        f"{reqs[0][1] if reqs else 0} tokens",
+        params={"rate": z.rate, "duration_s": z.duration, "seed": z.seed},
+    )
+
+
+def _w5(z: _Sizes) -> Workload:
+    return Workload(
+        "W5",
+        z.w1_requests(z.n1),
+        "preemption pressure: W1 with the KV cache for 25% of its peak",
+        kv_fraction=0.25,
+    )
+
+
+def _w6(z: _Sizes) -> Workload:
+    lens = w6_lengths(z.n1, z.quick)
+    return Workload(
+        "W6",
+        [[z.w1[i], lens[i], 0.0] for i in range(z.n1)],
+        f"mixed lengths: {z.n1} at once, {min(lens)}..{max(lens)} tokens (sum {sum(lens)})",
+    )
+
+
+def _concurrency(k: int, z: _Sizes) -> Workload:
+    n = max(1, k // 4) if z.quick else k
+    return Workload(f"C{k}", z.w1_requests(n), f"concurrency sweep: {n} at once, {z.new1} tokens")
+
+
+#: Each workload's builder.
+BUILDERS: dict[str, Callable[[_Sizes], Workload]] = {
+    "W1": _w1,
+    "W1J": _w1j,
+    "W2": _w2,
+    "W3": _w3,
+    "W4": _w4,
+    "W5": _w5,
+    "W6": _w6,
+    "C4": functools.partial(_concurrency, 4),
+    "C16": functools.partial(_concurrency, 16),
+}
+
+
 def build(
     names: tuple[str, ...] | list[str],
     data: dict[str, Any],
@@ -143,84 +255,18 @@ def build(
     w4_duration: float = 60.0,
     seed: int = 0,
 ) -> list[Workload]:
-    """The named workloads, in the order given."""
-    w1 = data["W1"]["ids"]
-    w2 = data["W2"]["ids"]
-    w3 = data["W3"]["ids"][0]
-    n1, new1 = (16, 32) if quick else (len(w1), int(data["W1"]["new"]))
-    n2, new2 = (8, 16) if quick else (len(w2), int(data["W2"]["new"]))
-    new3 = 32 if quick else int(data["W3"]["new"])
+    """The named workloads, in the order given (``quick``: smoke-test sizes; W4 at most
+    1 request/s for 15 s).
+
+    Raises:
+        ValueError: an unknown workload name.
+    """
     duration = min(w4_duration, 15.0) if quick else w4_duration
     rate = min(w4_rate, 1.0) if quick else w4_rate
+    z = _Sizes(data, quick, rate, duration, seed)
     out: list[Workload] = []
     for name in names:
-        if name == "W1":
-            reqs = [[w1[i], new1, 0.0] for i in range(n1)]
-            out.append(Workload("W1", reqs, f"offline throughput: {n1} at once, {new1} tokens"))
-        elif name == "W1J":
-            reqs = [[w1[i], new1, 0.0] for i in range(n1)]
-            out.append(
-                Workload(
-                    "W1J",
-                    reqs,
-                    f"structured outputs: W1 ({n1} at once, up to {new1} tokens), each "
-                    "constrained by one JSON schema",
-                    structured_outputs={"json": W1J_SCHEMA},
-                    ignore_eos=False,
-                )
-            )
-        elif name == "W2":
-            reqs = [[w2[i], new2, 0.0] for i in range(n2)]
-            out.append(
-                Workload(
-                    "W2",
-                    reqs,
-                    f"shared system prompt: {n2} at once, "
-                    f"{data['W2']['common_prefix_tokens']} shared tokens, {new2} tokens",
-                    variants=("on", "off"),
-                )
-            )
-        elif name == "W3":
-            out.append(Workload("W3", [[w3, new3, 0.0]], f"single stream: {new3} tokens"))
-        elif name == "W4":
-            arrivals = poisson_arrivals(rate, duration, seed)
-            reqs = [[w1[i % len(w1)], 16 if quick else 64, t] for i, t in enumerate(arrivals)]
-            out.append(
-                Workload(
-                    "W4",
-                    reqs,
-                    f"online: Poisson {rate:g} req/s for {duration:g} s ({len(reqs)} requests), "
-                    f"{reqs[0][1] if reqs else 0} tokens",
-                    params={"rate": rate, "duration_s": duration, "seed": seed},
-                )
-            )
-        elif name == "W5":
-            reqs = [[w1[i], new1, 0.0] for i in range(n1)]
-            out.append(
-                Workload(
-                    "W5",
-                    reqs,
-                    "preemption pressure: W1 with the KV cache for 25% of its peak",
-                    kv_fraction=0.25,
-                )
-            )
-        elif name == "W6":
-            n = n1
-            lens = w6_lengths(n, quick)
-            reqs = [[w1[i], lens[i], 0.0] for i in range(n)]
-            out.append(
-                Workload(
-                    "W6",
-                    reqs,
-                    f"mixed lengths: {n} at once, {min(lens)}..{max(lens)} tokens "
-                    f"(sum {sum(lens)})",
-                )
-            )
-        elif name in ("C4", "C16"):
-            k = int(name[1:])
-            k = max(1, k // 4) if quick else k
-            reqs = [[w1[i], new1, 0.0] for i in range(k)]
-            out.append(Workload(name, reqs, f"concurrency sweep: {k} at once, {new1} tokens"))
-        else:
+        if name not in BUILDERS:
             raise ValueError(f"unknown workload {name!r}; choose from {ALL}")
+        out.append(BUILDERS[name](z))
     return out

@@ -31,6 +31,7 @@ from asyncllm.worker.kv_cache import KVCache, size_kv_cache
 from asyncllm.worker.model_runner import ModelRunner
 from asyncllm.worker.offload import CPUOffloadPool
 from asyncllm.worker.runner_output import RunnerOutput
+from asyncllm.worker.step_timing import StepObserver, StepTimings
 
 __all__ = ["ComputeThread", "LLMEngine", "PromptType", "StepOutput"]
 
@@ -82,6 +83,9 @@ class LLMEngine:
         self._compute_thread = compute_thread
         #: Set by :class:`AsyncEngine` while it runs; :meth:`step` then refuses other callers.
         self.driven_by_async = False
+        #: Profiling hook (:mod:`asyncllm.worker.step_timing`): called at the end of each step
+        #: with its per-phase wall times; None (default): nothing is measured.
+        self.step_observer: StepObserver | None = None
         self.config = config
         self.loaded = loaded
         self.device = next(loaded.model.parameters()).device
@@ -301,22 +305,36 @@ class LLMEngine:
         return self.compute_thread.call(self._step)
 
     def _step(self) -> StepOutput:
+        observer = self.step_observer
+        clock = self.runner.timings = StepTimings() if observer is not None else None
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return IDLE_STEP
         started = self._mark_started(plan)
+        if clock is not None:
+            clock.lap("schedule")
         if self.offload is not None and (plan.swap_out or plan.swap_in):
             self.offload.swap(plan.swap_out, plan.swap_in)
         self.kv_cache.copy_blocks(plan.copies)
+        if clock is not None:
+            clock.lap("kv_copy")
         matchers = self.grammar_matchers
         mask = matchers.fill([c.request_id for c in plan.chunks if c.sample])
+        if clock is not None and mask is not None:
+            clock.lap("grammar_fill")
         out = self.runner.execute(plan, mask) if plan.chunks else RunnerOutput({})
         finished = matchers.accept(out.sampled) if mask is not None else None
+        if clock is not None and mask is not None:
+            clock.lap("grammar_accept")
         updates = self.scheduler.update_from_output(plan, out.sampled, finished)
         if mask is not None:
             matchers.free(u.request_id for u in updates if u.finish_reason is not None)
         self.num_steps += 1
         self.num_generated_tokens += len(updates)
+        if observer is not None and clock is not None:
+            clock.lap("update")
+            clock.finish()
+            observer(clock, plan)
         return StepOutput.of(updates, out, started, plan.preempted)
 
     def _mark_started(self, plan: SchedulerOutput) -> dict[str, RequestStart] | None:

@@ -23,13 +23,13 @@ import logging
 import os
 import pathlib
 import shutil
-import struct
 import tempfile
 import time
-import typing
 
 import torch
 import transformers
+from filelock import FileLock
+from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -239,17 +239,7 @@ def load_model(
     """
     model_dir = resolve_model_dir(model)
     device = torch.device(device)
-    try:
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except ValueError as exc:
-        if "does not recognize this architecture" in str(exc):
-            raise UnsupportedModelError(
-                f"{model_dir}: transformers {transformers.__version__} does not know this "
-                f"model_type ({exc.__class__.__name__}: {_first_line(exc)})"
-            ) from exc
-        raise ModelLoadError(f"cannot read the config in {model_dir}: {exc}") from exc
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read the config in {model_dir}: {exc}") from exc
+    config = _read_config(model_dir)
     check_architecture(config)
     if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelNotFoundError(
@@ -293,6 +283,26 @@ def load_model(
         precision=info.precision,
         weight_bytes=weight_bytes(lm),
     )
+
+
+def _read_config(model_dir: pathlib.Path) -> PretrainedConfig:
+    """The model's config (transformers' ``AutoConfig``, local files only).
+
+    Raises:
+        UnsupportedModelError: transformers does not know its ``model_type``.
+        ModelLoadError: the config cannot be read.
+    """
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except ValueError as exc:
+        if "does not recognize this architecture" in str(exc):
+            raise UnsupportedModelError(
+                f"{model_dir}: transformers {transformers.__version__} does not know this "
+                f"model_type ({exc.__class__.__name__}: {_first_line(exc)})"
+            ) from exc
+        raise ModelLoadError(f"cannot read the config in {model_dir}: {exc}") from exc
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the config in {model_dir}: {exc}") from exc
 
 
 def _max_model_len(config: PretrainedConfig) -> int:
@@ -368,28 +378,12 @@ def _validate_hf_dir(path: pathlib.Path) -> pathlib.Path:
 
 
 def _check_safetensors(file: pathlib.Path) -> None:
-    """Raise ModelLoadError unless the file's header parses and its data is all there."""
+    """Raise ModelLoadError unless the file's header parses and its data is all there
+    (``safetensors`` checks both when it opens a file; no tensor is read)."""
     try:
-        size = file.stat().st_size
-        with file.open("rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise ValueError(f"only {size} bytes long")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > size - 8:
-                raise ValueError(f"header length {header_len} exceeds the file size {size}")
-            header = json.loads(f.read(header_len))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-        end = max(
-            (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
-            default=0,
-        )
-        if 8 + header_len + end > size:
-            raise ValueError(
-                f"truncated: tensors need {8 + header_len + end} bytes, file has {size}"
-            )
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except (OSError, SafetensorError) as exc:
         raise ModelLoadError(f"corrupt safetensors file {file}: {exc}") from exc
 
 
@@ -419,17 +413,18 @@ def _convert_gguf(path: pathlib.Path) -> pathlib.Path:
     if _is_complete(target):
         return target
 
+    # Serializes conversions across processes (filelock: portable, unlike fcntl): the
+    # second waits, then finds the result.
+    lock = FileLock(root / ".lock")
     try:
         root.mkdir(parents=True, exist_ok=True)
-        lock = (root / ".lock").open("a+b")
+        lock.acquire()
     except OSError as exc:
         raise ModelLoadError(
             f"cannot write the conversion cache {root} for {path}: {exc}; set ASYNCLLM_CACHE "
             "to a writable directory"
         ) from exc
-    with lock:
-        # Serializes conversions across processes: the second waits, then finds the result.
-        _lock_file(lock)
+    try:
         if _is_complete(target):
             return target
         _prune_stale_tmp(root, target)
@@ -452,17 +447,10 @@ def _convert_gguf(path: pathlib.Path) -> pathlib.Path:
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        lock.release()
     logger.info("asyncllm: converted %s in %.1f s", path.name, time.perf_counter() - start)
     return target
-
-
-def _lock_file(f: typing.BinaryIO) -> None:
-    """Take an exclusive lock on ``f``, released when it is closed; a no-op without fcntl."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: rely on the atomic rename alone
-        return
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
 
 
 def _prune_stale_tmp(root: pathlib.Path, target: pathlib.Path) -> None:

@@ -30,6 +30,7 @@ from asyncllm.worker.kv_cache import KVCache
 from asyncllm.worker.logprobs import PromptRows, prompt_logprobs
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.sampler import Sampler, sample_chunks
+from asyncllm.worker.step_timing import StepTimings
 
 
 def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
@@ -100,6 +101,9 @@ class ModelRunner:
         self.attention_backend = select_attention_backend(attention_backend, self.device)
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler(seed, self.device)
+        #: The current step's timings when the engine has a step observer (its ``prep``,
+        #: ``forward`` and ``sample`` phases are lapped here); None: nothing is measured.
+        self.timings: StepTimings | None = None
         #: The compiled forward (None: eager only); used once ``ready``.
         self.compiled: CompiledForward | None = None
         if compile:
@@ -162,11 +166,15 @@ class ModelRunner:
             plan=attn_plan,
             backend=self.attention_backend,
         )
-        if not sample_rows and not prompt_rows:
-            self._forward(input_ids, positions, meta, torch.zeros(0, dtype=torch.long))
-            return RunnerOutput({})
         keep = torch.tensor(sample_rows + prompt_flat, dtype=torch.long, device=dev)
+        clock = self.sampler.timings = self.timings
+        if clock is not None:
+            clock.lap("prep")
         logits = self._forward(input_ids, positions, meta, keep)
+        if clock is not None:
+            clock.lap("forward")
+        if not sample_rows and not prompt_rows:
+            return RunnerOutput({})
         n = len(sample_rows)
         sampled = [c for c in plan.chunks if c.sample]
         out = (
@@ -176,6 +184,8 @@ class ModelRunner:
         )
         if prompt_rows:
             out.prompt_logprobs = prompt_logprobs(logits[n:], prompt_rows)
+        if clock is not None:
+            clock.lap("sample")
         return out
 
     def _forward(

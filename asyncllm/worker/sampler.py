@@ -44,6 +44,7 @@ import torch
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.logprobs import LogprobsTensors, compute_logprobs
 from asyncllm.worker.runner_output import RunnerOutput
+from asyncllm.worker.step_timing import StepTimings
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, the usual odd mixing constant
 _MASK63 = (1 << 63) - 1
@@ -350,6 +351,8 @@ class Sampler:
         self._row_generator = torch.Generator(device=device)
         #: Constrained rows so far, by how the grammar was applied (tests read these).
         self.grammar_rows = GrammarRowCounts()
+        #: The step's timings while the engine has a step observer (the runner sets it).
+        self.timings: StepTimings | None = None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample.
@@ -376,7 +379,12 @@ class Sampler:
         if batch.token_bitmask is None:
             tokens = row_argmax(logits)
         else:
+            clock = self.timings
+            if clock is not None:
+                clock.lap("sample")
             logits, tokens = self._constrained_argmax(logits, raw, batch)
+            if clock is not None:
+                clock.lap("grammar_mask")
         if not batch.all_greedy:
             rows = [r for r, t in enumerate(batch.temperatures.tolist()) if t > 0]
             tokens[rows] = self._sample(logits[rows], batch, rows)
