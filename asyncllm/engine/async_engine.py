@@ -745,6 +745,12 @@ class AsyncEngine:
         except Exception:  # the failure may have left the core inconsistent
             logger.exception("asyncllm: could not release the requests of a dead engine")
 
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt + generated) of one request (``EngineConfig.max_model_len``
+        resolved against the model's limit)."""
+        return int(self._engine.max_model_len)
+
 
 def _num_samples(params: object) -> int:
     """The core requests a call with ``params`` makes (its ``n``; 1 for bad params, which

@@ -254,7 +254,6 @@ class EngineClient:
         self.tokenizer = load_tokenizer(model)
         self.config = EngineConfig(model=model)
         self.max_model_len = max_model_len
-        self._engine = self  # asyncllm.server reads engine._engine.max_model_len
         self._stats: dict[str, int | float] = {}
         self._dead = False
 
