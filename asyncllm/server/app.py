@@ -20,7 +20,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -146,16 +146,18 @@ class OpenAIServer:
         return tenant if salt is None else f"{tenant}\x00{salt}"
 
     def _generate(
-        self, prompts: list[Prompt], method: Any, kwargs: dict[str, Any], shape: Shape, stream: bool
+        self,
+        prompts: list[Prompt],
+        method: Callable[..., AsyncIterator[RequestOutput]],
+        kwargs: dict[str, Any],
+        shape: Shape,
+        stream: bool,
     ) -> GenerationResponse:
         """The response that runs ``method`` (``engine.stream`` or ``engine.chat``) once per
         prompt with ``kwargs`` and answers with ``shape``."""
 
         def open_stream(prompt: Prompt) -> AsyncIterator[RequestOutput]:
-            stream_: AsyncIterator[RequestOutput] = method(
-                prompt.prompt, request_id=prompt.request_id, **kwargs
-            )
-            return stream_
+            return method(prompt.prompt, request_id=prompt.request_id, **kwargs)
 
         return GenerationResponse(Fanout(prompts, open_stream, self.metrics), shape, stream)
 
