@@ -23,18 +23,12 @@ def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from asyncllm import AsyncEngine, SamplingParams
+    from asyncllm.config_args import engine_config_from_args
 
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = AsyncEngine.from_pretrained(
-        args.model,
-        max_num_seqs=1,
-        max_model_len=args.max_model_len,
-        kv_cache_bytes=args.kv_cache_bytes,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size,
-    )
+    config = {"max_num_seqs": 1, **engine_config_from_args(args)}
+    engine = AsyncEngine.from_pretrained(args.model, **config)
     stats = engine.stats()
     print(
         f"weights: {stats['precision']}, {int(stats['weight_bytes']) / 2**20:.0f} MiB",
@@ -77,39 +71,10 @@ def _generate(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
-def quantization_arg(value: str) -> str | None:
-    """``--quantization``'s value: "none" means None (the model's dtype)."""
-    return None if value.lower() == "none" else value
-
-
-def add_precision_args(parser: argparse.ArgumentParser) -> None:
-    """``--dtype``, ``--quantization`` and ``--quantization-group-size`` (``EngineConfig``'s
-    fields)."""
-    parser.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        default=None,
-        help="auto (default): bfloat16 on CUDA and on CPUs with native bfloat16, else float32",
-    )
-    parser.add_argument(
-        "--quantization",
-        type=quantization_arg,
-        default="auto",
-        choices=["auto", None, "int8", "int4", "gguf"],
-        metavar="{auto,none,int8,int4,gguf}",
-        help="weight quantization (auto: a GGUF file's own where supported, else the dtype)",
-    )
-    parser.add_argument(
-        "--quantization-group-size",
-        type=int,
-        default=32,
-        choices=[32, 64, 128],
-        help="input columns per int4 scale and zero point",
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments and run a subcommand; returns the exit code."""
+    from asyncllm.config_args import add_engine_arguments
+
     parser = argparse.ArgumentParser(prog="python -m asyncllm")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream an answer to one prompt")
@@ -119,11 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--max-model-len", type=int, default=None, help="tokens (model's default)")
-    gen.add_argument(
-        "--kv-cache-bytes", type=int, default=None, help="KV cache size (20%% of free memory)"
-    )
-    add_precision_args(gen)
+    # every EngineConfig field (asyncllm.config_args) but the model and the engine's seed,
+    # which --model and the sampling --seed stand for here
+    add_engine_arguments(gen.add_argument_group("engine"), exclude=("model", "seed"))
     sub.add_parser(
         "bench",
         help="the standard workloads against asyncllm and its peers (see docs/benchmarks.md)",

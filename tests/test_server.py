@@ -285,22 +285,22 @@ def test_legacy_text_offset_of_partial_tokens() -> None:
     "bytes:\\xe9\\x80" "bytes:\\x82" "合" at 5, 6, 6, 7), also across stream chunks and
     when the output completes a character the prompt began."""
     from asyncllm.outputs import Logprob
-    from asyncllm.server.protocol import completion_logprobs
+    from asyncllm.server.responses import completion_logprobs
 
     def positions(pieces: list[bytes]) -> list[dict[int, Logprob]]:
         return [{i: Logprob(-1.0, 1, b.decode(errors="replace"), b)} for i, b in enumerate(pieces)]
 
     pieces = ["，".encode(), b"\xe9\x80", b"\x82", "合".encode(), b" the"]
     obj, state = completion_logprobs(range(5), positions(pieces), 0, 0)
-    assert obj["tokens"] == ["，", "bytes:\\xe9\\x80", "bytes:\\x82", "合", " the"]
-    assert obj["text_offset"] == [0, 1, 1, 2, 3] and state == len("，适合 the")
+    assert obj.tokens == ["，", "bytes:\\xe9\\x80", "bytes:\\x82", "合", " the"]
+    assert obj.text_offset == [0, 1, 1, 2, 3] and state == len("，适合 the")
     # The same in two chunks, split inside the character.
     first, state = completion_logprobs(range(2), positions(pieces[:2]), 0, 0)
     rest, _ = completion_logprobs(range(3), positions(pieces[2:]), 0, state)
-    assert first["text_offset"] + rest["text_offset"] == obj["text_offset"]
+    assert first.text_offset + rest.text_offset == obj.text_offset
     # The output completes the prompt's "🤖" (its text is "🤖ab").
     obj, _ = completion_logprobs(range(3), positions([b"\xa4", b"\x96", b"ab"]), 0, 0)
-    assert obj["text_offset"] == [0, 0, 1]
+    assert obj.text_offset == [0, 0, 1]
 
 
 def test_rendered_chat_text_gets_one_bos(bos_llama_dir: Any) -> None:

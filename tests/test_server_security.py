@@ -22,7 +22,7 @@ import pytest
 
 from asyncllm import AsyncEngine, InvalidRequestError
 from asyncllm.server import add_serve_arguments, app_options_from_args, create_app
-from asyncllm.server import app as server_app
+from asyncllm.server import security as server_security
 from asyncllm.server.app import DEFAULT_MAX_REQUEST_BYTES, TENANT_KEY, default_served_name
 from tests.conftest import check_pool_whole
 from tests.test_server import fail_steps_after, idle, serving, wait_for
@@ -435,13 +435,13 @@ def test_trusted_request_chat_template(engine: AsyncEngine) -> None:
 
 def test_api_keys(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     compared: list[bytes] = []
-    real = server_app.hmac.compare_digest
+    real = server_security.hmac.compare_digest
 
     def counting(a: Any, b: Any) -> bool:
         compared.append(b)
         return real(a, b)
 
-    monkeypatch.setattr(server_app.hmac, "compare_digest", counting)
+    monkeypatch.setattr(server_security.hmac, "compare_digest", counting)
     app = create_app(engine, MODEL, api_keys=["k1", "k2,k3"])
     with serving(app) as url:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
@@ -562,7 +562,7 @@ def test_prefix_cache_isolated_per_key(engine: AsyncEngine) -> None:
         # a client salt stays inside the key's space; it cannot name another key's space
         assert _cached(url, "a", prompt, salt="s") == 0
         assert _cached(url, "a", prompt, salt="s") >= 3 * block
-        tenant_a = server_app._tenant(b"a")
+        tenant_a = server_security._tenant(b"a")
         assert _cached(url, "b", prompt, salt=tenant_a) == 0
         wait_for(lambda: idle(engine))
     shared = create_app(engine, MODEL, api_keys=["a", "b"], share_prefix_cache_across_keys=True)

@@ -747,6 +747,12 @@ class AsyncEngine:
         except Exception:  # the failure may have left the core inconsistent
             logger.exception("asyncllm: could not release the requests of a dead engine")
 
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt + generated) of one request (``EngineConfig.max_model_len``
+        resolved against the model's limit)."""
+        return int(self._engine.max_model_len)
+
 
 async def collect(stream: AsyncIterator[RequestOutput], output_kind: str) -> RequestOutput:
     """Read a stream to its end and return the whole output (deltas merged); with several

@@ -122,8 +122,8 @@ class LLMServer:
 
     def info(self) -> dict[str, Any]:
         """What the ingress needs of the engine: ``max_model_len``, ``block_size``."""
-        core = self.engine._engine
-        return {"max_model_len": core.max_model_len, "block_size": self.engine.config.block_size}
+        engine = self.engine
+        return {"max_model_len": engine.max_model_len, "block_size": engine.config.block_size}
 
     def stats(self, replica: int | None = None, served: bool = True) -> dict[str, Any]:
         """This replica's :meth:`AsyncEngine.stats`, its ``replica_id`` and (unless
@@ -254,7 +254,6 @@ class EngineClient:
         self.tokenizer = load_tokenizer(model)
         self.config = EngineConfig(model=model)
         self.max_model_len = max_model_len
-        self._engine = self  # asyncllm.server reads engine._engine.max_model_len
         self._stats: dict[str, int | float] = {}
         self._dead = False
 

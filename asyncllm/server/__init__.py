@@ -5,7 +5,9 @@ Install the ``server`` extra (starlette, uvicorn, prometheus-client):
 
     python -m asyncllm serve --model default --host 127.0.0.1 --port 8000
 
-or in code, as any ASGI app (its lifespan starts and stops the engine)::
+Every :class:`~asyncllm.EngineConfig` field is an option of the same name (e.g.
+``--max-num-seqs 16 --quantization int8``; ``serve --help`` lists them). Or in code, as any
+ASGI app (its lifespan starts and stops the engine)::
 
     app = create_app(AsyncEngine.from_pretrained("default"), served_model_name="smollm2")
     uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -142,223 +144,14 @@ next step; ``asyncllm:request_success_total{finished_reason="abort"}`` counts th
 per request, whatever its ``n``: see Metrics for what each metric counts).
 """
 
-from __future__ import annotations
-
-import argparse
-import os
-import sys
-from collections.abc import Sequence
-from typing import Any
-
-from asyncllm.__main__ import add_precision_args
-from asyncllm.server.app import (
-    DEFAULT_MAX_REQUEST_BYTES,
-    OpenAIServer,
-    create_app,
-    split_commas,
+from asyncllm.server.app import OpenAIServer, create_app
+from asyncllm.server.cli import (
+    add_serve_arguments,
+    app_options_from_args,
+    engine_config_from_args,
+    main,
+    serve,
 )
 
-__all__ = ["OpenAIServer", "add_serve_arguments", "app_options_from_args", "create_app", "main",
-           "serve"]  # fmt: skip
-
-#: The environment variable ``serve`` reads API keys from (comma-separated) when no
-#: ``--api-key`` is given.
-API_KEY_ENV = "ASYNCLLM_API_KEY"
-
-
-def _priority_range(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX (two integers), got {text!r}") from None
-    if not lo <= 0 <= hi:
-        raise argparse.ArgumentTypeError(f"need MIN <= 0 <= MAX, got {text!r}")
-    return lo, hi
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``serve`` subcommand's options."""
-    parser.add_argument("--model", default="default", help='"default", an HF directory or a .gguf')
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the name clients pass as `model` (default: the --model directory or file's "
-        "base name, or the --model value)",
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--kv-cache-bytes", type=int, default=None)
-    parser.add_argument("--max-waiting", type=int, default=None, help="past it: HTTP 429")
-    parser.add_argument("--device", default=None, help='"auto", "cpu", "cuda" or "cuda:N"')
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    add_precision_args(parser)
-    parser.add_argument("--log-level", default="info")
-    scale = parser.add_argument_group("replicas on Ray Serve (the ray extra; docs/scaling.md)")
-    scale.add_argument(
-        "--replicas",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="serve N replicas of the model on Ray Serve (a local Ray instance, or the "
-        "cluster of $RAY_ADDRESS) with prefix-cache-aware routing",
-    )
-    scale.add_argument(
-        "--router",
-        choices=["prefix", "default"],
-        default="prefix",
-        help="with --replicas: prefix-cache-aware routing, or Ray Serve's default "
-        "power-of-two-choices router",
-    )
-    scale.add_argument(
-        "--replica-threads",
-        type=_positive_int,
-        default=1,
-        metavar="T",
-        help="with --replicas: torch threads (and Ray CPUs) per replica (default 1)",
-    )
-    sec = parser.add_argument_group("security")
-    sec.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        metavar="KEY",
-        help=f"require `Authorization: Bearer KEY` on every route but /health; repeat it or "
-        f"separate keys with commas (default: ${API_KEY_ENV}, else no authentication)",
-    )
-    sec.add_argument(
-        "--metrics-without-auth", action="store_true", help="serve /metrics without a key"
-    )
-    sec.add_argument(
-        "--max-request-bytes",
-        type=_positive_int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        metavar="N",
-        help=f"largest request body read; past it: 413 (default {DEFAULT_MAX_REQUEST_BYTES})",
-    )
-    sec.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="let requests send their own chat_template (a program the server runs)",
-    )
-    sec.add_argument(
-        "--client-priority-range",
-        type=_priority_range,
-        default=(0, 0),
-        metavar="MIN,MAX",
-        help="the `priority` values requests may ask for, MIN <= 0 <= MAX (lower is served "
-        "first); outside: 400 (default 0,0: none may jump ahead)",
-    )
-    sec.add_argument(
-        "--share-prefix-cache-across-keys",
-        action="store_true",
-        help="let requests made with different API keys share prefix-cache blocks (by "
-        "default each key hits only its own, since a hit's speed tells about others' prompts)",
-    )
-    sec.add_argument(
-        "--allowed-origins",
-        action="append",
-        default=None,
-        metavar="ORIGIN",
-        help="origins browsers may call the server from (CORS); repeat it or separate with "
-        "commas; '*' for any (default: none)",
-    )
-
-
-def engine_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`~asyncllm.EngineConfig` fields the options set."""
-    config: dict[str, Any] = {}
-    for name in (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_model_len",
-        "block_size",
-        "kv_cache_bytes",
-        "max_waiting",
-        "dtype",
-        "device",
-    ):
-        value = getattr(args, name, None)
-        if value is not None:
-            config[name] = value
-    if getattr(args, "no_prefix_caching", False):
-        config["enable_prefix_caching"] = False
-    if hasattr(args, "quantization"):  # None ("none") is a setting here, not "unset"
-        config["quantization"] = args.quantization
-        config["quantization_group_size"] = args.quantization_group_size
-    return config
-
-
-def app_options_from_args(
-    args: argparse.Namespace, environ: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """The :func:`create_app` keywords the options set (API keys from ``--api-key``, else
-    from ``$ASYNCLLM_API_KEY``)."""
-    env = os.environ if environ is None else environ
-    keys = split_commas(getattr(args, "api_key", None))
-    if not keys:
-        keys = split_commas(env.get(API_KEY_ENV))
-    return {
-        "api_keys": keys,
-        "metrics_without_auth": getattr(args, "metrics_without_auth", False),
-        "max_request_bytes": getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
-        "trust_request_chat_template": getattr(args, "trust_request_chat_template", False),
-        "client_priority_range": getattr(args, "client_priority_range", (0, 0)),
-        "share_prefix_cache_across_keys": getattr(args, "share_prefix_cache_across_keys", False),
-        "allowed_origins": split_commas(getattr(args, "allowed_origins", None)),
-    }
-
-
-def serve(args: argparse.Namespace) -> int:
-    """Load the model and serve it with uvicorn until interrupted; returns the exit code."""
-    if getattr(args, "replicas", None) is not None:
-        try:
-            from asyncllm.integrations import ray_serve
-        except ImportError as e:
-            print(
-                f"error: {e}; install the ray extra: pip install 'asyncllm[ray]'", file=sys.stderr
-            )
-            return 2
-        return ray_serve.main(args, engine_config_from_args(args), app_options_from_args(args))
-
-    import uvicorn
-
-    from asyncllm import AsyncEngine
-
-    engine = AsyncEngine.from_pretrained(args.model, **engine_config_from_args(args))
-    app = create_app(engine, args.served_model_name, **app_options_from_args(args))
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
-    )
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m asyncllm serve [options]``; returns the exit code."""
-    parser = argparse.ArgumentParser(
-        prog="python -m asyncllm serve", description="An OpenAI-compatible HTTP server."
-    )
-    add_serve_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return serve(args)
-    except ValueError as e:  # our typed errors: bad model path, bad engine settings
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+__all__ = ["OpenAIServer", "add_serve_arguments", "app_options_from_args", "create_app",
+           "engine_config_from_args", "main", "serve"]  # fmt: skip

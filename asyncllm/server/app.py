@@ -3,329 +3,64 @@
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics``.
 
-Each choice of a call (one per prompt and sample, ``n`` samples per prompt) is one engine
-request, read by its own task into one queue. Sample ``i`` of a call with ``seed=s`` uses
-``seed=(s + i) mod 2**63``, as the engine's parallel sampling documents.
-
-A streamed response starts (status 200 and headers) only once the first output is ready,
-so a bad request still gets its status code and OpenAI's error JSON. Until then a task
-watches for the client's disconnect; afterwards Starlette does, and closing the response's
-body closes every engine stream: a client that goes away aborts its requests and frees their
-KV blocks before the next step.
-
-Chat tool calls come from the engine already parsed (``RequestOutput.tool_calls``, see
-``AsyncEngine.chat``); this module only shapes them as OpenAI's ``message.tool_calls`` and
-``delta.tool_calls`` (from ``RequestOutput.tool_call_deltas``: a call's id and name as soon
-as its name is generated, then its arguments text in pieces, numbered per choice).
+A generation route reads and checks the body (:mod:`asyncllm.server.security`), turns it
+into the engine's arguments (:mod:`asyncllm.server.endpoints`, pure functions) and returns
+a :class:`~asyncllm.server.drivers.GenerationResponse`, which runs the call's engine
+requests and the client-disconnect watcher on one anyio task group. Each choice of a call
+(one per prompt and sample, ``n`` samples per prompt) comes from one engine request per
+prompt; sample ``i`` of a call with ``seed=s`` uses ``seed=(s + i) mod 2**63``, as the
+engine's parallel sampling documents. A client that goes away aborts its requests and frees
+their KV blocks before the next step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import hashlib
-import hmac
+import functools
 import logging
-import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
-import msgspec
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncllm.engine.async_engine import AsyncEngine
-from asyncllm.errors import (
-    EngineDeadError,
-    EngineNotRunningError,
-    InvalidRequestError,
-    QueueFull,
-)
-from asyncllm.outputs import RequestOutput, ToolCall
+from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.outputs import RequestOutput
+from asyncllm.server import endpoints as ep
 from asyncllm.server import protocol as p
-from asyncllm.server.metrics import RequestTracker, ServerMetrics
+from asyncllm.server.drivers import (
+    CLIENT_CLOSED,
+    Fanout,
+    GenerationResponse,
+    Prompt,
+    Shape,
+    json_response,
+    make_prompts,
+)
+from asyncllm.server.metrics import ServerMetrics
+from asyncllm.server.protocol import INTERNAL_ERROR, APIError, api_error
+from asyncllm.server.responses import Health, ModelCard, ModelList
+from asyncllm.server.security import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    TENANT_KEY,
+    APIKeyMiddleware,
+    default_served_name,
+    read_json,
+    split_commas,
+)
+
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "TENANT_KEY", "OpenAIServer", "create_app",
+           "default_served_name", "split_commas"]  # fmt: skip
 
 logger = logging.getLogger("asyncllm.server")
-
-T = TypeVar("T")
-
-#: Status for a response to a client that already went away (nginx's convention; never
-#: seen by the client, only in access logs).
-CLIENT_CLOSED = 499
-
-
-#: Default of ``max_request_bytes``: the largest request body read (4 MiB: a prompt of
-#: several hundred thousand tokens as text or token ids).
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
-
-#: The scope key under which the API-key check leaves the caller's tenant (a digest of the
-#: key it presented), for prefix-cache isolation.
-TENANT_KEY = "asyncllm.tenant"
-
-ENGINE_FAILED = "the engine failed and serves no more requests; the server log has the details"
-ENGINE_STOPPED = "the engine is not running"
-INTERNAL_ERROR = "internal server error; the server log has the details"
-
-
-def error_response(err: p.APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """OpenAI's error JSON with the error's status."""
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-def api_error(exc: BaseException) -> p.APIError:
-    """Map an exception to the error the client sees.
-
-    Only messages written for clients are passed on (:class:`~.protocol.APIError`, our
-    typed input errors, :class:`QueueFull`); an engine failure or an unexpected exception
-    gets a fixed message (the exception, which may name internals such as files or the
-    failed step, goes to the server log), so no response carries a Python repr, a
-    qualified name or a path.
-    """
-    if isinstance(exc, p.APIError):
-        return exc
-    if isinstance(exc, QueueFull):
-        logger.info("request refused: %s", exc)
-        return p.APIError(
-            "the server's waiting queue is full; try again later",
-            429,
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
-        )
-    if isinstance(exc, EngineDeadError):
-        logger.warning("request failed: the engine is dead: %s", exc)
-        return p.APIError(ENGINE_FAILED, 503, type="server_error", code="engine_unavailable")
-    if isinstance(exc, EngineNotRunningError):
-        return p.APIError(ENGINE_STOPPED, 503, type="server_error", code="engine_unavailable")
-    if isinstance(exc, RecursionError):  # a deeply nested value from the body
-        return p.APIError("the request is nested too deeply")
-    if isinstance(exc, (InvalidRequestError, ValueError)):
-        # A grammar the engine cannot compile came from the request's response_format.
-        grammar = isinstance(exc, InvalidRequestError) and str(exc).startswith("structured_outputs")
-        return p.APIError(str(exc), 400, param="response_format" if grammar else None)
-    logger.error("unexpected error in a request", exc_info=exc)
-    return p.APIError(INTERNAL_ERROR, 500, type="server_error")
-
-
-def _too_large(limit: int) -> p.APIError:
-    return p.APIError(
-        f"the request body is larger than this server's limit of {limit} bytes",
-        413,
-        code="request_too_large",
-    )
-
-
-async def read_json(request: Request, kind: type[msgspec.Struct], limit: int) -> Any:
-    """Read and decode a POST body: ``Content-Type: application/json`` (parameters such as
-    ``charset`` allowed) and at most ``limit`` bytes.
-
-    The body is read in chunks and reading stops at the first chunk past the limit,
-    whatever ``Content-Length`` says (a larger declared length is refused unread).
-
-    Raises:
-        APIError: 415 for another (or no) content type (so a web page cannot post a
-            "simple" cross-origin request without a CORS preflight), 413 past the limit,
-            400 for a malformed body (:func:`~.protocol.decode_body`).
-        ClientDisconnect: the client went away while sending it.
-    """
-    ctype = request.headers.get("content-type", "")
-    if ctype.split(";", 1)[0].strip().lower() != "application/json":
-        raise p.APIError(
-            "Content-Type must be application/json",
-            415,
-            code="unsupported_media_type",
-        )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return p.decode_body(b"".join(chunks), kind)
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always closes its body iterator.
-
-    Starlette stops iterating when the client disconnects (or a send fails) but leaves the
-    async generator suspended; closing it runs its ``finally`` (which closes the engine
-    streams, aborting their requests) now rather than at garbage collection.
-    """
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client disconnects (the body must have been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def until_disconnect(request: Request, aw: Awaitable[T]) -> tuple[bool, T | None]:
-    """Await ``aw`` unless the client disconnects first (then ``aw`` is cancelled).
-
-    Returns:
-        (True, result), or (False, None) when the client went away.
-    """
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler was cancelled (server shutdown)
-        watcher.cancel()
-        task.cancel()
-        raise
-    watcher.cancel()
-    if task.done():
-        return True, task.result()
-    task.cancel()
-    await asyncio.wait({task})
-    return False, None
-
-
-@dataclass
-class _Choice:
-    """One choice of a response: sample ``sample`` of prompt ``prompt_index``."""
-
-    index: int
-    prompt_index: int
-    sample: int
-    prompt_text: str | None = None
-    # filled as outputs arrive
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    last: RequestOutput | None = None
-    offset: int = 0  # legacy logprobs text offset
-
-
-@dataclass
-class _Prompt:
-    """One engine request of a call (its ``n`` samples are choices)."""
-
-    index: int
-    prompt: Any
-    request_id: str
-    choices: list[_Choice]
-
-
-class _Fanout:
-    """Reads every prompt's engine stream in its own task into one queue."""
-
-    def __init__(
-        self,
-        prompts: list[_Prompt],
-        open_stream: Callable[[_Prompt], AsyncIterator[RequestOutput]],
-        metrics: ServerMetrics,
-    ) -> None:
-        self.prompts = prompts
-        self._open = open_stream
-        self._metrics = metrics
-        self._queue: asyncio.Queue[tuple[_Choice | None, RequestOutput | None, Exception | None]]
-        self._queue = asyncio.Queue(maxsize=4 * sum(len(p.choices) for p in prompts))
-        self._tasks: list[asyncio.Task[None]] = []
-        self._unfinished = sum(len(p.choices) for p in prompts)
-
-    def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._pump(p)) for p in self.prompts]
-
-    async def _pump(self, prompt: _Prompt) -> None:
-        # one tracker per engine request: its n samples count once (see metrics.py)
-        tracker: RequestTracker = self._metrics.tracker(len(prompt.choices))
-        stream: AsyncIterator[RequestOutput] | None = None
-        error: Exception | None = None
-        try:
-            stream = self._open(prompt)
-            async for out in stream:
-                tracker.on_output(out)
-                await self._queue.put((prompt.choices[out.index], out, None))
-        except Exception as e:  # whatever fails, the reader learns of it (never hangs)
-            error = e
-            await self._queue.put((None, None, e))
-        finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()  # no-op after the end; aborts the request otherwise
-            tracker.on_close(error)
-
-    @property
-    def done(self) -> bool:
-        """Every choice has delivered its last output."""
-        return self._unfinished == 0
-
-    async def next(self) -> tuple[_Choice, RequestOutput]:
-        """The next output of any choice; raises the first error of any prompt."""
-        choice, out, err = await self._queue.get()
-        if err is not None:
-            raise err
-        assert choice is not None and out is not None
-        if out.finished:
-            self._unfinished -= 1
-        return choice, out
-
-    async def collect(self) -> None:
-        """Read every choice to its end, accumulating text, tokens and logprobs."""
-        while not self.done:
-            choice, out = await self.next()
-            accumulate(choice, out)
-
-    async def aclose(self) -> None:
-        """Cancel the readers (aborting unfinished requests) and wait for them."""
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def accumulate(choice: _Choice, out: RequestOutput) -> None:
-    choice.text.append(out.text)
-    choice.token_ids.extend(out.token_ids)
-    if out.logprobs:
-        choice.logprobs.extend(out.logprobs)
-    if out.tool_calls:
-        choice.tool_calls.extend(out.tool_calls)
-    choice.last = out
-
-
-def _usage(choices: list[_Choice]) -> dict[str, Any]:
-    """Prompt tokens counted once per prompt, completion tokens summed over choices."""
-    prompt: dict[int, tuple[int, int]] = {}
-    completion = 0
-    for c in choices:
-        if c.last is None:
-            continue
-        completion += c.last.num_generated_tokens
-        prompt.setdefault(c.prompt_index, (c.last.num_prompt_tokens, c.last.num_cached_tokens))
-    return p.usage(
-        sum(n for n, _ in prompt.values()),
-        completion,
-        sum(cached for _, cached in prompt.values()),
-    )
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
 class OpenAIServer:
@@ -384,33 +119,12 @@ class OpenAIServer:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise p.APIError(
+            raise APIError(
                 f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
                 404,
                 param="model",
                 code="model_not_found",
             )
-
-    def _prompts(self, prompts: list[Any], n: int, prefix: str) -> list[_Prompt]:
-        out = []
-        for pi, prompt in enumerate(prompts):
-            choices = [_Choice(pi * n + i, pi, i) for i in range(n)]
-            out.append(_Prompt(pi, prompt, f"{prefix}-{pi}", choices))
-        return out
-
-    @staticmethod
-    def _all_choices(prompts: list[_Prompt]) -> list[_Choice]:
-        return [c for call in prompts for c in call.choices]
-
-    def _priority(self, priority: int | None) -> int:
-        lo, hi = self.client_priority_range
-        value = 0 if priority is None else priority
-        if not lo <= value <= hi:
-            raise p.APIError(
-                f"priority must be in [{lo}, {hi}] on this server, got {value}",
-                param="priority",
-            )
-        return value
 
     async def _echo_text(self, prompt: str | list[int]) -> str:
         """A prompt's text for ``echo``. Token ids are checked first, by count (a prompt
@@ -422,7 +136,7 @@ class OpenAIServer:
         try:
             return await self.engine.decode(prompt)
         except InvalidRequestError as e:
-            raise p.APIError(str(e), param="prompt") from None
+            raise APIError(str(e), param="prompt") from None
 
     def _cache_salt(self, request: Request, salt: str | None) -> str | None:
         """The client's ``cache_salt`` within its API key's own prefix-cache space."""
@@ -431,36 +145,48 @@ class OpenAIServer:
             return salt
         return tenant if salt is None else f"{tenant}\x00{salt}"
 
-    def _head(self, rid: str, obj: str) -> dict[str, Any]:
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
+    def _generate(
+        self,
+        prompts: list[Prompt],
+        method: Callable[..., AsyncIterator[RequestOutput]],
+        kwargs: dict[str, Any],
+        shape: Shape,
+        stream: bool,
+    ) -> GenerationResponse:
+        """The response that runs ``method`` (``engine.stream`` or ``engine.chat``) once per
+        prompt with ``kwargs`` and answers with ``shape``."""
+
+        def open_stream(prompt: Prompt) -> AsyncIterator[RequestOutput]:
+            return method(prompt.prompt, request_id=prompt.request_id, **kwargs)
+
+        return GenerationResponse(Fanout(prompts, open_stream, self.metrics), shape, stream)
 
     # ------------------------------------------------------------------ routes
 
     async def models(self, request: Request) -> Response:
+        """``GET /v1/models`` and ``/v1/models/{id}``."""
         model = request.path_params.get("model")
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "asyncllm",
-            "max_model_len": self.engine._engine.max_model_len,
-        }
-        if model is not None:
-            if model != self.model_name:
-                return error_response(
-                    p.APIError(f"The model `{model}` does not exist.", 404, code="model_not_found")
-                )
-            return JSONResponse(card)
-        return JSONResponse({"object": "list", "data": [card]})
+        card = ModelCard(
+            id=self.model_name, created=self.created, max_model_len=self.engine.max_model_len
+        )
+        if model is None:
+            return json_response(ModelList(data=[card]))
+        if model != self.model_name:
+            err = APIError(f"The model `{model}` does not exist.", 404, code="model_not_found")
+            return json_response(err.body(), err.status)
+        return json_response(card)
 
     async def health(self, request: Request) -> Response:
+        """``GET /health``: 200 while the engine runs, else 503."""
         try:
             state = self.engine.health()
         except EngineDeadError as e:  # api_error gives a fixed message; the log has e
-            return error_response(api_error(e))
-        return JSONResponse({"status": state}, status_code=200 if state == "running" else 503)
+            err = api_error(e)
+            return json_response(err.body(), err.status)
+        return json_response(Health(status=state), 200 if state == "running" else 503)
 
     async def metrics_route(self, request: Request) -> Response:
+        """``GET /metrics``: Prometheus' text format."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
         # An engine whose stats live elsewhere (ray_serve.EngineClient: the replicas') reads
@@ -470,307 +196,55 @@ class OpenAIServer:
             await refresh()
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response | GenerationResponse:
+        """``POST /v1/completions``."""
         try:
             req = await read_json(request, p.CompletionRequest, self.max_request_bytes)
             self._check_model(req.model)
-            prompts = p.completion_prompts(req.prompt)
-            n = p.check_common(req, len(prompts))
-            if req.suffix:
-                raise p.APIError("suffix is not supported", param="suffix")
-            if req.best_of is not None and req.best_of != n:
-                raise p.APIError("best_of must equal n (or be left out)", param="best_of")
-            if req.logprobs is not None and req.logprobs > p.MAX_COMPLETION_LOGPROBS:
-                raise p.APIError(
-                    f"logprobs must be in [0, {p.MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
-                    param="logprobs",
-                )
-            if req.echo and req.logprobs is not None:
-                raise p.APIError("echo with logprobs is not supported", param="echo")
-            max_tokens = 16 if req.max_tokens is None else req.max_tokens
-            params = p.sampling_params(req, n=n, max_tokens=max_tokens, logprobs=req.logprobs)
-            priority = self._priority(req.priority)
-            echoed = [await self._echo_text(prompt) for prompt in prompts] if req.echo else None
+            call = ep.completion_call(req, self.client_priority_range)
+            echoed = [await self._echo_text(x) for x in call.prompts] if req.echo else None
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
-            return error_response(api_error(e))
+            err = api_error(e)
+            return json_response(err.body(), err.status)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        calls = self._prompts(prompts, n, rid)
-        if echoed is not None:
-            for call, text in zip(calls, echoed, strict=True):
-                for c in call.choices:
-                    c.prompt_text = text
-        salt = self._cache_salt(request, req.cache_salt)
-
-        def open_stream(call: _Prompt) -> AsyncIterator[RequestOutput]:
-            return self.engine.stream(
-                call.prompt, params, request_id=call.request_id, priority=priority, cache_salt=salt
-            )
-
-        head = self._head(rid, "text_completion")
-
-        def legacy_logprobs(c: _Choice, ids: list[int], lps: list[Any]) -> Any:
-            if req.logprobs is None:
-                return None
-            obj, c.offset = p.completion_logprobs(ids, lps, req.logprobs, c.offset)
-            return obj
-
-        if not req.stream:
-
-            def body(choices: list[_Choice]) -> dict[str, Any]:
-                out = []
-                for c in choices:
-                    assert c.last is not None
-                    text = "".join(c.text)
-                    if c.prompt_text is not None:
-                        text = c.prompt_text + text
-                    out.append(
-                        {
-                            "index": c.index,
-                            "text": text,
-                            "logprobs": legacy_logprobs(c, c.token_ids, c.logprobs),
-                            "finish_reason": c.last.finish_reason,
-                            "stop_reason": c.last.stop_reason,
-                        }
-                    )
-                return {**head, "choices": out, "usage": _usage(choices)}
-
-            return await self._respond(request, calls, open_stream, body)
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunks(c: _Choice, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
-            text = out.text
-            if first and c.prompt_text is not None:
-                text = c.prompt_text + text
-            lps = legacy_logprobs(c, out.token_ids, out.logprobs or [])
-            if not text and out.finish_reason is None and not (lps and out.token_ids):
-                return []
-            chunk: dict[str, Any] = {
-                **head,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "text": text,
-                        "logprobs": lps,
-                        "finish_reason": out.finish_reason,
-                        "stop_reason": out.stop_reason,
-                    }
-                ],
-            }
-            if include_usage:
-                chunk["usage"] = None
-            return [chunk]
-
-        return await self._stream(
-            request, calls, open_stream, [], chunks, head if include_usage else None
+        prompts = make_prompts(call.prompts, call.n, rid)
+        for prompt, text in zip(prompts, echoed or [], strict=False):
+            for c in prompt.choices:
+                c.prompt_text = text
+        shape = ep.CompletionShape(
+            rid, int(time.time()), self.model_name, req.logprobs, call.include_usage
         )
+        kwargs = {**call.kwargs, "cache_salt": self._cache_salt(request, req.cache_salt)}
+        method = functools.partial(self.engine.stream, params=call.params)
+        return self._generate(prompts, method, kwargs, shape, call.stream)
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response | GenerationResponse:
+        """``POST /v1/chat/completions``."""
         try:
             req = await read_json(request, p.ChatCompletionRequest, self.max_request_bytes)
             self._check_model(req.model)
-            n = p.check_common(req, 1)
-            p.check_tools(req)
-            messages = p.chat_messages(req.messages)
-            top = req.top_logprobs
-            if top is not None and not req.logprobs:
-                raise p.APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-            max_tokens = req.max_completion_tokens
-            if max_tokens is None:
-                max_tokens = req.max_tokens
-            params = p.sampling_params(
+            call = ep.chat_call(
                 req,
-                n=n,
-                max_tokens=max_tokens,
-                logprobs=(top or 0) if req.logprobs else None,
-                rename={
-                    "logprobs": "top_logprobs",
-                    "max_tokens": "max_completion_tokens"
-                    if req.max_completion_tokens is not None
-                    else "max_tokens",
-                },
-            )
-            priority = self._priority(req.priority)
-            template_kwargs = p.chat_template_kwargs(
-                req,
+                self.client_priority_range,
                 self._reserved_template_options,
                 trust_template=self.trust_request_chat_template,
             )
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
-            return error_response(api_error(e))
+            err = api_error(e)
+            return json_response(err.body(), err.status)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        calls = self._prompts([messages], n, rid)
-        salt = self._cache_salt(request, req.cache_salt)
-        add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
-
-        def open_stream(call: _Prompt) -> AsyncIterator[RequestOutput]:
-            return self.engine.chat(
-                call.prompt,
-                params,
-                add_generation_prompt=add_gen,
-                chat_template_kwargs=template_kwargs,
-                tools=req.tools,
-                tool_choice=req.tool_choice,
-                parallel_tool_calls=req.parallel_tool_calls is not False,
-                request_id=call.request_id,
-                priority=priority,
-                cache_salt=salt,
-            )
-
-        head = self._head(rid, "chat.completion")
-
-        def chat_lps(ids: list[int], lps: list[Any]) -> Any:
-            if not req.logprobs:
-                return None
-            return {"content": p.chat_logprobs(ids, lps, top or 0), "refusal": None}
-
-        if not req.stream:
-
-            def body(choices: list[_Choice]) -> dict[str, Any]:
-                out = []
-                for c in choices:
-                    assert c.last is not None
-                    message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
-                    if c.tool_calls:
-                        message["content"] = message["content"] or None
-                        message["tool_calls"] = [p.tool_call_json(t) for t in c.tool_calls]
-                    out.append(
-                        {
-                            "index": c.index,
-                            "message": message,
-                            "logprobs": chat_lps(c.token_ids, c.logprobs),
-                            "finish_reason": c.last.finish_reason,
-                            "stop_reason": c.last.stop_reason,
-                        }
-                    )
-                return {**head, "choices": out, "usage": _usage(choices)}
-
-            return await self._respond(request, calls, open_stream, body)
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        head["object"] = "chat.completion.chunk"
-        extra = {"usage": None} if include_usage else {}
-        role_chunks = [
-            {
-                **head,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                **extra,
-            }
-            for c in self._all_choices(calls)
-        ]
-
-        def chunks(c: _Choice, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
-            if (
-                not out.text
-                and not out.tool_call_deltas
-                and out.finish_reason is None
-                and not (req.logprobs and out.token_ids)
-            ):
-                return []
-            delta: dict[str, Any] = {"content": out.text} if out.text else {}
-            if out.tool_call_deltas:  # calls stream as OpenAI's: name, then argument pieces
-                delta["tool_calls"] = p.tool_call_deltas_json(out.tool_call_deltas)
-            return [
-                {
-                    **head,
-                    "choices": [
-                        {
-                            "index": c.index,
-                            "delta": delta,
-                            "logprobs": chat_lps(out.token_ids, out.logprobs or []),
-                            "finish_reason": out.finish_reason,
-                            "stop_reason": out.stop_reason,
-                        }
-                    ],
-                    **extra,
-                }
-            ]
-
-        return await self._stream(
-            request, calls, open_stream, role_chunks, chunks, head if include_usage else None
-        )
-
-    # ------------------------------------------------------------------ responses
-
-    async def _respond(
-        self,
-        request: Request,
-        calls: list[_Prompt],
-        open_stream: Callable[[_Prompt], AsyncIterator[RequestOutput]],
-        body: Callable[[list[_Choice]], dict[str, Any]],
-    ) -> Response:
-        fan = _Fanout(calls, open_stream, self.metrics)
-        choices = self._all_choices(calls)
-        fan.start()
-        try:
-            ok, _ = await until_disconnect(request, fan.collect())
-        except Exception as e:
-            return error_response(api_error(e))
-        finally:
-            await fan.aclose()
-        if not ok:
-            return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(body(choices))
-
-    async def _stream(
-        self,
-        request: Request,
-        calls: list[_Prompt],
-        open_stream: Callable[[_Prompt], AsyncIterator[RequestOutput]],
-        preamble: list[dict[str, Any]],
-        chunks: Callable[[_Choice, RequestOutput, bool], list[dict[str, Any]]],
-        usage_head: dict[str, Any] | None,
-    ) -> Response:
-        fan = _Fanout(calls, open_stream, self.metrics)
-        choices = self._all_choices(calls)
-        fan.start()
-        try:
-            ok, first = await until_disconnect(request, fan.next())
-        except Exception as e:
-            await fan.aclose()
-            return error_response(api_error(e))
-        if not ok or first is None:
-            await fan.aclose()
-            return Response(status_code=CLIENT_CLOSED)
-
-        async def events() -> AsyncIterator[bytes]:
-            started: set[int] = set()
-            try:
-                for obj in preamble:
-                    yield _sse(obj)
-                item: tuple[_Choice, RequestOutput] | None = first
-                while item is not None:
-                    choice, out = item
-                    accumulate(choice, out)
-                    is_first = choice.index not in started
-                    started.add(choice.index)
-                    for obj in chunks(choice, out, is_first):
-                        yield _sse(obj)
-                    item = None if fan.done else await fan.next()
-                if usage_head is not None:
-                    yield _sse({**usage_head, "choices": [], "usage": _usage(choices)})
-                yield b"data: [DONE]\n\n"
-            except Exception as e:  # the engine failed mid-stream
-                yield _sse(api_error(e).body())
-            finally:
-                await fan.aclose()
-
-        return ClosingStreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        shape = ep.ChatShape(
+            rid, int(time.time()), self.model_name, bool(req.logprobs), req.top_logprobs or 0,
+            call.include_usage,
+        )  # fmt: skip
+        kwargs = {**call.kwargs, "cache_salt": self._cache_salt(request, req.cache_salt)}
+        method = functools.partial(self.engine.chat, params=call.params)
+        return self._generate(make_prompts(call.prompts, call.n, rid), method, kwargs, shape,
+                              call.stream)  # fmt: skip
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -779,89 +253,40 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if status >= 500:
         logger.error("HTTP %d: %s", status, exc.detail)
     detail = exc.detail if status < 500 and isinstance(exc.detail, str) else None
-    err = p.APIError(
+    err = APIError(
         detail or ("error" if status < 500 else INTERNAL_ERROR),
         status,
         type="invalid_request_error" if status < 500 else "server_error",
         code="not_found" if status == 404 else None,
     )
-    return error_response(err, headers=exc.headers)
+    return json_response(err.body(), status, exc.headers)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return error_response(api_error(exc))
+    err = api_error(exc)
+    return json_response(err.body(), err.status)
 
 
-def split_commas(values: str | Iterable[str] | None) -> list[str]:
-    """Items (API keys, origins) from a string or strings, each holding one item or several
-    separated by commas (as ``--api-key``, ``$ASYNCLLM_API_KEY`` and ``--allowed-origins``
-    take them); blanks are dropped."""
-    if values is None:
-        return []
-    if isinstance(values, str):
-        values = [values]
-    return [k.strip() for v in values for k in v.split(",") if k.strip()]
-
-
-def _tenant(key: bytes) -> str:
-    # a digest, so the key itself is never kept in request state or cache hashes
-    return "apikey:" + hashlib.sha256(key).hexdigest()
-
-
-class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` with one of ``keys`` on every HTTP request
-    but those to ``open_paths``; otherwise answer 401 with OpenAI's error JSON
-    (``code`` "invalid_api_key"). Keys are compared with :func:`hmac.compare_digest`,
-    against every key whatever matches (the time does not tell which key, or how much of
-    one, matched). An accepted request's scope gets ``TENANT_KEY``: a digest of its key.
-
-    Raises:
-        ValueError: no keys.
-    """
-
-    def __init__(self, app: ASGIApp, keys: Iterable[str], open_paths: Iterable[str]) -> None:
-        self.app = app
-        self._keys = [k.encode() for k in keys]
-        if not self._keys:
-            raise ValueError("APIKeyMiddleware needs at least one key")
-        self._tenants = [_tenant(k) for k in self._keys]
-        self._open = frozenset(open_paths)
-
-    def _match(self, authorization: str | None) -> int | None:
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        given = token.strip().encode()
-        match = None
-        for i, key in enumerate(self._keys):
-            if hmac.compare_digest(given, key) and match is None:
-                match = i
-        return match
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self._open:
-            await self.app(scope, receive, send)
-            return
-        index = self._match(Headers(scope=scope).get("authorization"))
-        if index is None:
-            err = p.APIError(
-                "missing or invalid API key: send Authorization: Bearer <key>",
-                401,
-                code="invalid_api_key",
+def _middleware(
+    keys: list[str], metrics_without_auth: bool, allowed_origins: Iterable[str]
+) -> list[Middleware]:
+    """CORS for ``allowed_origins`` (outermost: preflights are answered before the key
+    check), then the API-key check when there are ``keys``."""
+    middleware: list[Middleware] = []
+    origins = list(allowed_origins)
+    if origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
             )
-            response = error_response(err, headers={"WWW-Authenticate": "Bearer"})
-            await response(scope, receive, send)
-            return
-        scope[TENANT_KEY] = self._tenants[index]
-        await self.app(scope, receive, send)
-
-
-def default_served_name(model: str) -> str:
-    """The served model name for a ``--model`` value: the base name of a local directory or
-    file (so no response shows a filesystem path), else the value itself ("default")."""
-    if model and os.path.exists(model):
-        return os.path.basename(os.path.normpath(os.path.abspath(model))) or model
-    return model
+        )
+    if keys:
+        open_paths = {"/health"} | ({"/metrics"} if metrics_without_auth else set())
+        middleware.append(Middleware(APIKeyMiddleware, keys=keys, open_paths=open_paths))
+    return middleware
 
 
 def create_app(
@@ -918,21 +343,7 @@ def create_app(
         async with engine:
             yield
 
-    middleware = []
-    origins = list(allowed_origins)
-    if origins:  # outermost: preflights are answered before the key check
-        middleware.append(
-            Middleware(
-                CORSMiddleware,
-                allow_origins=origins,
-                allow_methods=["GET", "POST"],
-                allow_headers=["Authorization", "Content-Type"],
-            )
-        )
-    keys = split_commas(api_keys)
-    if keys:
-        open_paths = {"/health"} | ({"/metrics"} if metrics_without_auth else set())
-        middleware.append(Middleware(APIKeyMiddleware, keys=keys, open_paths=open_paths))
+    middleware = _middleware(split_commas(api_keys), metrics_without_auth, allowed_origins)
     app = Starlette(
         routes=[
             Route("/v1/models", server.models, methods=["GET"]),

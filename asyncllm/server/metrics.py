@@ -43,7 +43,7 @@ since start).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -68,115 +68,108 @@ _N_BUCKETS = (1, 2, 5, 10, 20, 50, 100)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
+def _cpu_offload_usage(s: Mapping[str, Any]) -> float:
+    total = s.get("num_total_cpu_blocks", 0)
+    return 1.0 - s["num_free_cpu_blocks"] / total if total else 0.0
+
+
+#: The metrics read from ``AsyncEngine.stats()`` at each scrape: (kind, name without the
+#: ``asyncllm:`` prefix, help, the stats key or a function of the stats).
+_ENGINE_METRICS: tuple[tuple[str, str, str, str | Callable[[Mapping[str, Any]], float]], ...] = (
+    ("gauge", "num_requests_running", "Requests in the running batch.", "num_running"),
+    ("gauge", "num_requests_waiting",
+     "Requests waiting to be scheduled (preempted ones included).", "num_waiting"),
+    ("gauge", "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).",
+     "kv_cache_usage"),
+    ("gauge", "cpu_offload_usage_perc",
+     "Fraction of the CPU offload block pool in use (1 = 100%).", _cpu_offload_usage),
+    ("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("counter", "prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+     "prefix_cache_hits"),
+    ("gauge", "prefix_cache_hit_rate", "Prefix cache hits / queries since start.",
+     "prefix_cache_hit_rate"),
+    ("counter", "num_preemptions", "Preemptions of running requests.", "num_preemptions"),
+)  # fmt: skip
+
+_FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+
+
 class _EngineCollector(Collector):
+    """Yields :data:`_ENGINE_METRICS` from one ``stats()`` call per scrape."""
+
     def __init__(self, engine: Any, model_name: str) -> None:
         self._engine = engine
         self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         s = self._engine.stats()
-        labels = ["model_name"]
-        value = [self._model]
+        for kind, name, doc, source in _ENGINE_METRICS:
+            family = _FAMILIES[kind](f"asyncllm:{name}", doc, labels=["model_name"])
+            family.add_metric([self._model], s[source] if isinstance(source, str) else source(s))
+            yield family
 
-        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"asyncllm:{name}", doc, labels=labels)
-            g.add_metric(value, v)
-            return g
 
-        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"asyncllm:{name}", doc, labels=labels)
-            c.add_metric(value, v)
-            return c
+#: The histograms the server observes: (attribute of :class:`ServerMetrics`, name without
+#: the ``asyncllm:`` prefix, help, buckets).
+_HISTOGRAMS = (
+    ("ttft", "time_to_first_token_seconds",
+     "Time from arrival to the first generated token (of any sample).", _LATENCY_BUCKETS),
+    ("itl", "inter_token_latency_seconds",
+     "Time between consecutive generated tokens of one sample.", _ITL_BUCKETS),
+    ("queue_time", "request_queue_time_seconds",
+     "Time from arrival to first being scheduled (of any sample).", _LATENCY_BUCKETS),
+    ("e2e", "e2e_request_latency_seconds",
+     "Time from arrival to finish (of the last sample).", _E2E_BUCKETS),
+    ("prompt_hist", "request_prompt_tokens",
+     "Prompt tokens per finished request (once, whatever its n).", _TOKEN_BUCKETS),
+    ("gen_hist", "request_generation_tokens",
+     "Generated tokens per finished request (summed over its n samples).", _TOKEN_BUCKETS),
+    ("params_n", "request_params_n",
+     "The n parameter (parallel samples) of finished requests.", _N_BUCKETS),
+)  # fmt: skip
 
-        total_cpu = s.get("num_total_cpu_blocks", 0)
-        yield gauge("num_requests_running", "Requests in the running batch.", s["num_running"])
-        yield gauge(
-            "num_requests_waiting",
-            "Requests waiting to be scheduled (preempted ones included).",
-            s["num_waiting"],
-        )
-        yield gauge(
-            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).",
-            s["kv_cache_usage"],
-        )  # fmt: skip
-        yield gauge(
-            "cpu_offload_usage_perc",
-            "Fraction of the CPU offload block pool in use (1 = 100%).",
-            1.0 - s["num_free_cpu_blocks"] / total_cpu if total_cpu else 0.0,
-        )
-        yield counter(
-            "prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            s["prefix_cache_queries"],
-        )
-        yield counter(
-            "prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-            s["prefix_cache_hits"],
-        )  # fmt: skip
-        yield gauge(
-            "prefix_cache_hit_rate", "Prefix cache hits / queries since start.",
-            s["prefix_cache_hit_rate"],
-        )  # fmt: skip
-        yield counter("num_preemptions", "Preemptions of running requests.", s["num_preemptions"])
+#: The token counters: (attribute, name without prefix and ``_total``, help).
+_COUNTERS = (
+    ("prompt_tokens", "prompt_tokens",
+     "Prompt tokens prefilled (once per request, whatever its n)."),
+    ("generation_tokens", "generation_tokens", "Generated tokens (all samples)."),
+)  # fmt: skip
 
 
 class ServerMetrics:
     """The server's Prometheus registry (one per app, so several apps can share a process).
+
+    Its histograms (:data:`_HISTOGRAMS`) and token counters (:data:`_COUNTERS`) are
+    attributes of the names in those tables, each already labelled with ``model_name``.
 
     Args:
         engine: the :class:`AsyncEngine` whose ``stats()`` a scrape reads.
         model_name: the ``model_name`` label.
     """
 
+    ttft: Histogram
+    itl: Histogram
+    queue_time: Histogram
+    e2e: Histogram
+    prompt_hist: Histogram
+    gen_hist: Histogram
+    params_n: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+
     def __init__(self, engine: Any, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         lab = ["model_name"]
-        self.ttft = Histogram(
-            "asyncllm:time_to_first_token_seconds",
-            "Time from arrival to the first generated token (of any sample).",
-            lab, registry=r, buckets=_LATENCY_BUCKETS,
-        ).labels(model_name)  # fmt: skip
-        self.itl = Histogram(
-            "asyncllm:inter_token_latency_seconds",
-            "Time between consecutive generated tokens of one sample.",
-            lab, registry=r, buckets=_ITL_BUCKETS,
-        ).labels(model_name)  # fmt: skip
-        self.queue_time = Histogram(
-            "asyncllm:request_queue_time_seconds",
-            "Time from arrival to first being scheduled (of any sample).",
-            lab, registry=r, buckets=_LATENCY_BUCKETS,
-        ).labels(model_name)  # fmt: skip
-        self.e2e = Histogram(
-            "asyncllm:e2e_request_latency_seconds",
-            "Time from arrival to finish (of the last sample).",
-            lab, registry=r, buckets=_E2E_BUCKETS,
-        ).labels(model_name)  # fmt: skip
-        self.prompt_hist = Histogram(
-            "asyncllm:request_prompt_tokens",
-            "Prompt tokens per finished request (once, whatever its n).",
-            lab, registry=r, buckets=_TOKEN_BUCKETS,
-        ).labels(model_name)  # fmt: skip
-        self.gen_hist = Histogram(
-            "asyncllm:request_generation_tokens",
-            "Generated tokens per finished request (summed over its n samples).",
-            lab, registry=r, buckets=_TOKEN_BUCKETS,
-        ).labels(model_name)  # fmt: skip
-        self.params_n = Histogram(
-            "asyncllm:request_params_n",
-            "The n parameter (parallel samples) of finished requests.",
-            lab, registry=r, buckets=_N_BUCKETS,
-        ).labels(model_name)  # fmt: skip
-        self.prompt_tokens = Counter(
-            "asyncllm:prompt_tokens",
-            "Prompt tokens prefilled (once per request, whatever its n).",
-            lab,
-            registry=r,
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "asyncllm:generation_tokens", "Generated tokens (all samples).", lab, registry=r
-        ).labels(model_name)
+        for attr, name, doc, buckets in _HISTOGRAMS:
+            hist = Histogram(f"asyncllm:{name}", doc, lab, registry=r, buckets=buckets)
+            setattr(self, attr, hist.labels(model_name))
+        for attr, name, doc in _COUNTERS:
+            setattr(
+                self, attr, Counter(f"asyncllm:{name}", doc, lab, registry=r).labels(model_name)
+            )
         self._success = Counter(
             "asyncllm:request_success",
             "Requests ended (once per request, whatever its n), by finish reason "

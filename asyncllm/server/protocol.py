@@ -1,5 +1,5 @@
-"""The OpenAI request bodies the server accepts, their mapping to :class:`SamplingParams`,
-and the JSON objects it answers with.
+"""The OpenAI request bodies the server accepts and their mapping to :class:`SamplingParams`
+(the JSON objects it answers with are in :mod:`asyncllm.server.responses`).
 
 Bodies are decoded with msgspec into the structs below. Fields follow OpenAI's API reference
 (``/v1/completions``, ``/v1/chat/completions``); unknown fields are ignored (as vLLM does).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,9 +21,11 @@ from typing import Any
 import msgspec
 
 from asyncllm.engine import tool_calls
-from asyncllm.errors import InvalidRequestError
-from asyncllm.outputs import PositionLogprobs, ToolCall, ToolCallDelta
+from asyncllm.errors import EngineDeadError, EngineNotRunningError, InvalidRequestError, QueueFull
 from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
+from asyncllm.server.responses import ErrorBody, ErrorInfo
+
+logger = logging.getLogger("asyncllm.server")
 
 #: The most choices one request may ask for (``n`` times the number of prompts).
 MAX_CHOICES = 128
@@ -50,16 +53,50 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorBody:
         """The JSON body."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return ErrorBody(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+
+ENGINE_FAILED = "the engine failed and serves no more requests; the server log has the details"
+ENGINE_STOPPED = "the engine is not running"
+INTERNAL_ERROR = "internal server error; the server log has the details"
+
+
+def api_error(exc: BaseException) -> APIError:
+    """Map an exception to the error the client sees.
+
+    Only messages written for clients are passed on (:class:`APIError`, our typed input
+    errors, :class:`QueueFull`); an engine failure or an unexpected exception gets a fixed
+    message (the exception, which may name internals such as files or the failed step,
+    goes to the server log), so no response carries a Python repr, a qualified name or a
+    path.
+    """
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFull):
+        logger.info("request refused: %s", exc)
+        return APIError(
+            "the server's waiting queue is full; try again later",
+            429,
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+        )
+    if isinstance(exc, EngineDeadError):
+        logger.warning("request failed: the engine is dead: %s", exc)
+        return APIError(ENGINE_FAILED, 503, type="server_error", code="engine_unavailable")
+    if isinstance(exc, EngineNotRunningError):
+        return APIError(ENGINE_STOPPED, 503, type="server_error", code="engine_unavailable")
+    if isinstance(exc, RecursionError):  # a deeply nested value from the body
+        return APIError("the request is nested too deeply")
+    if isinstance(exc, (InvalidRequestError, ValueError)):
+        # A grammar the engine cannot compile came from the request's response_format.
+        grammar = isinstance(exc, InvalidRequestError) and str(exc).startswith("structured_outputs")
+        return APIError(str(exc), 400, param="response_format" if grammar else None)
+    logger.error("unexpected error in a request", exc_info=exc)
+    return APIError(INTERNAL_ERROR, 500, type="server_error")
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -146,29 +183,6 @@ def check_tools(req: ChatCompletionRequest) -> None:
         tool_calls.check_tool_choice(req.tool_choice, tools)
     except InvalidRequestError as e:
         raise APIError(str(e), param="tool_choice") from None
-
-
-def tool_call_json(call: ToolCall) -> dict[str, Any]:
-    """A call as OpenAI's ``message.tool_calls[]`` item."""
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
-
-
-def tool_call_deltas_json(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
-    """Streamed call pieces as OpenAI's ``delta.tool_calls[]`` items: a call's first item
-    has ``index``, ``id``, ``type`` and ``function.name`` (and the arguments so far), later
-    ones ``index`` and ``function.arguments`` only; a call's pieces of one engine item are
-    merged into one entry (vLLM and OpenAI send the same shapes)."""
-    out: list[dict[str, Any]] = []
-    for d in deltas:
-        if out and out[-1]["index"] == d.index:
-            out[-1]["function"]["arguments"] += d.arguments
-        elif d.id is not None:
-            out.append({"index": d.index, "id": d.id, "type": "function",
-                        "function": {"name": d.name, "arguments": d.arguments}})  # fmt: skip
-        else:
-            out.append({"index": d.index, "function": {"arguments": d.arguments}})
-    return out
 
 
 _PARAM_AT = re.compile(r"at `\$\.([A-Za-z_]+)")
@@ -460,116 +474,3 @@ def chat_template_kwargs(
     if template is not None:
         kwargs["chat_template"] = template
     return kwargs or None
-
-
-# ---------------------------------------------------------------------------- responses
-
-
-def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
-) -> dict[str, Any]:
-    """OpenAI's ``usage`` object (``prompt_tokens_details.cached_tokens``: prompt tokens
-    served from the prefix cache)."""
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    if cached_tokens is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return out
-
-
-def _ranked(position: PositionLogprobs, k: int) -> list[tuple[int, Any]]:
-    return sorted(position.items(), key=lambda kv: kv[1].rank)[:k]
-
-
-def api_token(data: bytes) -> str:
-    """A token's ``token`` string in OpenAI's logprobs, from its raw bytes (see
-    :class:`~asyncllm.outputs.Logprob`'s ``token_bytes``).
-
-    Bytes that are valid UTF-8 give their text. A token that holds part of a character (a
-    byte token, SmolLM2's ``"æ"`` = 0xE6) gives ``"bytes:"`` and its bytes as ``\\xNN``
-    escapes (printable ASCII kept), OpenAI's convention: ``"bytes:\\xe6"``. (vLLM answers
-    ``decode([id])`` there, i.e. U+FFFD, and then the U+FFFD's bytes.) The exact bytes are
-    in the ``bytes`` field either way.
-    """
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(
-            chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in data
-        )
-
-
-def _utf8_starts(data: bytes) -> int:
-    """How many characters start in ``data``: its bytes that are not UTF-8 continuations."""
-    return sum(1 for b in data if b & 0xC0 != 0x80)
-
-
-def chat_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[PositionLogprobs], top: int
-) -> list[dict[str, Any]]:
-    """``choices[].logprobs.content`` entries for generated tokens: ``token`` as
-    :func:`api_token` names it and ``bytes`` the token's raw bytes (the tokenizer's own
-    mapping, so the bytes of a piece of a character are that piece)."""
-    content = []
-    for tid, pos in zip(token_ids, logprobs, strict=False):
-        chosen = pos[tid]
-        content.append(
-            {
-                "token": api_token(chosen.token_bytes),
-                "logprob": chosen.logprob,
-                "bytes": list(chosen.token_bytes),
-                "top_logprobs": [
-                    {
-                        "token": api_token(lp.token_bytes),
-                        "logprob": lp.logprob,
-                        "bytes": list(lp.token_bytes),
-                    }
-                    for _, lp in _ranked(pos, top)
-                ],
-            }
-        )
-    return content
-
-
-def completion_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[PositionLogprobs], top: int, offset: int
-) -> tuple[dict[str, Any], int]:
-    """The legacy ``choices[].logprobs`` object (``tokens``, ``token_logprobs``,
-    ``top_logprobs``, ``text_offset``) and the offset state after these tokens.
-
-    Tokens are named by :func:`api_token`. ``text_offset`` is, as OpenAI reports it, the
-    index in the choice's text (in characters) of the character the token's first byte
-    belongs to: the tokens ``"bytes:\\xe9\\x80"``, ``"bytes:\\x82"`` of one character
-    share its offset, and the next token's offset is one more. ``offset`` (0 for a new
-    choice) and the returned state count the characters started so far (UTF-8 lead bytes),
-    so a stream's chunks can be converted one by one.
-    """
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    for tid, pos in zip(token_ids, logprobs, strict=False):
-        chosen = pos[tid]
-        name = api_token(chosen.token_bytes)
-        tokens.append(name)
-        token_logprobs.append(chosen.logprob)
-        alternatives = {api_token(lp.token_bytes): lp.logprob for _, lp in _ranked(pos, top)}
-        alternatives.setdefault(name, chosen.logprob)
-        tops.append(alternatives)
-        data = chosen.token_bytes
-        if data and data[0] & 0xC0 == 0x80:  # starts inside a character: at its offset
-            if offset == 0:  # a character the prompt began: the text's first
-                offset = 1
-            offsets.append(offset - 1)
-        else:
-            offsets.append(offset)
-        offset += _utf8_starts(data)
-    return (
-        {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        },
-        offset,
-    )
