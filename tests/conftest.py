@@ -6,11 +6,11 @@ in it, every KV block free, and the pool's reference counts consistent.
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -49,6 +49,17 @@ def first_divergence_is_near_tie(
     gap = float(top2.values[0] - top2.values[1])
     print(f"first divergence at token {j} ({dtype}): top-2 log-prob gap {gap:.3g}")
     return gap < NEAR_TIE[dtype] and got[j] in top2.indices.tolist()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """The event loop async tests run on (anyio's pytest plugin): asyncio by default; the
+    front-end test files override this fixture to run on trio too."""
+    return "asyncio"
+
+
+#: Parametrize a module's ``anyio_backend`` fixture with these to run it on both loops.
+BOTH_BACKENDS = ["asyncio", "trio"]
 
 
 @pytest.fixture(scope="session")
@@ -168,12 +179,13 @@ def core_request(engine: AsyncEngine, request_id: str) -> Request | None:
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``predicate`` on the event loop until it holds (fails the test after timeout)."""
-    deadline = asyncio.get_running_loop().time() + timeout
+    """Poll ``predicate`` on the event loop (asyncio or trio) until it holds (fails the
+    test after ``timeout`` seconds)."""
+    deadline = anyio.current_time() + timeout
     while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
+        if anyio.current_time() > deadline:
             raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
+        await anyio.sleep(0.005)
 
 
 class Scripted:

@@ -1,8 +1,12 @@
-"""The asyncio front end: streams, the background step loop, cancellation, failure.
+"""The async front end (anyio: asyncio, uvloop or trio): streams, the step loop,
+cancellation, failure.
 
-One background task owns the :class:`LLMEngine`. Calls from other tasks (new requests,
-aborts) go through an inbox that the task applies between steps; each step runs in a single
-worker thread so the event loop stays free while the model computes. Each request has a
+One task of the engine's task group (``async with engine``) owns the :class:`LLMEngine`.
+Calls from other tasks (new requests, aborts) go through an inbox that the task applies
+between steps; each step runs on the engine's one compute thread (docs/tuning.md says why
+one) so the event loop stays free while the model computes. Cancellation is structured: a
+consumer cancelled, timed out (``anyio.fail_after``), breaking out or closing its stream
+aborts its request, which frees its KV blocks before the next step. Each request has a
 :class:`~asyncllm.engine.output_processor.RequestState` that holds its not-yet-read output
 (detokenized, stop strings applied): a slow reader gets several steps merged into one item
 instead of an unbounded queue.
@@ -14,36 +18,43 @@ the states, the inbox and a call's parallel samples are keyed by internal ids. S
 a step that was in flight when a call ended early can never reach a later call that reuses
 the caller's id.
 
-Text prompts and chat templates are tokenized on a small thread pool of the front end (never
+Text prompts and chat templates are tokenized on an anyio worker thread, one at a time (never
 on the event loop, never on the engine's compute thread, which alone does torch work); a
 text too long to fit ``max_model_len`` is refused before any tokenization
 (``LLMEngine.check_prompt_chars``). Grammars (``SamplingParams.structured_outputs``) are
-compiled on another thread of the front end, with a cache (``LLMEngine.compile_grammar``),
+compiled on another worker thread, one at a time, with a cache (``LLMEngine.compile_grammar``),
 before the request is queued: a grammar that does not compile fails only its call, and a
 slow compile holds neither the step loop nor tokenization.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import itertools
 import logging
 import math
 import operator
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from concurrent.futures import Future
+from types import TracebackType
 from typing import Any, TypeVar
 
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
 import msgspec
 
 from asyncllm.config import EngineConfig
 from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
 from asyncllm.core.scheduler import RequestUpdate
-from asyncllm.engine.llm_engine import LLMEngine, PromptType
-from asyncllm.engine.output_processor import RequestState, TokenTextCache, merge_outputs
-from asyncllm.engine.tool_calls import ChatTools
+from asyncllm.engine.chat_tool_setup import constrain_to_calls, prepare_tools
+from asyncllm.engine.llm_engine import LLMEngine, PromptType, StepOutput
+from asyncllm.engine.output_processor import RequestState, TokenTextCache
+from asyncllm.engine.streams import RequestStream, collect, stream_method
+from asyncllm.engine.wakeup import Wakeup
 from asyncllm.errors import (
     EngineDeadError,
     EngineNotRunningError,
@@ -52,6 +63,8 @@ from asyncllm.errors import (
 )
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "RequestStream", "collect"]
 
 logger = logging.getLogger("asyncllm")
 
@@ -80,16 +93,32 @@ class _Call:
         self.grammar = grammar  # the compiled structured_outputs grammar, or None
 
 
-class AsyncEngine:
-    """An LLM engine for asyncio applications.
+class _Reply:
+    """A result the step loop hands back to a waiting task (a prefix-cache reset)."""
 
-    Use it as an async context manager; inside, any number of tasks may call :meth:`stream`,
-    :meth:`chat` and :meth:`generate` concurrently and share the model through continuous
-    batching::
+    __slots__ = ("done", "error", "value")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.value = 0
+        self.error: BaseException | None = None
+
+    def resolve(self, value: int = 0, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+        self.done.set()
+
+
+class AsyncEngine:
+    """An LLM engine for asyncio (uvloop included) and trio applications, through anyio.
+
+    Use it as an async context manager (entered and left by one task, as any anyio task
+    group); inside, any number of tasks may call :meth:`stream`, :meth:`chat` and
+    :meth:`generate` concurrently and share the model through continuous batching::
 
         async with AsyncEngine.from_pretrained("default") as engine:
-            async for out in engine.stream("Hello", SamplingParams(max_tokens=32)):
-                print(out.text, end="")
+            async with engine.stream("Hello", SamplingParams(max_tokens=32)) as stream:
+                async for out in stream:
+                    print(out.text, end="")
 
     Failure: if a step raises (a model error, out of memory), every in-flight stream raises
     :class:`EngineDeadError` (``__cause__``: the step's exception), later calls raise it at
@@ -107,19 +136,20 @@ class AsyncEngine:
         self._calls: dict[str, _Call] = {}
         self._inbox_add: list[_Call] = []  # calls not yet handed to the core
         self._inbox_abort: set[str] = set()  # internal ids to abort in the core
-        self._cache_resets: list[asyncio.Future[int]] = []
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stepping = False  # a step is running in the worker thread
+        self._cache_resets: list[_Reply] = []
+        self._wakeup = Wakeup()  # news for the step loop
+        self._tg: anyio.abc.TaskGroup | None = None  # runs the step loop and timeouts
+        self._token: anyio.lowlevel.EventLoopToken | None = None  # the loop that entered
+        self._loop_thread = 0  # that loop's thread
+        self._running = False  # the step loop runs
         self._closing = False
         self._dead: EngineDeadError | None = None
         self._ids = itertools.count()
         self._token_text = TokenTextCache(engine.tokenizer)
-        # Tokenization and chat-template rendering, off the loop (one thread, as vLLM's
+        # Tokenization and chat-template rendering, off the loop, one at a time (as vLLM's
         # server: transformers' fast tokenizers are not meant for concurrent encodes).
-        self._tokenize_pool: ThreadPoolExecutor | None = None
-        self._grammar_pool: ThreadPoolExecutor | None = None  # compiles structured_outputs
+        self._tokenize_limiter: anyio.CapacityLimiter | None = None  # made on entry
+        self._grammar_limiter: anyio.CapacityLimiter | None = None  # compiles grammars
         # Requests of calls being tokenized (or rendered) now: they count as waiting, so
         # max_waiting bounds the tokenizer's queue too.
         self._tokenizing = 0
@@ -151,50 +181,49 @@ class AsyncEngine:
     async def __aenter__(self) -> AsyncEngine:
         if self._dead is not None:
             raise self._dead_error()
-        if self._task is not None:
+        if self._tg is not None:
             raise RuntimeError("AsyncEngine is already running")
-        self._loop = asyncio.get_running_loop()
-        self._wakeup = asyncio.Event()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg, self._token = tg, anyio.lowlevel.current_token()
+        self._loop_thread = threading.get_ident()
         self._closing = False
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-tokenize")
-        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-grammar")
+        self._tokenize_limiter = anyio.CapacityLimiter(1)
+        self._grammar_limiter = anyio.CapacityLimiter(1)
         self._engine.driven_by_async = True
-        self._task = asyncio.create_task(self._run(), name="asyncllm-engine-loop")
+        self._running = True
+        tg.start_soon(self._run, name="asyncllm-engine-loop")
         return self
 
-    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         """Stop: abort in-flight requests (``shutdown_mode="abort"``, or whenever the block
-        raised) or let them finish (``"drain"``); then join the loop task and its thread.
+        raised) or let them finish (``"drain"``); then join the step loop (its task group)
+        and the compute thread.
 
         New calls raise :class:`EngineNotRunningError` from here on. Cancelling a drain
         aborts what is left and still joins.
         """
-        if self._task is None:
+        tg = self._tg
+        if tg is None:
             return
-        assert self._wakeup is not None
         self._closing = True
         if self.config.shutdown_mode != "drain" or exc_type is not None:
             self._abort_all()
         self._wakeup.set()
+        if exc_type is not None:
+            tg.cancel_scope.cancel()  # the step loop aborts what is left (_run)
         try:
-            await asyncio.shield(self._task)
-        except asyncio.CancelledError:
-            self._abort_all()
-            self._wakeup.set()
-            with contextlib.suppress(BaseException):
-                await self._task
-            raise
-        except BaseException:  # the loop re-raised a BaseException; the engine is dead
-            pass
+            # Joins the loop (a cancellation here cancels it first). The block's own
+            # exception is left out of the task group so that it propagates unwrapped.
+            await tg.__aexit__(None, None, None)
         finally:
-            self._task = None
-            for pool in (self._tokenize_pool, self._grammar_pool):
-                if pool is not None:
-                    # A tokenization or compile still running ends on its own; its call
-                    # then sees _closing.
-                    pool.shutdown(wait=False)
-            self._tokenize_pool = self._grammar_pool = None
-            self._engine.stop_compute_thread()  # joins a step a cancelled task left running
+            self._tg = None
+            self._engine.stop_compute_thread()
             self._engine.driven_by_async = False
             if self._dead is not None:
                 self._release_core()
@@ -207,8 +236,9 @@ class AsyncEngine:
         """
         if self._dead is not None:
             raise self._dead_error()
-        return "running" if self._task is not None and not self._task.done() else "stopped"
+        return "running" if self._running else "stopped"
 
+    @stream_method
     async def stream(
         self,
         prompt: PromptType,
@@ -218,14 +248,19 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Generate for one prompt, yielding outputs as they are produced.
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Generate for one prompt; returns a :class:`RequestStream` of the outputs as they
+        are produced.
 
         The request is validated and queued when iteration starts; errors are raised by
         the first ``__anext__`` (a text prompt is tokenized there, on a worker thread, after
-        the cheap checks). Leaving the loop early
-        (``break``, ``aclose()``, or cancelling the consuming task) aborts the request and
-        frees its KV blocks before the next step.
+        the cheap checks). Leaving early aborts the request and frees its KV blocks before
+        the next step: ``aclose()``, cancelling the consuming task, a timeout around it
+        (``anyio.fail_after``/``move_on_after``, ``asyncio.timeout``), or ``break`` out of
+        ``async with engine.stream(...) as stream: async for out in stream``. A ``break``
+        out of a bare ``async for`` over a stream still referenced leaves the abort to the
+        garbage collector (the request runs on meanwhile): use the ``async with`` form, or
+        ``contextlib.aclosing``.
 
         Args:
             prompt: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``.
@@ -277,6 +312,7 @@ class AsyncEngine:
             for state in pending:
                 self._finish_early(state.request_id, "abort")
 
+    @stream_method
     async def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -291,8 +327,9 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the answer to chat ``messages``, like :meth:`stream`.
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the answer to chat ``messages``, like :meth:`stream` (a
+        :class:`RequestStream`).
 
         The prompt is the model's chat template applied by transformers
         (``tokenizer.apply_chat_template``) to ``messages``.
@@ -350,34 +387,17 @@ class AsyncEngine:
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
-        calls: ChatTools | None = None
-        if tools is not None:
-            kind = params.output_kind if isinstance(params, SamplingParams) else "delta"
-            calls = ChatTools.from_request(
-                self._engine.tokenizer,
-                tools,
-                tool_choice,
-                parallel_tool_calls=parallel_tool_calls,
-                chat_template_kwargs=chat_template_kwargs,
-                output_kind=kind,
-            )
-            chat_template_kwargs = calls.template_kwargs(chat_template_kwargs)
-            if (
-                isinstance(params, SamplingParams)
-                and params.skip_special_tokens
-                and calls.keep_special_tokens(self._engine.tokenizer)
-            ):
-                params = msgspec.structs.replace(params, skip_special_tokens=False)
-        elif tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError(f"tool_choice {tool_choice!r:.80} needs tools")
+        calls, params, chat_template_kwargs = prepare_tools(
+            self._engine.tokenizer,
+            params,
+            tools,
+            tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         if calls is not None and calls.constrained:
-            if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-                raise InvalidRequestError(
-                    f"tool_choice {calls.choice!r} constrains the output to tool calls; "
-                    "it cannot be combined with structured_outputs (response_format)"
-                )
             spec = await self._off_loop(calls.structured_outputs)  # imports xgrammar
-            params = msgspec.structs.replace(params or SamplingParams(), structured_outputs=spec)
+            params = constrain_to_calls(params, spec)
         prompt = await self._off_loop(
             functools.partial(
                 self._engine.render_chat,
@@ -395,11 +415,9 @@ class AsyncEngine:
             cache_salt=cache_salt,
             timeout=timeout,
         )
-        try:
+        async with gen:
             async for out in gen:
                 yield out if calls is None else calls.apply(out)
-        finally:
-            await gen.aclose()
 
     async def generate(
         self,
@@ -452,27 +470,30 @@ class AsyncEngine:
         freed before the next step. Callable from any task, and from other threads (then
         applied on the engine's loop soon after). Unknown or finished ids are ignored; the id
         of a request with ``n > 1`` aborts all its samples."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is not loop:
-                loop.call_soon_threadsafe(self._finish_call, request_id, "abort")
-                return
+        token = self._token
+        if (
+            token is not None
+            and self._tg is not None
+            and (threading.get_ident() != self._loop_thread)
+        ):
+            # Waits for the engine's loop to apply it; a loop that has ended runs nothing.
+            with contextlib.suppress(anyio.RunFinishedError):
+                anyio.from_thread.run_sync(self._finish_call, request_id, "abort", token=token)
+            return
         self._finish_call(request_id, "abort")
 
     async def reset_prefix_cache(self) -> int:
         """Forget every prefix-cache block that no request holds (applied between steps);
         returns how many blocks were dropped. Blocks in use keep their hashes."""
-        if self._task is None or self._task.done():
+        if not self._running:
             return self._engine.reset_prefix_cache()
-        assert self._loop is not None and self._wakeup is not None
-        done: asyncio.Future[int] = self._loop.create_future()
-        self._cache_resets.append(done)
+        reply = _Reply()
+        self._cache_resets.append(reply)
         self._wakeup.set()
-        return await done
+        await reply.done.wait()
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
 
     def stats(self) -> dict[str, int | float | str]:
         """Engine counters and the weights' precision and bytes (see ``LLMEngine.stats``);
@@ -511,8 +532,7 @@ class AsyncEngine:
         call = self._forget(state)
         if not call.queued:
             self._inbox_abort.add(internal_id)
-            if self._wakeup is not None:
-                self._wakeup.set()
+            self._wakeup.set()
         state.finish(reason)
 
     def _forget(self, state: RequestState) -> _Call:
@@ -533,16 +553,17 @@ class AsyncEngine:
         """Raise unless new calls are accepted now, from this loop."""
         if self._dead is not None:
             raise self._dead_error()
-        if self._task is None or self._closing:
+        if self._tg is None or self._closing:
             raise EngineNotRunningError("use `async with engine:` before sending requests")
+        assert self._token is not None
         try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
+            running = anyio.lowlevel.current_token().native_token
+        except anyio.NoEventLoopError:
             running = None
-        if running is not self._loop:
+        if running is not self._token.native_token:
             raise EngineNotRunningError(
                 "an AsyncEngine serves the event loop that entered it; call it from that loop "
-                "(from another thread: asyncio.run_coroutine_threadsafe, or the LLM facade)"
+                "(from another thread: anyio.from_thread.run with its token, or the LLM facade)"
             )
 
     def _check_queue(self, num_requests: int) -> None:
@@ -557,18 +578,18 @@ class AsyncEngine:
     async def _off_loop(
         self, fn: Callable[[], _T], num_requests: int = 0, *, grammar: bool = False
     ) -> _T:
-        """``fn()`` on the tokenizer thread (the grammar thread when ``grammar``); then check
-        the engine still takes calls.
+        """``fn()`` on a worker thread, after the tokenizer's other work (the grammar
+        compiler's when ``grammar``); then check the engine still takes calls.
 
         ``num_requests``: the requests of the call being prepared; they are refused at once
         (QueueFull) when the queue is full, and count as waiting while ``fn`` waits or runs.
+        A cancelled caller waits for ``fn`` to end (never two tokenizations at once).
         """
-        pool = self._grammar_pool if grammar else self._tokenize_pool
-        assert self._loop is not None and pool is not None
+        limiter = self._grammar_limiter if grammar else self._tokenize_limiter
         self._check_queue(num_requests)
         self._tokenizing += num_requests
         try:
-            result = await self._loop.run_in_executor(pool, fn)
+            result = await anyio.to_thread.run_sync(fn, limiter=limiter)
         finally:
             self._tokenizing -= num_requests
         self._check_running()
@@ -636,21 +657,30 @@ class AsyncEngine:
                 output_id=request_id, index=i,
             )  # fmt: skip
             if timeout is not None:
-                assert self._loop is not None
-                state.timeout_handle = self._loop.call_later(
-                    timeout, self._finish_early, request.request_id, "timeout"
-                )
+                state.timeout_handle = self._start_timer(request.request_id, timeout)
             self._states[request.request_id] = state
             states.append(state)
         self._inbox_add.append(call)
-        assert self._wakeup is not None
         self._wakeup.set()
         return states
 
+    def _start_timer(self, internal_id: str, timeout: float) -> anyio.CancelScope:
+        """Finish ``internal_id`` with "timeout" in ``timeout`` seconds, on a task of the
+        engine's task group; the request's end cancels the returned scope."""
+        assert self._tg is not None
+        scope = anyio.CancelScope()
+        deadline = anyio.current_time() + timeout
+        self._tg.start_soon(self._expire, scope, internal_id, deadline)
+        return scope
+
+    async def _expire(self, scope: anyio.CancelScope, internal_id: str, deadline: float) -> None:
+        with scope:
+            await anyio.sleep_until(deadline)
+            self._finish_early(internal_id, "timeout")
+
     def _drain_inbox(self) -> None:
-        for done in self._cache_resets:
-            if not done.done():
-                done.set_result(self._engine.reset_prefix_cache())
+        for reply in self._cache_resets:
+            reply.resolve(self._engine.reset_prefix_cache())
         self._cache_resets.clear()
         for internal_id in self._inbox_abort:
             self._engine.abort_request(internal_id)
@@ -685,15 +715,25 @@ class AsyncEngine:
             if state.finished:
                 self._forget(state)
 
-    def _step(self) -> list[RequestUpdate]:
-        try:
-            return self._engine.step()
-        finally:
-            self._stepping = False
+    async def _run_step(self) -> StepOutput:
+        """One step on the compute thread; the loop waits for it even when cancelled (a
+        step cannot be interrupted, and the core must not change under it)."""
+        done = anyio.Event()
+        token, loop_thread = self._token, self._loop_thread
+
+        def wake(_: Future[StepOutput]) -> None:
+            if threading.get_ident() == loop_thread:  # it ended before the callback was set
+                done.set()
+            else:
+                anyio.from_thread.run_sync(done.set, token=token)
+
+        future = self._engine.compute_thread.submit(self._engine.step)
+        future.add_done_callback(wake)
+        with anyio.CancelScope(shield=True):
+            await done.wait()
+        return future.result()
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wakeup is not None
         try:
             while True:
                 self._drain_inbox()
@@ -703,18 +743,25 @@ class AsyncEngine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                self._stepping = True
-                updates = await loop.run_in_executor(self._engine.compute_thread, self._step)
+                updates = await self._run_step()
                 self._dispatch(updates)
                 if getattr(updates, "idle", False):
                     # Nothing was schedulable: do not spin; wait for news, re-plan soon.
                     self._wakeup.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wakeup.wait(), IDLE_RETRY_S)
+                    with anyio.move_on_after(IDLE_RETRY_S):
+                        await self._wakeup.wait()
+        except anyio.get_cancelled_exc_class():
+            # The engine's task group is cancelled (a cancelled or failed ``async with``
+            # block, a cancelled drain): abort what is left, free its blocks in the core.
+            self._abort_all()
+            self._drain_inbox()
+            raise
         except BaseException as exc:
             self._die(exc)
             if not isinstance(exc, Exception):
                 raise
+        finally:
+            self._running = False
 
     def _die(self, exc: BaseException) -> None:
         """Mark the engine dead and end every stream with EngineDeadError."""
@@ -728,12 +775,10 @@ class AsyncEngine:
         self._inbox_abort.clear()
         for state in states:
             state.fail(self._dead_error())
-        for done in self._cache_resets:
-            if not done.done():
-                done.set_exception(self._dead_error())
+        for reply in self._cache_resets:
+            reply.resolve(error=self._dead_error())
         self._cache_resets.clear()
-        if not self._stepping:
-            self._release_core()
+        self._release_core()  # no step runs: _run_step waits for its end
         if isinstance(exc, Exception):
             logger.error("asyncllm engine loop failed", exc_info=exc)
 
@@ -751,16 +796,3 @@ def _num_samples(params: object) -> int:
     are refused later with their own error)."""
     n = getattr(params, "n", 1) if isinstance(params, SamplingParams) else 1
     return n if isinstance(n, int) and n >= 1 else 1
-
-
-async def collect(stream: AsyncIterator[RequestOutput], output_kind: str) -> RequestOutput:
-    """Read a stream to its end and return the whole output (deltas merged); with several
-    parallel samples, sample 0's output with all of them in ``samples``."""
-    by_index: dict[int, list[RequestOutput]] = {}
-    async for out in stream:
-        by_index.setdefault(out.index, []).append(out)
-    merged = [merge_outputs(by_index[i], output_kind) for i in sorted(by_index)]
-    if len(merged) == 1:
-        return merged[0]
-    first = msgspec.structs.replace(merged[0], samples=merged)
-    return first

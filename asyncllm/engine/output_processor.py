@@ -8,14 +8,16 @@ of an unbounded queue. Everything here runs on the event loop; nothing holds mod
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
+
 from asyncllm.core.request import Request
 from asyncllm.engine.detokenizer import IncrementalDetokenizer, token_bytes
 from asyncllm.engine.stop_checker import StopChecker
+from asyncllm.engine.wakeup import Wakeup
 from asyncllm.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.sampler import TokenLogprobs
@@ -114,12 +116,12 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: BaseException | None = None
-        self.event = asyncio.Event()
+        self.event = Wakeup()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
-        #: The ``loop.call_at`` handle of the request's timeout, if it has one.
-        self.timeout_handle: asyncio.TimerHandle | None = None
+        #: The cancel scope of the request's timeout timer, if it has one.
+        self.timeout_handle: anyio.CancelScope | None = None
 
     @property
     def finished(self) -> bool:
