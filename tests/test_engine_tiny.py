@@ -193,6 +193,71 @@ async def test_cancellation_frees_blocks(where, how, tiny_llama_dir, make_engine
         await wait_until(lambda: not core.has_unfinished())
 
 
+LEAVE_WAYS = ["async with + break", "aclose", "cancel scope", "fail_after", "move_on_after"]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", ("asyncio", {"use_uvloop": True}), "trio"])
+@pytest.mark.parametrize("how", LEAVE_WAYS)
+async def test_leaving_a_stream_aborts_it_before_the_next_step(
+    how, anyio_backend, tiny_llama_dir, make_engine
+):
+    """Every deterministic way out of a stream (structured cancellation included) removes
+    its request from the core before the next step starts: no step after it runs it."""
+    engine = make_engine(tiny_llama_dir, block_size=4, kv_cache_bytes=2**20)
+    core = engine._engine
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    left = False
+    steps_after_leaving = 0
+    real_run_step, real_step = engine._run_step, core.step
+
+    async def run_step():  # the loop starts a step (its inbox applied)
+        nonlocal steps_after_leaving
+        if left and core_request(engine, "victim") is not None:
+            steps_after_leaving += 1
+        return await real_run_step()
+
+    def slow_step():  # 200 tokens outlast the deadlines below by far
+        time.sleep(0.01)
+        return real_step()
+
+    engine._run_step, core.step = run_step, slow_step
+
+    async def read(stream, scope=None):
+        # No await in the body: a cancellation reaches the stream inside __anext__.
+        async for out in stream:
+            if out.num_generated_tokens > 2:
+                if scope is not None:
+                    scope.cancel()
+                elif how in ("async with + break", "aclose"):
+                    break
+
+    async with engine:
+        stream = engine.stream(_prompts()[0], params, request_id="victim")
+        if how == "async with + break":
+            async with stream:
+                await read(stream)
+        elif how == "aclose":
+            await read(stream)
+            await stream.aclose()
+        elif how == "cancel scope":
+            with anyio.CancelScope() as scope:
+                await read(stream, scope)
+        elif how == "fail_after":
+            with pytest.raises(TimeoutError), anyio.fail_after(0.2):
+                await read(stream)
+        else:
+            with anyio.move_on_after(0.2) as scope:
+                await read(stream)
+            assert scope.cancelled_caught
+        left = True
+        await wait_until(lambda: core_request(engine, "victim") is None)
+        await engine.generate(_prompts()[1], GREEDY)  # more steps: none may run the victim
+    assert steps_after_leaving == 0
+    if how in ("async with + break", "aclose"):
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+
+
 async def test_event_loop_stays_responsive(tiny_llama_dir, make_engine):
     """A ticker's worst lag stays far below one step's time while the engine computes."""
     engine = make_engine(tiny_llama_dir, block_size=16, kv_cache_bytes=2**22)

@@ -2,42 +2,30 @@
 cancellation, failure.
 
 One task of the engine's task group (``async with engine``) owns the :class:`LLMEngine`.
-Calls from other tasks (new requests, aborts) go through an inbox that the task applies
-between steps; each step runs on the engine's one compute thread (docs/tuning.md says why
-one) so the event loop stays free while the model computes. Cancellation is structured: a
-consumer cancelled, timed out (``anyio.fail_after``), breaking out or closing its stream
-aborts its request, which frees its KV blocks before the next step. Each request has a
-:class:`~asyncllm.engine.output_processor.RequestState` that holds its not-yet-read output
-(detokenized, stop strings applied): a slow reader gets several steps merged into one item
-instead of an unbounded queue.
-
-Request ids: the caller's id names a call (for ``abort`` and the duplicate check) and is what
-its outputs carry; inside, every call gets an internal id unique for the engine's lifetime
-(the caller's id, ``SAMPLE_ID_SEP`` and a counter, as vLLM v1 suffixes ids), and the core,
-the states, the inbox and a call's parallel samples are keyed by internal ids. So an update of
-a step that was in flight when a call ended early can never reach a later call that reuses
-the caller's id.
+Calls from other tasks (new requests, aborts) go through an inbox
+(:mod:`asyncllm.engine.request_table`) that the task applies between steps; each step runs
+on the engine's one compute thread (docs/tuning.md says why one) so the event loop stays
+free while the model computes. Leaving a stream early (cancelled, timed out, ``break`` in
+``async with``, ``aclose()``) aborts its request, which frees its KV blocks before the next
+step. A request's :class:`~asyncllm.engine.output_processor.RequestState` holds its unread
+output: a slow reader gets several steps merged into one item, not an unbounded queue.
 
 Text prompts and chat templates are tokenized on an anyio worker thread, one at a time (never
-on the event loop, never on the engine's compute thread, which alone does torch work); a
-text too long to fit ``max_model_len`` is refused before any tokenization
-(``LLMEngine.check_prompt_chars``). Grammars (``SamplingParams.structured_outputs``) are
-compiled on another worker thread, one at a time, with a cache (``LLMEngine.compile_grammar``),
-before the request is queued: a grammar that does not compile fails only its call, and a
-slow compile holds neither the step loop nor tokenization.
+on the loop, never on the compute thread, which alone does torch work); a text too long for
+``max_model_len`` is refused before (``LLMEngine.check_prompt_chars``). Grammars
+(``SamplingParams.structured_outputs``) are compiled on another worker thread, one at a
+time, with a cache (``LLMEngine.compile_grammar``), before the request is queued: a grammar
+that does not compile fails only its call; a slow compile holds up neither the step loop
+nor tokenization.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
-import math
-import operator
 import threading
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -48,17 +36,22 @@ import anyio.to_thread
 import msgspec
 
 from asyncllm.config import EngineConfig
-from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
-from asyncllm.core.scheduler import RequestUpdate
-from asyncllm.engine.chat_tool_setup import constrain_to_calls, prepare_tools
+from asyncllm.engine.chat_tool_setup import ChatToolSetup, constrain_to_calls
 from asyncllm.engine.llm_engine import LLMEngine, PromptType, StepOutput
 from asyncllm.engine.output_processor import RequestState, TokenTextCache
+from asyncllm.engine.request_table import (
+    Call,
+    RequestTable,
+    check_timeout,
+    check_token_ids,
+    num_samples,
+)
 from asyncllm.engine.streams import RequestStream, collect, stream_method
-from asyncllm.engine.wakeup import Wakeup
+from asyncllm.engine.tool_calls import ChatTools
+from asyncllm.engine.wakeup import Wakeup, wait_future
 from asyncllm.errors import (
     EngineDeadError,
     EngineNotRunningError,
-    InvalidRequestError,
     QueueFull,
 )
 from asyncllm.outputs import RequestOutput
@@ -72,40 +65,6 @@ logger = logging.getLogger("asyncllm")
 IDLE_RETRY_S = 0.05
 
 _T = TypeVar("_T")
-
-
-class _Call:
-    """One call (``stream``/``generate``/``chat``) in the front end: its core requests (one,
-    or its n parallel samples) and how many of them are not finished yet.
-
-    Attributes:
-        requests: the call's core requests (internal ids).
-        queued: still in the inbox, not yet handed to the core.
-        live: requests whose state has no finish reason yet.
-    """
-
-    __slots__ = ("grammar", "live", "queued", "requests")
-
-    def __init__(self, requests: list[Request], grammar: Any = None) -> None:
-        self.requests = requests
-        self.queued = True
-        self.live = len(requests)
-        self.grammar = grammar  # the compiled structured_outputs grammar, or None
-
-
-class _Reply:
-    """A result the step loop hands back to a waiting task (a prefix-cache reset)."""
-
-    __slots__ = ("done", "error", "value")
-
-    def __init__(self) -> None:
-        self.done = anyio.Event()
-        self.value = 0
-        self.error: BaseException | None = None
-
-    def resolve(self, value: int = 0, error: BaseException | None = None) -> None:
-        self.value, self.error = value, error
-        self.done.set()
 
 
 class AsyncEngine:
@@ -130,26 +89,19 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
-        # Internal (core) request id -> the state of a request not finished yet.
-        self._states: dict[str, RequestState] = {}
-        # Caller's request id -> its call, while one of the call's requests is unfinished.
-        self._calls: dict[str, _Call] = {}
-        self._inbox_add: list[_Call] = []  # calls not yet handed to the core
-        self._inbox_abort: set[str] = set()  # internal ids to abort in the core
-        self._cache_resets: list[_Reply] = []
         self._wakeup = Wakeup()  # news for the step loop
+        self._requests = RequestTable(self._wakeup.set)
         self._tg: anyio.abc.TaskGroup | None = None  # runs the step loop and timeouts
         self._token: anyio.lowlevel.EventLoopToken | None = None  # the loop that entered
         self._loop_thread = 0  # that loop's thread
         self._running = False  # the step loop runs
         self._closing = False
         self._dead: EngineDeadError | None = None
-        self._ids = itertools.count()
         self._token_text = TokenTextCache(engine.tokenizer)
-        # Tokenization and chat-template rendering, off the loop, one at a time (as vLLM's
-        # server: transformers' fast tokenizers are not meant for concurrent encodes).
+        # Tokenization and chat templates (and grammar compiles) off the loop, one at a time
+        # (vLLM's server too: fast tokenizers are not meant for concurrent encodes).
         self._tokenize_limiter: anyio.CapacityLimiter | None = None  # made on entry
-        self._grammar_limiter: anyio.CapacityLimiter | None = None  # compiles grammars
+        self._grammar_limiter: anyio.CapacityLimiter | None = None
         # Requests of calls being tokenized (or rendered) now: they count as waiting, so
         # max_waiting bounds the tokenizer's queue too.
         self._tokenizing = 0
@@ -213,7 +165,7 @@ class AsyncEngine:
             return
         self._closing = True
         if self.config.shutdown_mode != "drain" or exc_type is not None:
-            self._abort_all()
+            self._requests.abort_all()
         self._wakeup.set()
         if exc_type is not None:
             tg.cancel_scope.cancel()  # the step loop aborts what is left (_run)
@@ -255,12 +207,9 @@ class AsyncEngine:
         The request is validated and queued when iteration starts; errors are raised by
         the first ``__anext__`` (a text prompt is tokenized there, on a worker thread, after
         the cheap checks). Leaving early aborts the request and frees its KV blocks before
-        the next step: ``aclose()``, cancelling the consuming task, a timeout around it
-        (``anyio.fail_after``/``move_on_after``, ``asyncio.timeout``), or ``break`` out of
-        ``async with engine.stream(...) as stream: async for out in stream``. A ``break``
-        out of a bare ``async for`` over a stream still referenced leaves the abort to the
-        garbage collector (the request runs on meanwhile): use the ``async with`` form, or
-        ``contextlib.aclosing``.
+        the next step (``async with engine.stream(...) as s: async for out in s``, then
+        ``break``, an exception, a cancellation or a timeout; or ``aclose()``): see
+        :class:`RequestStream`.
 
         Args:
             prompt: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``.
@@ -310,7 +259,7 @@ class AsyncEngine:
                     yield out
         finally:
             for state in pending:
-                self._finish_early(state.request_id, "abort")
+                self._requests.finish_early(state.request_id, "abort")
 
     @stream_method
     async def chat(
@@ -334,17 +283,11 @@ class AsyncEngine:
         The prompt is the model's chat template applied by transformers
         (``tokenizer.apply_chat_template``) to ``messages``.
 
-        Tool calling (OpenAI's; vLLM's tool parsers are the reference): ``tools`` are
-        rendered by the template (transformers' ``apply_chat_template(tools=...)``) and the
-        model's calls are parsed out of its output in the format its template uses
-        (``<tool_call>`` JSON as Hermes/Qwen write it, or Llama 3's JSON; see
-        :mod:`asyncllm.engine.tool_calls`): items carry them in ``tool_calls`` (a call is
-        delivered whole, on the item whose text completed it; ``text`` holds only the
-        content outside calls); with ``output_kind`` "delta" they also stream in
-        ``tool_call_deltas`` (id and name, then the arguments text in pieces, as OpenAI
-        streams ``delta.tool_calls``), and the last item has ``finish_reason`` "tool_calls" when
-        the model made calls and stopped on its own. Output that is not a valid call stays
-        in ``text`` and is described in ``tool_call_error``; it never raises.
+        Tool calling (OpenAI's, vLLM's parsers the reference): ``tools`` are rendered by the
+        template and the model's calls parsed out of its output into ``tool_calls`` (and
+        ``tool_call_deltas``); :mod:`asyncllm.engine.chat_tool_setup` tells what items carry
+        and how "required" or a named ``tool_choice`` constrain the output. Output that is not
+        a valid call stays in ``text`` and is described in ``tool_call_error``; it never raises.
 
         Args:
             messages: ``[{"role": "system" | "user" | "assistant" | "tool", "content":
@@ -359,13 +302,7 @@ class AsyncEngine:
                 "description", "parameters": JSON schema of an object}}]``.
             tool_choice: "auto" (the default with tools), "none" (tools rendered, output
                 not parsed), "required", or ``{"type": "function", "function": {"name":
-                ...}}`` (only that tool rendered). "required" and a named function
-                constrain the output with a grammar (``structured_outputs``, set here):
-                the whole output is tool calls in the template's format, each naming an
-                allowed function with arguments that match its parameter schema
-                (``asyncllm.engine.tool_calls.ChatTools.structured_outputs``); only
-                ``max_tokens`` can cut a call short (finish_reason "length",
-                ``tool_call_error`` set).
+                ...}}`` (only that tool rendered; "required" and this force calls).
             parallel_tool_calls: False keeps only the model's first call.
             Other arguments as in :meth:`stream`.
 
@@ -381,31 +318,12 @@ class AsyncEngine:
                 a named function with ``params.structured_outputs`` set; and everything
                 :meth:`stream` raises.
         """
-        self._check_running()
-        self._engine.check_chat(
+        prompt, params, calls = await self._chat_prompt(
             messages,
+            params,
+            ChatToolSetup(tools, tool_choice, parallel_tool_calls),
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
-        )
-        calls, params, chat_template_kwargs = prepare_tools(
-            self._engine.tokenizer,
-            params,
-            tools,
-            tool_choice,
-            parallel_tool_calls=parallel_tool_calls,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        if calls is not None and calls.constrained:
-            spec = await self._off_loop(calls.structured_outputs)  # imports xgrammar
-            params = constrain_to_calls(params, spec)
-        prompt = await self._off_loop(
-            functools.partial(
-                self._engine.render_chat,
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                chat_template_kwargs=chat_template_kwargs,
-            ),
-            _num_samples(params),
         )
         gen = self.stream(
             prompt,
@@ -418,6 +336,37 @@ class AsyncEngine:
         async with gen:
             async for out in gen:
                 yield out if calls is None else calls.apply(out)
+
+    async def _chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None,
+        tools: ChatToolSetup,
+        *,
+        add_generation_prompt: bool,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[PromptType, SamplingParams | None, ChatTools | None]:
+        """A chat call's prompt (rendered and tokenized off the loop), its params and its
+        tool-call parser (see :meth:`chat`)."""
+        self._check_running()
+        self._engine.check_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        calls, params, chat_template_kwargs = tools.prepare(
+            self._engine.tokenizer, params, chat_template_kwargs
+        )
+        if calls is not None and calls.constrained:
+            spec = await self._off_loop(calls.structured_outputs)  # imports xgrammar
+            params = constrain_to_calls(params, spec)
+        render = functools.partial(
+            self._engine.render_chat,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return await self._off_loop(render, num_samples(params)), params, calls
 
     async def generate(
         self,
@@ -453,43 +402,29 @@ class AsyncEngine:
         """
         self._check_running()
         core = self._engine
-        if len(token_ids) > core.max_model_len:
-            raise InvalidRequestError(
-                f"{len(token_ids)} token ids to decode; max_model_len is {core.max_model_len}"
-            )
-        try:
-            ids = [operator.index(t) if not isinstance(t, bool) else -1 for t in token_ids]
-        except TypeError:
-            raise InvalidRequestError("token ids must be integers") from None
-        if any(not 0 <= t < core.vocab_size for t in ids):
-            raise InvalidRequestError(f"token ids must be ints in [0, {core.vocab_size})")
+        ids = check_token_ids(token_ids, core.max_model_len, core.vocab_size)
         return str(await self._off_loop(functools.partial(core.tokenizer.decode, ids)))
 
     def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort" and its blocks are
-        freed before the next step. Callable from any task, and from other threads (then
-        applied on the engine's loop soon after). Unknown or finished ids are ignored; the id
-        of a request with ``n > 1`` aborts all its samples."""
+        freed before the next step. Callable from any task, and from other threads (it waits
+        there until the engine's loop has applied it). Unknown or finished ids are ignored;
+        the id of a request with ``n > 1`` aborts all its samples."""
         token = self._token
-        if (
-            token is not None
-            and self._tg is not None
-            and (threading.get_ident() != self._loop_thread)
-        ):
+        if token is not None and self._tg and threading.get_ident() != self._loop_thread:
             # Waits for the engine's loop to apply it; a loop that has ended runs nothing.
             with contextlib.suppress(anyio.RunFinishedError):
-                anyio.from_thread.run_sync(self._finish_call, request_id, "abort", token=token)
+                finish = self._requests.finish_call
+                anyio.from_thread.run_sync(finish, request_id, "abort", token=token)
             return
-        self._finish_call(request_id, "abort")
+        self._requests.finish_call(request_id, "abort")
 
     async def reset_prefix_cache(self) -> int:
         """Forget every prefix-cache block that no request holds (applied between steps);
         returns how many blocks were dropped. Blocks in use keep their hashes."""
         if not self._running:
             return self._engine.reset_prefix_cache()
-        reply = _Reply()
-        self._cache_resets.append(reply)
-        self._wakeup.set()
+        reply = self._requests.reset_prefix_cache()
         await reply.done.wait()
         if reply.error is not None:
             raise reply.error
@@ -503,7 +438,7 @@ class AsyncEngine:
         return s
 
     def _num_queued(self) -> int:
-        return sum(len(call.requests) for call in self._inbox_add) + self._tokenizing
+        return self._requests.num_queued() + self._tokenizing
 
     def _num_waiting(self) -> int:
         return self._num_queued() + self._engine.scheduler.num_waiting
@@ -516,51 +451,13 @@ class AsyncEngine:
         err.__cause__ = self._dead.__cause__
         return err
 
-    def _finish_call(self, request_id: str, reason: str) -> None:
-        """End the call the caller's ``request_id`` names, all its samples; unknown: ignored."""
-        call = self._calls.get(request_id)
-        if call is not None:
-            for request in call.requests:
-                self._finish_early(request.request_id, reason)
-
-    def _finish_early(self, internal_id: str, reason: str) -> None:
-        """End one core request from outside a step ("abort", "timeout"); a finished or
-        unknown internal id is ignored."""
-        state = self._states.get(internal_id)
-        if state is None:
-            return
-        call = self._forget(state)
-        if not call.queued:
-            self._inbox_abort.add(internal_id)
-            self._wakeup.set()
-        state.finish(reason)
-
-    def _forget(self, state: RequestState) -> _Call:
-        """Drop a finished (or finishing) request's state; the caller's id is free again
-        once every request of its call is finished."""
-        del self._states[state.request_id]
-        call = self._calls[state.output_id]
-        call.live -= 1
-        if call.live == 0:
-            del self._calls[state.output_id]
-        return call
-
-    def _abort_all(self) -> None:
-        for internal_id in list(self._states):
-            self._finish_early(internal_id, "abort")
-
     def _check_running(self) -> None:
         """Raise unless new calls are accepted now, from this loop."""
         if self._dead is not None:
             raise self._dead_error()
         if self._tg is None or self._closing:
             raise EngineNotRunningError("use `async with engine:` before sending requests")
-        assert self._token is not None
-        try:
-            running = anyio.lowlevel.current_token().native_token
-        except anyio.NoEventLoopError:
-            running = None
-        if running is not self._token.native_token:
+        if threading.get_ident() != self._loop_thread:  # one loop runs on a thread at a time
             raise EngineNotRunningError(
                 "an AsyncEngine serves the event loop that entered it; call it from that loop "
                 "(from another thread: anyio.from_thread.run with its token, or the LLM facade)"
@@ -605,35 +502,19 @@ class AsyncEngine:
         timeout: float | None,
     ) -> list[RequestState]:
         self._check_running()
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self._calls:  # a caller chose this id
-                request_id = f"req-{next(self._ids)}"
-        elif not isinstance(request_id, str) or not request_id or SAMPLE_ID_SEP in request_id:
-            raise InvalidRequestError(
-                f"request_id must be a non-empty str without {SAMPLE_ID_SEP!r}, got {request_id!r}"
-            )
-        if request_id in self._calls:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        if timeout is not None and (
-            not isinstance(timeout, (int, float))
-            or isinstance(timeout, bool)
-            or not 0 < timeout < math.inf
-        ):
-            raise InvalidRequestError(
-                f"timeout must be a positive number of seconds or None, got {timeout!r}"
-            )
+        request_id = self._requests.caller_id(request_id)
+        check_timeout(timeout)
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             params = msgspec.structs.replace(params)  # validated, and safe from the caller
             grammar = await self._off_loop(
                 functools.partial(self._engine.compile_grammar, params),
-                _num_samples(params),
+                num_samples(params),
                 grammar=True,
             )
         make = functools.partial(
             self._engine.make_requests,
-            f"{request_id}{SAMPLE_ID_SEP}{next(self._ids)}",  # unique for the engine's life
+            self._requests.internal_id(request_id),
             prompt,
             params if params is not None else SamplingParams(),
             priority=priority,
@@ -644,12 +525,9 @@ class AsyncEngine:
             requests = make()
         else:
             self._engine.check_prompt_chars(len(text))
-            requests = await self._off_loop(make, _num_samples(params))
-        if request_id in self._calls:  # taken while this one was tokenized or compiled
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+            requests = await self._off_loop(make, num_samples(params))
+        self._requests.check_free(request_id)  # taken while this one was tokenized?
         self._check_queue(len(requests))
-        call = _Call(requests, grammar)
-        self._calls[request_id] = call
         states = []
         for i, request in enumerate(requests):
             state = RequestState(
@@ -657,86 +535,23 @@ class AsyncEngine:
                 output_id=request_id, index=i,
             )  # fmt: skip
             if timeout is not None:
-                state.timeout_handle = self._start_timer(request.request_id, timeout)
-            self._states[request.request_id] = state
+                assert self._tg is not None
+                state.timeout_handle = self._requests.start_timer(
+                    self._tg, request.request_id, timeout
+                )
             states.append(state)
-        self._inbox_add.append(call)
-        self._wakeup.set()
+        self._requests.add(request_id, Call(requests, grammar), states)
         return states
 
-    def _start_timer(self, internal_id: str, timeout: float) -> anyio.CancelScope:
-        """Finish ``internal_id`` with "timeout" in ``timeout`` seconds, on a task of the
-        engine's task group; the request's end cancels the returned scope."""
-        assert self._tg is not None
-        scope = anyio.CancelScope()
-        deadline = anyio.current_time() + timeout
-        self._tg.start_soon(self._expire, scope, internal_id, deadline)
-        return scope
-
-    async def _expire(self, scope: anyio.CancelScope, internal_id: str, deadline: float) -> None:
-        with scope:
-            await anyio.sleep_until(deadline)
-            self._finish_early(internal_id, "timeout")
-
-    def _drain_inbox(self) -> None:
-        for reply in self._cache_resets:
-            reply.resolve(self._engine.reset_prefix_cache())
-        self._cache_resets.clear()
-        for internal_id in self._inbox_abort:
-            self._engine.abort_request(internal_id)
-        self._inbox_abort.clear()
-        for call in self._inbox_add:
-            call.queued = False
-            # Requests that ended while queued (abort, timeout) never reach the core.
-            live = [r for r in call.requests if r.request_id in self._states]
-            if len(call.requests) == 1 and live:
-                self._engine.add_request(live[0], call.grammar)
-            elif live:
-                self._engine.add_parallel_requests(live, call.grammar)
-        self._inbox_add.clear()
-
-    def _dispatch(self, updates: list[RequestUpdate]) -> None:
-        logprobs = getattr(updates, "logprobs", None) or {}
-        for request_id, (first, entries) in (
-            getattr(updates, "prompt_logprobs", None) or {}
-        ).items():
-            state = self._states.get(request_id)
-            if state is not None:
-                state.add_prompt_logprobs(first, entries)
-        for u in updates:
-            # Keyed by internal ids: a request that ended during the step has no state, and
-            # no later call (even one reusing the caller's id) shares its internal id.
-            state = self._states.get(u.request_id)
-            if state is None:
-                continue  # aborted by its consumer during the step
-            if state.post(u.token_id, u.finish_reason, logprobs.get(u.request_id)):
-                # A stop string: finish it in the core now, before the next step.
-                self._engine.abort_request(u.request_id, RequestStatus.FINISHED_STOPPED)
-            if state.finished:
-                self._forget(state)
-
     async def _run_step(self) -> StepOutput:
-        """One step on the compute thread; the loop waits for it even when cancelled (a
-        step cannot be interrupted, and the core must not change under it)."""
-        done = anyio.Event()
-        token, loop_thread = self._token, self._loop_thread
-
-        def wake(_: Future[StepOutput]) -> None:
-            if threading.get_ident() == loop_thread:  # it ended before the callback was set
-                done.set()
-            else:
-                anyio.from_thread.run_sync(done.set, token=token)
-
-        future = self._engine.compute_thread.submit(self._engine.step)
-        future.add_done_callback(wake)
-        with anyio.CancelScope(shield=True):
-            await done.wait()
-        return future.result()
+        """One step on the compute thread, waited for to its end even when the loop is
+        cancelled (a step cannot be interrupted; the core must not change under it)."""
+        return await wait_future(self._engine.compute_thread.submit(self._engine.step))
 
     async def _run(self) -> None:
         try:
             while True:
-                self._drain_inbox()
+                self._requests.apply_inbox(self._engine)
                 if not self._engine.has_unfinished():
                     if self._closing:
                         return
@@ -744,7 +559,7 @@ class AsyncEngine:
                     await self._wakeup.wait()
                     continue
                 updates = await self._run_step()
-                self._dispatch(updates)
+                self._requests.dispatch(updates, self._engine)
                 if getattr(updates, "idle", False):
                     # Nothing was schedulable: do not spin; wait for news, re-plan soon.
                     self._wakeup.clear()
@@ -753,8 +568,8 @@ class AsyncEngine:
         except anyio.get_cancelled_exc_class():
             # The engine's task group is cancelled (a cancelled or failed ``async with``
             # block, a cancelled drain): abort what is left, free its blocks in the core.
-            self._abort_all()
-            self._drain_inbox()
+            self._requests.abort_all()
+            self._requests.apply_inbox(self._engine)
             raise
         except BaseException as exc:
             self._die(exc)
@@ -768,16 +583,7 @@ class AsyncEngine:
         dead = EngineDeadError(f"engine loop failed: {exc!r}")
         dead.__cause__ = exc
         self._dead = dead
-        states = list(self._states.values())
-        self._states.clear()
-        self._calls.clear()
-        self._inbox_add.clear()
-        self._inbox_abort.clear()
-        for state in states:
-            state.fail(self._dead_error())
-        for reply in self._cache_resets:
-            reply.resolve(error=self._dead_error())
-        self._cache_resets.clear()
+        self._requests.fail_all(self._dead_error)
         self._release_core()  # no step runs: _run_step waits for its end
         if isinstance(exc, Exception):
             logger.error("asyncllm engine loop failed", exc_info=exc)
@@ -789,10 +595,3 @@ class AsyncEngine:
                 self._engine.abort_request(request_id)
         except Exception:  # the failure may have left the core inconsistent
             logger.exception("asyncllm: could not release the requests of a dead engine")
-
-
-def _num_samples(params: object) -> int:
-    """The core requests a call with ``params`` makes (its ``n``; 1 for bad params, which
-    are refused later with their own error)."""
-    n = getattr(params, "n", 1) if isinstance(params, SamplingParams) else 1
-    return n if isinstance(n, int) and n >= 1 else 1
