@@ -700,6 +700,22 @@ async def test_leaving_the_context_aborts_or_drains_and_joins(mode, tiny_llama_d
         await engine.generate("hi", GREEDY)
 
 
+async def test_cancelling_a_drain_aborts_the_rest_and_still_joins(tiny_llama_dir, make_engine):
+    engine = make_engine(tiny_llama_dir, shutdown_mode="drain", **SMALL)
+    _slow_steps(engine, 0.01)  # ~250 tokens (max_model_len) outlast the deadline by far
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    async with anyio.create_task_group() as tg:
+        with anyio.move_on_after(0.3) as scope:
+            async with engine:
+                task = spawn(tg, engine.generate(_prompts()[0], params))
+                await wait_until(lambda: engine.stats()["num_running"] == 1)
+            # the block ended: the exit drains until the deadline cancels it
+        assert scope.cancelled_caught
+        assert engine.health() == "stopped" and not _engine_threads()
+        out = await task.result()
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 250
+
+
 async def test_an_exception_in_the_block_aborts_even_in_drain_mode(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, shutdown_mode="drain", **SMALL)
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)

@@ -558,6 +558,7 @@ class AsyncEngine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
+                await anyio.lowlevel.checkpoint_if_cancelled()  # the step's wait is shielded
                 updates = await self._run_step()
                 self._requests.dispatch(updates, self._engine)
                 if getattr(updates, "idle", False):
