@@ -12,6 +12,7 @@ async generators.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
 from typing import ParamSpec
@@ -95,4 +96,7 @@ def stream_method(
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> RequestStream:
         return RequestStream(fn(*args, **kwargs))
 
+    # What help() and the API docs show: the method's arguments, returning a RequestStream.
+    signature = inspect.signature(fn).replace(return_annotation="RequestStream")
+    wrapper.__dict__["__signature__"] = signature
     return wrapper
