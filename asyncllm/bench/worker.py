@@ -466,14 +466,15 @@ class Tracer:
 
         self._saved.append((core, "step", core.__dict__.get("step", _MISSING)))
         core.step = step
-        orig_dispatch = self.engine._dispatch
+        table = self.engine._requests  # the front end's dispatch of a step's updates
+        orig_dispatch = table.dispatch
 
-        def dispatch(updates: Any) -> Any:
+        def dispatch(updates: Any, core: Any) -> Any:
             tracer._detok = 0.0
             t = time.perf_counter()
             cpu = time.thread_time()
             try:
-                return orig_dispatch(updates)
+                return orig_dispatch(updates, core)
             finally:
                 if tracer.steps:
                     s = tracer.steps[-1]
@@ -482,10 +483,8 @@ class Tracer:
                     s["loop_cpu"] = cpu - tracer._loop_cpu0
                 tracer._loop_cpu0 = cpu
 
-        self._saved.append(
-            (self.engine, "_dispatch", self.engine.__dict__.get("_dispatch", _MISSING))
-        )
-        self.engine._dispatch = dispatch
+        self._saved.append((table, "dispatch", table.__dict__.get("dispatch", _MISSING)))
+        table.dispatch = dispatch
         orig_add = IncrementalDetokenizer.add_tokens
         orig_flush = IncrementalDetokenizer.flush
 
