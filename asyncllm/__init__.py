@@ -2,6 +2,7 @@
 
 from asyncllm.config import EngineConfig
 from asyncllm.engine.async_engine import AsyncEngine
+from asyncllm.engine.streams import RequestStream
 from asyncllm.errors import (
     AsyncLLMError,
     EngineDeadError,
@@ -30,6 +31,7 @@ __all__ = [
     "QueueFull",
     "RequestMetrics",
     "RequestOutput",
+    "RequestStream",
     "SamplingParams",
     "StructuredOutputsParams",
     "ToolCall",

@@ -1,28 +1,38 @@
 """A synchronous facade for scripts and notebooks: ``LLM(...).generate(prompts, params)``.
 
 :class:`LLM` owns an :class:`~asyncllm.engine.async_engine.AsyncEngine` running on its own
-event loop (uvloop when installed) in a dedicated background thread, so its blocking methods
-work the same in a plain script and inside Jupyter, where the main thread already runs a
-loop. Each call submits every prompt at once (continuous batching does the rest), shows a
-tqdm progress bar, and returns the outputs in prompt order.
+event loop (asyncio, on uvloop when installed) in a background thread: anyio's blocking portal
+(``anyio.from_thread.start_blocking_portal``), which enters and leaves the engine in one task
+of that loop and runs each call there. Its blocking methods so work the same in a plain
+script and inside Jupyter, where the main thread already runs a loop. Each call submits
+every prompt at once (continuous batching does the rest), shows a tqdm progress bar, and
+returns the outputs in prompt order.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
+import functools
 import operator
+import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from asyncllm.engine.async_engine import AsyncEngine, collect
+import anyio
+import anyio.from_thread
+
+from asyncllm.engine.async_engine import AsyncEngine, RequestStream, collect
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.errors import InvalidRequestError, QueueFull
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["LLM"]
 
@@ -30,29 +40,34 @@ T = TypeVar("T")
 Messages = Sequence[Mapping[str, Any]]
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
+def _loop_options() -> dict[str, Any]:
+    """The portal's asyncio options: uvloop when installed."""
     try:
-        import uvloop
+        import uvloop  # noqa: F401
     except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()  # type: ignore[no-any-return]
+        return {}
+    return {"use_uvloop": True}
 
 
 def _shutdown(
-    loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine: AsyncEngine
+    engine_cm: AbstractContextManager[Any],
+    portal_cm: AbstractContextManager[Any],
+    loop_thread: int,
 ) -> None:
-    """Leave the engine's context on its loop, stop the loop, join the thread, close it."""
-    if loop.is_closed():
+    """Leave the engine's context on its loop, then stop the loop and join its thread
+    (nothing when called on that thread: it cannot wait for itself)."""
+    if threading.get_ident() == loop_thread:
         return
-    if thread.is_alive():
-        fut = asyncio.run_coroutine_threadsafe(engine.__aexit__(None, None, None), loop)
-        try:
-            fut.result(timeout=60)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=60)
-    if not thread.is_alive():
-        loop.close()
+    try:
+        engine_cm.__exit__(None, None, None)
+    finally:
+        portal_cm.__exit__(None, None, None)
+
+
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first error of a task group's exception group (nested groups opened)."""
+    first = group.exceptions[0]
+    return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def _is_token_ids(x: object) -> bool:
@@ -88,17 +103,18 @@ class LLM:
         config.setdefault("max_waiting", None)
         engine = AsyncEngine.from_pretrained(model, **config)
         self._engine = engine
-        self._loop = _new_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="asyncllm-llm-loop", daemon=True
+        portal_cm = anyio.from_thread.start_blocking_portal(
+            "asyncio", _loop_options(), name="asyncllm-llm-loop"
         )
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, engine)
+        self._portal = portal_cm.__enter__()
         try:
-            self._call(engine.__aenter__())
+            self._loop_thread: int = self._portal.call(threading.get_ident)
+            engine_cm = self._portal.wrap_async_context_manager(engine)
+            engine_cm.__enter__()
         except BaseException:
-            self._finalizer()
+            portal_cm.__exit__(None, None, None)
             raise
+        self._finalizer = weakref.finalize(self, _shutdown, engine_cm, portal_cm, self._loop_thread)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -183,7 +199,7 @@ class LLM:
             raise InvalidRequestError("messages must be a list of dicts, or a list of such lists")
         per = self._params_list(params, len(convs))
         engine = self._engine
-        kw = {
+        kw: dict[str, Any] = {
             "add_generation_prompt": add_generation_prompt,
             "chat_template_kwargs": chat_template_kwargs,
             "tools": tools,
@@ -197,8 +213,9 @@ class LLM:
         return self._call_with_bar(makers, use_tqdm, "Chatting")
 
     def close(self) -> None:
-        """Finish: abort what is in flight, join the engine's task, its thread and the
-        loop thread. Idempotent; also runs at garbage collection and interpreter exit."""
+        """Finish: abort what is in flight, join the engine's task group, its compute
+        thread and the loop thread. Idempotent; also runs at garbage collection and
+        interpreter exit."""
         self._finalizer()
 
     def __enter__(self) -> LLM:
@@ -229,7 +246,7 @@ class LLM:
 
     def _call_with_bar(
         self,
-        makers: Sequence[tuple[Callable[[], AsyncIterator[RequestOutput]], str]],
+        makers: Sequence[tuple[Callable[[], RequestStream], str]],
         use_tqdm: bool,
         desc: str,
     ) -> list[RequestOutput]:
@@ -239,20 +256,18 @@ class LLM:
         # updated from the loop thread.
         bar = tqdm(total=len(makers), desc=desc, unit="req", disable=not use_tqdm)
         try:
-            return self._call(self._run_all(makers, bar))
+            return self._call(functools.partial(self._run_all, makers, bar))
         finally:
             bar.close()
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the facade's loop and wait; Ctrl-C cancels it (aborting its
-        requests) before re-raising."""
+    def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn()`` on the facade's loop (a task of its portal) and wait; Ctrl-C
+        cancels it (aborting its requests) before re-raising."""
         if not self._finalizer.alive:
-            coro.close()
             raise RuntimeError("this LLM is closed")
-        if threading.current_thread() is self._thread:
-            coro.close()
+        if threading.get_ident() == self._loop_thread:
             raise RuntimeError("LLM methods cannot be called from its own event loop thread")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        fut = self._portal.start_task_soon(fn)
         try:
             return fut.result()
         except BaseException:
@@ -262,7 +277,7 @@ class LLM:
 
     async def _run_all(
         self,
-        makers: Sequence[tuple[Callable[[], AsyncIterator[RequestOutput]], str]],
+        makers: Sequence[tuple[Callable[[], RequestStream], str]],
         bar: Any,
     ) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(makers)
@@ -277,19 +292,17 @@ class LLM:
                     out = await collect(make(), kind)
                     break
                 except QueueFull:  # only when the caller bounded max_waiting
-                    await asyncio.sleep(0.02)
+                    await anyio.sleep(0.02)
             results[i] = out
             generated += len(out.token_ids)
             elapsed = max(time.monotonic() - start, 1e-9)
             bar.set_postfix_str(f"{generated / elapsed:.1f} tok/s", refresh=False)
             bar.update(1)
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(makers))]
         try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            async with anyio.create_task_group() as tg:
+                for i in range(len(makers)):
+                    tg.start_soon(one, i)
+        except BaseExceptionGroup as group:  # the first failure cancelled the others
+            raise _first_error(group) from group
         return [r for r in results if r is not None]

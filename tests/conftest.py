@@ -6,11 +6,12 @@ in it, every KV block free, and the pool's reference counts consistent.
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -20,6 +21,9 @@ from asyncllm.bench.tiny_model import TINY_CONFIG, save_tiny_llama
 from asyncllm.core.request import SAMPLE_ID_SEP, Request
 from asyncllm.models.loader import resolve_model_dir
 from asyncllm.worker.sampler import SamplerOutput
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 TINY = TINY_CONFIG
 
@@ -49,6 +53,17 @@ def first_divergence_is_near_tie(
     gap = float(top2.values[0] - top2.values[1])
     print(f"first divergence at token {j} ({dtype}): top-2 log-prob gap {gap:.3g}")
     return gap < NEAR_TIE[dtype] and got[j] in top2.indices.tolist()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """The event loop async tests run on (anyio's pytest plugin): asyncio by default; the
+    front-end test files override this fixture to run on trio too."""
+    return "asyncio"
+
+
+#: Parametrize a module's ``anyio_backend`` fixture with these to run it on both loops.
+BOTH_BACKENDS = ["asyncio", "trio"]
 
 
 @pytest.fixture(scope="session")
@@ -168,12 +183,13 @@ def core_request(engine: AsyncEngine, request_id: str) -> Request | None:
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``predicate`` on the event loop until it holds (fails the test after timeout)."""
-    deadline = asyncio.get_running_loop().time() + timeout
+    """Poll ``predicate`` on the event loop (asyncio or trio) until it holds (fails the
+    test after ``timeout`` seconds)."""
+    deadline = anyio.current_time() + timeout
     while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
+        if anyio.current_time() > deadline:
             raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
+        await anyio.sleep(0.005)
 
 
 class Scripted:
@@ -202,3 +218,65 @@ def script_output(engine: AsyncEngine, text: str, *, end_with_eos: bool = True) 
         ids.append(min(engine._engine.eos_token_ids))
     engine._engine.runner.sampler = Scripted(engine._engine.runner.sampler, ids)
     return ids
+
+
+class Spawned:
+    """An awaitable started with :func:`spawn`: an ``asyncio.Task`` for tests that run on
+    asyncio and trio. Its error is kept (not raised into the task group), as a task's is."""
+
+    def __init__(self) -> None:
+        self.scope = anyio.CancelScope()
+        self.done = anyio.Event()
+        self.started = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def cancel(self) -> None:
+        self.scope.cancel()
+
+    def cancelled(self) -> bool:
+        return self.scope.cancelled_caught
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+    async def result(self) -> Any:
+        """Wait for the end; return the value or raise the error."""
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def spawn(tg: anyio.abc.TaskGroup, aw: Awaitable[Any]) -> Spawned:
+    """Run ``aw`` in a task of ``tg`` and return its :class:`Spawned` handle."""
+    handle = Spawned()
+
+    async def run() -> None:
+        handle.started = True
+        with handle.scope:
+            try:
+                handle.value = await aw
+            except Exception as exc:
+                handle.error = exc
+        handle.done.set()
+
+    tg.start_soon(run)
+    return handle
+
+
+async def gather(*aws: Awaitable[Any]) -> list[Any]:
+    """``asyncio.gather`` on anyio: run the awaitables concurrently, results in order (the
+    first error cancels the others and is raised, unwrapped from the task group's group)."""
+    results: list[Any] = [None] * len(aws)
+
+    async def run(i: int, aw: Awaitable[Any]) -> None:
+        results[i] = await aw
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i, aw in enumerate(aws):
+                tg.start_soon(run, i, aw)
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from group
+    return results

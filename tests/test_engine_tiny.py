@@ -1,10 +1,10 @@
-"""End-to-end engine tests on tiny random-weight models (fast)."""
+"""End-to-end engine tests on tiny random-weight models (fast), on asyncio and trio."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
+import anyio
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -15,7 +15,20 @@ from asyncllm import (
     ModelNotFoundError,
     SamplingParams,
 )
-from tests.conftest import core_request, first_divergence_is_near_tie, wait_until
+from tests.conftest import (
+    BOTH_BACKENDS,
+    core_request,
+    first_divergence_is_near_tie,
+    gather,
+    spawn,
+    wait_until,
+)
+
+
+@pytest.fixture(params=BOTH_BACKENDS)
+def anyio_backend(request):
+    return request.param
+
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPT_LENS = [3, 7, 12, 20, 1, 9, 30, 16]
@@ -69,7 +82,7 @@ async def test_greedy_matches_transformers_generate(arch, dtype, request, make_e
         return ids, n_items
 
     async with engine:
-        results = await asyncio.gather(*(consume(p) for p in prompts))
+        results = await gather(*(consume(p) for p in prompts))
         stats = engine.stats()
     for p, (got, _), want in zip(prompts, results, expected, strict=True):
         if got != want:  # float32: never; bfloat16: only at a near-tie
@@ -110,7 +123,7 @@ async def test_preemption_by_recompute_keeps_outputs(tiny_llama_dir, make_engine
         kv_cache_bytes=12 * 4 * 2 * 2 * 2 * 16 * 4,  # 12 blocks of 4 tokens
     )
     async with engine:
-        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+        outs = await gather(*(engine.generate(p, GREEDY) for p in prompts))
         assert engine.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in outs] == expected
 
@@ -121,7 +134,7 @@ async def test_seeded_sampling_independent_of_batch(tiny_llama_dir, make_engine)
     engine = make_engine(tiny_llama_dir, block_size=4, kv_cache_bytes=2**20)
     async with engine:
         alone = await engine.generate(prompts[0], params)
-        crowd = await asyncio.gather(
+        crowd = await gather(
             engine.generate(prompts[0], params),
             *(
                 engine.generate(p, SamplingParams(max_tokens=12, seed=i))
@@ -149,8 +162,8 @@ async def test_cancellation_frees_blocks(where, how, tiny_llama_dir, make_engine
     def victim():
         return core_request(engine, "victim")
 
-    async with engine:
-        other = asyncio.create_task(engine.generate(_prompts()[1], GREEDY))
+    async with engine, anyio.create_task_group() as tg:
+        other = spawn(tg, engine.generate(_prompts()[1], GREEDY))
         gen = engine.stream(long_prompt, params, request_id="victim")
         if how == "cancel":
 
@@ -158,7 +171,7 @@ async def test_cancellation_frees_blocks(where, how, tiny_llama_dir, make_engine
                 async for _ in gen:
                     pass
 
-            task = asyncio.create_task(consume())
+            task = spawn(tg, consume())
             if where == "prefill":
                 await wait_until(lambda: victim() is not None and victim().num_computed_tokens > 0)
                 assert victim().num_computed_tokens < 100
@@ -176,20 +189,85 @@ async def test_cancellation_frees_blocks(where, how, tiny_llama_dir, make_engine
             else:
                 del gen  # the loop's async-generator finalizer closes it
         await wait_until(lambda: victim() is None)
-        assert (await other).finish_reason == "length"
+        assert (await other.result()).finish_reason == "length"
         await wait_until(lambda: not core.has_unfinished())
+
+
+LEAVE_WAYS = ["async with + break", "aclose", "cancel scope", "fail_after", "move_on_after"]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", ("asyncio", {"use_uvloop": True}), "trio"])
+@pytest.mark.parametrize("how", LEAVE_WAYS)
+async def test_leaving_a_stream_aborts_it_before_the_next_step(
+    how, anyio_backend, tiny_llama_dir, make_engine
+):
+    """Every deterministic way out of a stream (structured cancellation included) removes
+    its request from the core before the next step starts: no step after it runs it."""
+    engine = make_engine(tiny_llama_dir, block_size=4, kv_cache_bytes=2**20)
+    core = engine._engine
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    left = False
+    steps_after_leaving = 0
+    real_run_step, real_step = engine._run_step, core.step
+
+    async def run_step():  # the loop starts a step (its inbox applied)
+        nonlocal steps_after_leaving
+        if left and core_request(engine, "victim") is not None:
+            steps_after_leaving += 1
+        return await real_run_step()
+
+    def slow_step():  # 200 tokens outlast the deadlines below by far
+        time.sleep(0.01)
+        return real_step()
+
+    engine._run_step, core.step = run_step, slow_step
+
+    async def read(stream, scope=None):
+        # No await in the body: a cancellation reaches the stream inside __anext__.
+        async for out in stream:
+            if out.num_generated_tokens > 2:
+                if scope is not None:
+                    scope.cancel()
+                elif how in ("async with + break", "aclose"):
+                    break
+
+    async with engine:
+        stream = engine.stream(_prompts()[0], params, request_id="victim")
+        if how == "async with + break":
+            async with stream:
+                await read(stream)
+        elif how == "aclose":
+            await read(stream)
+            await stream.aclose()
+        elif how == "cancel scope":
+            with anyio.CancelScope() as scope:
+                await read(stream, scope)
+        elif how == "fail_after":
+            with pytest.raises(TimeoutError), anyio.fail_after(0.2):
+                await read(stream)
+        else:
+            with anyio.move_on_after(0.2) as scope:
+                await read(stream)
+            assert scope.cancelled_caught
+        left = True
+        await wait_until(lambda: core_request(engine, "victim") is None)
+        await engine.generate(_prompts()[1], GREEDY)  # more steps: none may run the victim
+    assert steps_after_leaving == 0
+    if how in ("async with + break", "aclose"):
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
 
 
 async def test_event_loop_stays_responsive(tiny_llama_dir, make_engine):
     """A ticker's worst lag stays far below one step's time while the engine computes."""
     engine = make_engine(tiny_llama_dir, block_size=16, kv_cache_bytes=2**22)
     lags: list[float] = []
-    stop = asyncio.Event()
+    stop = anyio.Event()
 
     async def ticker():
         while not stop.is_set():
             t = time.perf_counter()
-            await asyncio.sleep(0.001)
+            await anyio.sleep(0.001)
             lags.append(time.perf_counter() - t - 0.001)
 
     # Slow every step down so that one step is long compared with a tick.
@@ -200,11 +278,10 @@ async def test_event_loop_stays_responsive(tiny_llama_dir, make_engine):
         return real_step()
 
     engine._engine.step = slow_step
-    async with engine:
-        tick = asyncio.create_task(ticker())
+    async with engine, anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
         await engine.generate(_prompts()[0], SamplingParams(max_tokens=5, ignore_eos=True))
         stop.set()
-        await tick
     assert len(lags) > 50
     assert max(lags) < 0.05
 
@@ -213,8 +290,8 @@ async def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama_dir, ma
     engine = make_engine(tiny_llama_dir, kv_cache_bytes=2**20, max_model_len=64)
     with pytest.raises(EngineNotRunningError):
         await engine.generate("hi")
-    async with engine:
-        good = asyncio.create_task(engine.generate(_prompts()[0], GREEDY))
+    async with engine, anyio.create_task_group() as tg:
+        good = spawn(tg, engine.generate(_prompts()[0], GREEDY))
         bad_calls = [
             ("", GREEDY),
             ([], GREEDY),
@@ -235,7 +312,7 @@ async def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama_dir, ma
             await engine.generate("x", GREEDY, request_id="dup")
         await stream.aclose()
         assert first.token_ids
-        assert (await good).finish_reason == "length"
+        assert (await good.result()).finish_reason == "length"
 
 
 def test_unknown_model_path_is_a_typed_error(tmp_path):

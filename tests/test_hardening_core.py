@@ -50,7 +50,7 @@ async def test_an_id_reused_after_an_early_finish_gets_only_its_own_tokens(
                 s.metrics is not None and s.metrics.num_generated_tokens == 8 for s in samples
             )
         await wait_until(lambda: not engine._engine.has_unfinished())
-        assert not engine._states and not engine._calls
+        assert not engine._requests.states and not engine._requests.calls
 
 
 async def test_an_id_reused_after_a_timeout_or_abort_by_id(tiny_llama_dir, make_engine):

@@ -1,5 +1,7 @@
 """The request API end to end on the tiny models: parameters, stop conditions, chat, logprobs,
-metrics, overload, timeouts, aborts, engine failure, shutdown and the synchronous facade."""
+metrics, overload, timeouts, aborts, engine failure, shutdown and the synchronous facade.
+
+Every async test runs on asyncio and on trio (anyio's pytest plugin)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import random
 import threading
 import time
 
+import anyio
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -24,7 +27,20 @@ from asyncllm import (
     SamplingParams,
 )
 from asyncllm.engine.async_engine import collect
-from tests.conftest import check_pool_whole, script_output, wait_until
+from tests.conftest import (
+    BOTH_BACKENDS,
+    check_pool_whole,
+    gather,
+    script_output,
+    spawn,
+    wait_until,
+)
+
+
+@pytest.fixture(params=BOTH_BACKENDS)
+def anyio_backend(request):
+    return request.param
+
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SMALL = dict(block_size=4, kv_cache_bytes=2**20)
@@ -174,7 +190,7 @@ async def test_each_parameter_changes_the_output_as_documented(tiny_llama_dir, m
     async with engine:
 
         async def run(**kw):
-            outs = await asyncio.gather(
+            outs = await gather(
                 *(engine.generate(p, SamplingParams(**base, **kw)) for p in prompts)
             )
             return [o.token_ids for o in outs]
@@ -327,11 +343,11 @@ async def test_emoji_and_cjk_streams_never_split_characters(tiny_llama_dir, make
         async for out in engine.stream(_prompts()[rng.randrange(6)], params):
             deltas.append(out.text)
             if rng.random() < 0.3:
-                await asyncio.sleep(rng.random() * 0.02)  # a slow reader: items merge
+                await anyio.sleep(rng.random() * 0.02)  # a slow reader: items merge
         return deltas, out
 
     async with engine:
-        runs = await asyncio.gather(
+        runs = await gather(
             *(reader("delta", None) for _ in range(8)),
             *(reader("cumulative", None) for _ in range(4)),
             reader("delta", ["世界！"]),
@@ -486,29 +502,29 @@ async def test_queue_full_past_max_waiting(tiny_llama_dir, make_engine):
     async with engine:
         running = engine.stream(_prompts()[0], long)
         await running.__anext__()
-        waiting = [asyncio.create_task(engine.generate(p, long)) for p in _prompts()[1:3]]
-        await wait_until(lambda: engine.stats()["num_waiting"] == 2)
-        with pytest.raises(QueueFull) as info:
-            await engine.generate("one more", GREEDY)
-        assert isinstance(info.value, AsyncLLMError)
-        await running.aclose()  # one waiting request starts: there is room again
-        await wait_until(lambda: engine.stats()["num_waiting"] == 1)
-        extra = asyncio.create_task(engine.generate("one more", GREEDY))
-        for t in waiting:
-            t.cancel()
-        assert (await extra).finish_reason == "length"
-        await asyncio.gather(*waiting, return_exceptions=True)
+        async with anyio.create_task_group() as tg:
+            waiting = [spawn(tg, engine.generate(p, long)) for p in _prompts()[1:3]]
+            await wait_until(lambda: engine.stats()["num_waiting"] == 2)
+            with pytest.raises(QueueFull) as info:
+                await engine.generate("one more", GREEDY)
+            assert isinstance(info.value, AsyncLLMError)
+            await running.aclose()  # one waiting request starts: there is room again
+            await wait_until(lambda: engine.stats()["num_waiting"] == 1)
+            extra = spawn(tg, engine.generate("one more", GREEDY))
+            for t in waiting:
+                t.cancel()
+            assert (await extra.result()).finish_reason == "length"
 
 
 async def test_timeout_ends_running_and_waiting_requests(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, max_num_seqs=1, **SMALL)
     _slow_steps(engine, 0.01)
     long = SamplingParams(max_tokens=1000, ignore_eos=True)
-    async with engine:
-        running = asyncio.create_task(engine.generate(_prompts()[0], long, timeout=0.3))
+    async with engine, anyio.create_task_group() as tg:
+        running = spawn(tg, engine.generate(_prompts()[0], long, timeout=0.3))
         await wait_until(lambda: engine.stats()["num_running"] == 1)
         waiting = await engine.generate(_prompts()[1], long, timeout=0.05)
-        out = await running
+        out = await running.result()
         await wait_until(lambda: not engine._engine.has_unfinished())
     assert waiting.finish_reason == "timeout" and waiting.token_ids == []
     assert out.finish_reason == "timeout" and 0 < len(out.token_ids) < 1000
@@ -521,16 +537,16 @@ async def test_timeout_ends_running_and_waiting_requests(tiny_llama_dir, make_en
 async def test_abort_by_id_from_another_task_and_thread(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, **SMALL)
     long = SamplingParams(max_tokens=500, ignore_eos=True)
-    async with engine:
-        a = asyncio.create_task(engine.generate(_prompts()[0], long, request_id="a"))
-        b = asyncio.create_task(engine.generate(_prompts()[1], long, request_id="b"))
+    async with engine, anyio.create_task_group() as tg:
+        a = spawn(tg, engine.generate(_prompts()[0], long, request_id="a"))
+        b = spawn(tg, engine.generate(_prompts()[1], long, request_id="b"))
         await wait_until(lambda: engine.stats()["num_running"] == 2)
         with pytest.raises(InvalidRequestError, match="duplicate"):
             await engine.generate("x", GREEDY, request_id="a")
         engine.abort("a")
         threading.Thread(target=engine.abort, args=("b",)).start()
         engine.abort("no-such-request")
-        out_a, out_b = await a, await b
+        out_a, out_b = await a.result(), await b.result()
         await wait_until(lambda: not engine._engine.has_unfinished())
         again = await engine.generate(_prompts()[0], GREEDY, request_id="a")  # id is free again
     assert out_a.finish_reason == out_b.finish_reason == "abort"
@@ -553,7 +569,7 @@ async def test_200_concurrent_streams_with_random_cancellation(tiny_llama_dir, m
     modes = ["complete"] * 5 + ["break", "aclose", "cancel", "abort"]
     plan = [(i, rng.choice(modes), rng.randrange(0, GREEDY.max_tokens)) for i in range(200)]
     results: dict[int, tuple[list[int], str | None]] = {}
-    reached = {i: asyncio.Event() for i, _, _ in plan}
+    reached = {i: anyio.Event() for i, _, _ in plan}
 
     async def consume(i, mode, k):
         gen = engine.stream(prompts[i % 6], GREEDY, request_id=f"s{i}")
@@ -573,7 +589,7 @@ async def test_200_concurrent_streams_with_random_cancellation(tiny_llama_dir, m
 
     async def interrupt(i, mode, task):
         await reached[i].wait()
-        await asyncio.sleep(rng.random() * 0.005)
+        await anyio.sleep(rng.random() * 0.005)
         if mode == "cancel":
             task.cancel()
         else:
@@ -581,14 +597,14 @@ async def test_200_concurrent_streams_with_random_cancellation(tiny_llama_dir, m
 
     async with engine:
         tasks = {}
-        others = []
-        for i, mode, k in plan:
-            tasks[i] = asyncio.create_task(consume(i, mode, k))
-            if mode in ("cancel", "abort"):
-                others.append(asyncio.create_task(interrupt(i, mode, tasks[i])))
-            if rng.random() < 0.2:
-                await asyncio.sleep(0)
-        await asyncio.gather(*tasks.values(), *others, return_exceptions=True)
+        async with anyio.create_task_group() as tg:
+            for i, mode, k in plan:
+                tasks[i] = spawn(tg, consume(i, mode, k))
+                if mode in ("cancel", "abort"):
+                    spawn(tg, interrupt(i, mode, tasks[i]))
+                if rng.random() < 0.2:
+                    await anyio.sleep(0)
+        assert not [t.exception() for t in tasks.values() if t.exception()]
         await wait_until(lambda: not engine._engine.has_unfinished())
         check_pool_whole(engine)
     outcomes = collections.Counter()
@@ -639,16 +655,16 @@ async def test_fault_in_forward_ends_every_stream_with_engine_dead_error(
         async for out in engine.stream(_prompts()[i % 6], long):
             got[i] += len(out.token_ids)
 
-    async with engine:
+    async with engine, anyio.create_task_group() as tg:
         assert engine.health() == "running"
-        tasks = [asyncio.create_task(consume(i)) for i in range(8)]
+        tasks = [spawn(tg, consume(i)) for i in range(8)]
         await wait_until(lambda: all(got))
         fault.set()
-        t0 = time.monotonic()
-        done, pending = await asyncio.wait(tasks, timeout=1.0)
-        elapsed = time.monotonic() - t0
-        assert not pending and elapsed < 1.0
-        for t in done:
+        with anyio.move_on_after(1.0):  # every stream ends at once: within a second
+            for t in tasks:
+                await t.done.wait()
+        assert all(t.done.is_set() for t in tasks)
+        for t in tasks:
             err = t.exception()
             assert isinstance(err, EngineDeadError)
             assert isinstance(err.__cause__, RuntimeError) and "injected" in str(err.__cause__)
@@ -667,13 +683,15 @@ async def test_leaving_the_context_aborts_or_drains_and_joins(mode, tiny_llama_d
     engine = make_engine(tiny_llama_dir, shutdown_mode=mode, **SMALL)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     assert engine.health() == "stopped"
-    async with engine:
-        tasks = [asyncio.create_task(engine.generate(p, params)) for p in _prompts()]
-        await asyncio.sleep(0)  # the tasks submit their requests
-        assert engine.health() == "running"
-    assert engine.health() == "stopped"
-    assert not _engine_threads()
-    outs = await asyncio.gather(*tasks)
+    async with anyio.create_task_group() as tg:
+        async with engine:
+            tasks = [spawn(tg, engine.generate(p, params)) for p in _prompts()]
+            # The tasks submit their requests in their first run, before any suspension.
+            await wait_until(lambda: all(t.started for t in tasks))
+            assert engine.health() == "running"
+        assert engine.health() == "stopped"
+        assert not _engine_threads()
+        outs = [await t.result() for t in tasks]
     if mode == "drain":
         assert all(o.finish_reason == "length" and len(o.token_ids) == 20 for o in outs)
     else:
@@ -682,15 +700,32 @@ async def test_leaving_the_context_aborts_or_drains_and_joins(mode, tiny_llama_d
         await engine.generate("hi", GREEDY)
 
 
+async def test_cancelling_a_drain_aborts_the_rest_and_still_joins(tiny_llama_dir, make_engine):
+    engine = make_engine(tiny_llama_dir, shutdown_mode="drain", **SMALL)
+    _slow_steps(engine, 0.01)  # ~250 tokens (max_model_len) outlast the deadline by far
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    async with anyio.create_task_group() as tg:
+        with anyio.move_on_after(0.3) as scope:
+            async with engine:
+                task = spawn(tg, engine.generate(_prompts()[0], params))
+                await wait_until(lambda: engine.stats()["num_running"] == 1)
+            # the block ended: the exit drains until the deadline cancels it
+        assert scope.cancelled_caught
+        assert engine.health() == "stopped" and not _engine_threads()
+        out = await task.result()
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 250
+
+
 async def test_an_exception_in_the_block_aborts_even_in_drain_mode(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, shutdown_mode="drain", **SMALL)
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
-    with pytest.raises(KeyError):
-        async with engine:
-            task = asyncio.create_task(engine.generate(_prompts()[0], params))
-            await wait_until(lambda: engine.stats()["num_running"] == 1)
-            raise KeyError("boom")
-    assert (await task).finish_reason == "abort"
+    async with anyio.create_task_group() as tg:
+        with pytest.raises(KeyError):
+            async with engine:
+                task = spawn(tg, engine.generate(_prompts()[0], params))
+                await wait_until(lambda: engine.stats()["num_running"] == 1)
+                raise KeyError("boom")
+        assert (await task.result()).finish_reason == "abort"
 
 
 # --------------------------------------------------------------------------- the sync facade

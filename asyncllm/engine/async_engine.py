@@ -1,60 +1,58 @@
-"""The asyncio front end: streams, the background step loop, cancellation, failure.
+"""The async front end (anyio: asyncio, uvloop or trio): streams, the step loop,
+cancellation, failure.
 
-One background task owns the :class:`LLMEngine`. Calls from other tasks (new requests,
-aborts) go through an inbox that the task applies between steps; each step runs in a single
-worker thread so the event loop stays free while the model computes. Each request has a
-:class:`~asyncllm.engine.output_processor.RequestState` that holds its not-yet-read output
-(detokenized, stop strings applied): a slow reader gets several steps merged into one item
-instead of an unbounded queue.
+One task of the engine's task group (``async with engine``) owns the :class:`LLMEngine`.
+Calls from other tasks (new requests, aborts) go through an inbox
+(:mod:`asyncllm.engine.request_table`) that the task applies between steps; each step runs
+on the engine's one compute thread (docs/tuning.md says why one) so the event loop stays
+free while the model computes. Leaving a stream early (cancelled, timed out, ``break`` in
+``async with``, ``aclose()``) aborts its request, which frees its KV blocks before the next
+step. A request's :class:`~asyncllm.engine.output_processor.RequestState` holds its unread
+output: a slow reader gets several steps merged into one item, not an unbounded queue.
 
-Request ids: the caller's id names a call (for ``abort`` and the duplicate check) and is what
-its outputs carry; inside, every call gets an internal id unique for the engine's lifetime
-(the caller's id, ``SAMPLE_ID_SEP`` and a counter, as vLLM v1 suffixes ids), and the core,
-the states, the inbox and a call's parallel samples are keyed by internal ids. So an update of
-a step that was in flight when a call ended early can never reach a later call that reuses
-the caller's id.
-
-Text prompts and chat templates are tokenized on a small thread pool of the front end (never
-on the event loop, never on the engine's compute thread, which alone does torch work); a
-text too long to fit ``max_model_len`` is refused before any tokenization
-(``InputProcessor.check_prompt_chars``). Grammars (``SamplingParams.structured_outputs``) are
-compiled on another thread of the front end, with a cache (``LLMEngine.compile_grammar``),
-before the request is queued: a grammar that does not compile fails only its call, and a
-slow compile holds neither the step loop nor tokenization.
+Text prompts and chat templates are tokenized on an anyio worker thread, one at a time (never
+on the loop, never on the compute thread, which alone does torch work); a text too long for
+``max_model_len`` is refused before (``InputProcessor.check_prompt_chars``). Grammars
+(``SamplingParams.structured_outputs``) are compiled on another worker thread, one at a
+time, with a cache (``LLMEngine.compile_grammar``), before the request is queued: a grammar
+that does not compile fails only its call; a slow compile holds up neither the step loop
+nor tokenization.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
-import itertools
 import logging
-import math
-import operator
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
 import msgspec
 
 from asyncllm.config import EngineConfig
-from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
+from asyncllm.engine.chat_tool_setup import ChatToolSetup, constrain_to_calls
 from asyncllm.engine.input_processor import PromptType
-from asyncllm.engine.output_processor import (
-    RequestState,
-    TokenTextCache,
-    merge_outputs,
-    process_step,
-)
-from asyncllm.engine.parallel_sampling import merge_samples
-from asyncllm.engine.parallel_sampling import num_samples as _num_samples
+from asyncllm.engine.output_processor import RequestState, TokenTextCache
+from asyncllm.engine.parallel_sampling import num_samples
 from asyncllm.engine.step_output import StepOutput
+from asyncllm.engine.request_table import (
+    Call,
+    RequestTable,
+    check_timeout,
+    check_token_ids,
+)
+from asyncllm.engine.streams import RequestStream, collect, stream_method
 from asyncllm.engine.tool_calls import ChatTools
+from asyncllm.engine.wakeup import Wakeup, wait_future
 from asyncllm.errors import (
     EngineDeadError,
     EngineNotRunningError,
-    InvalidRequestError,
     QueueFull,
 )
 from asyncllm.outputs import RequestOutput
@@ -62,6 +60,8 @@ from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine core imports torch; the front end does not
     from asyncllm.engine.llm_engine import LLMEngine
+
+__all__ = ["AsyncEngine", "RequestStream", "collect"]
 
 logger = logging.getLogger("asyncllm")
 
@@ -71,35 +71,17 @@ IDLE_RETRY_S = 0.05
 _T = TypeVar("_T")
 
 
-class _Call:
-    """One call (``stream``/``generate``/``chat``) in the front end: its core requests (one,
-    or its n parallel samples) and how many of them are not finished yet.
-
-    Attributes:
-        requests: the call's core requests (internal ids).
-        queued: still in the inbox, not yet handed to the core.
-        live: requests whose state has no finish reason yet.
-    """
-
-    __slots__ = ("grammar", "live", "queued", "requests")
-
-    def __init__(self, requests: list[Request], grammar: Any = None) -> None:
-        self.requests = requests
-        self.queued = True
-        self.live = len(requests)
-        self.grammar = grammar  # the compiled structured_outputs grammar, or None
-
-
 class AsyncEngine:
-    """An LLM engine for asyncio applications.
+    """An LLM engine for asyncio (uvloop included) and trio applications, through anyio.
 
-    Use it as an async context manager; inside, any number of tasks may call :meth:`stream`,
-    :meth:`chat` and :meth:`generate` concurrently and share the model through continuous
-    batching::
+    Use it as an async context manager (entered and left by one task, as any anyio task
+    group); inside, any number of tasks may call :meth:`stream`, :meth:`chat` and
+    :meth:`generate` concurrently and share the model through continuous batching::
 
         async with AsyncEngine.from_pretrained("default") as engine:
-            async for out in engine.stream("Hello", SamplingParams(max_tokens=32)):
-                print(out.text, end="")
+            async with engine.stream("Hello", SamplingParams(max_tokens=32)) as stream:
+                async for out in stream:
+                    print(out.text, end="")
 
     Failure: if a step raises (a model error, out of memory), every in-flight stream raises
     :class:`EngineDeadError` (``__cause__``: the step's exception), later calls raise it at
@@ -111,25 +93,19 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
-        # Internal (core) request id -> the state of a request not finished yet.
-        self._states: dict[str, RequestState] = {}
-        # Caller's request id -> its call, while one of the call's requests is unfinished.
-        self._calls: dict[str, _Call] = {}
-        self._inbox_add: list[_Call] = []  # calls not yet handed to the core
-        self._inbox_abort: set[str] = set()  # internal ids to abort in the core
-        self._cache_resets: list[asyncio.Future[int]] = []
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stepping = False  # a step is running in the worker thread
+        self._wakeup = Wakeup()  # news for the step loop
+        self._requests = RequestTable(self._wakeup.set)
+        self._tg: anyio.abc.TaskGroup | None = None  # runs the step loop and timeouts
+        self._token: anyio.lowlevel.EventLoopToken | None = None  # the loop that entered
+        self._loop_thread = 0  # that loop's thread
+        self._running = False  # the step loop runs
         self._closing = False
         self._dead: EngineDeadError | None = None
-        self._ids = itertools.count()
         self._token_text = TokenTextCache(engine.tokenizer)
-        # Tokenization and chat-template rendering, off the loop (one thread, as vLLM's
-        # server: transformers' fast tokenizers are not meant for concurrent encodes).
-        self._tokenize_pool: ThreadPoolExecutor | None = None
-        self._grammar_pool: ThreadPoolExecutor | None = None  # compiles structured_outputs
+        # Tokenization and chat templates (and grammar compiles) off the loop, one at a time
+        # (vLLM's server too: fast tokenizers are not meant for concurrent encodes).
+        self._tokenize_limiter: anyio.CapacityLimiter | None = None  # made on entry
+        self._grammar_limiter: anyio.CapacityLimiter | None = None
         # Requests of calls being tokenized (or rendered) now: they count as waiting, so
         # max_waiting bounds the tokenizer's queue too.
         self._tokenizing = 0
@@ -163,50 +139,49 @@ class AsyncEngine:
     async def __aenter__(self) -> AsyncEngine:
         if self._dead is not None:
             raise self._dead_error()
-        if self._task is not None:
+        if self._tg is not None:
             raise RuntimeError("AsyncEngine is already running")
-        self._loop = asyncio.get_running_loop()
-        self._wakeup = asyncio.Event()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg, self._token = tg, anyio.lowlevel.current_token()
+        self._loop_thread = threading.get_ident()
         self._closing = False
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-tokenize")
-        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-grammar")
+        self._tokenize_limiter = anyio.CapacityLimiter(1)
+        self._grammar_limiter = anyio.CapacityLimiter(1)
         self._engine.driven_by_async = True
-        self._task = asyncio.create_task(self._run(), name="asyncllm-engine-loop")
+        self._running = True
+        tg.start_soon(self._run, name="asyncllm-engine-loop")
         return self
 
-    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         """Stop: abort in-flight requests (``shutdown_mode="abort"``, or whenever the block
-        raised) or let them finish (``"drain"``); then join the loop task and its thread.
+        raised) or let them finish (``"drain"``); then join the step loop (its task group)
+        and the compute thread.
 
         New calls raise :class:`EngineNotRunningError` from here on. Cancelling a drain
         aborts what is left and still joins.
         """
-        if self._task is None:
+        tg = self._tg
+        if tg is None:
             return
-        assert self._wakeup is not None
         self._closing = True
         if self.config.shutdown_mode != "drain" or exc_type is not None:
-            self._abort_all()
+            self._requests.abort_all()
         self._wakeup.set()
+        if exc_type is not None:
+            tg.cancel_scope.cancel()  # the step loop aborts what is left (_run)
         try:
-            await asyncio.shield(self._task)
-        except asyncio.CancelledError:
-            self._abort_all()
-            self._wakeup.set()
-            with contextlib.suppress(BaseException):
-                await self._task
-            raise
-        except BaseException:  # the loop re-raised a BaseException; the engine is dead
-            pass
+            # Joins the loop (a cancellation here cancels it first). The block's own
+            # exception is left out of the task group so that it propagates unwrapped.
+            await tg.__aexit__(None, None, None)
         finally:
-            self._task = None
-            for pool in (self._tokenize_pool, self._grammar_pool):
-                if pool is not None:
-                    # A tokenization or compile still running ends on its own; its call
-                    # then sees _closing.
-                    pool.shutdown(wait=False)
-            self._tokenize_pool = self._grammar_pool = None
-            self._engine.stop_compute_thread()  # joins a step a cancelled task left running
+            self._tg = None
+            self._engine.stop_compute_thread()
             self._engine.driven_by_async = False
             if self._dead is not None:
                 self._release_core()
@@ -219,8 +194,9 @@ class AsyncEngine:
         """
         if self._dead is not None:
             raise self._dead_error()
-        return "running" if self._task is not None and not self._task.done() else "stopped"
+        return "running" if self._running else "stopped"
 
+    @stream_method
     async def stream(
         self,
         prompt: PromptType,
@@ -230,14 +206,16 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Generate for one prompt, yielding outputs as they are produced.
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Generate for one prompt; returns a :class:`RequestStream` of the outputs as they
+        are produced.
 
         The request is validated and queued when iteration starts; errors are raised by
         the first ``__anext__`` (a text prompt is tokenized there, on a worker thread, after
-        the cheap checks). Leaving the loop early
-        (``break``, ``aclose()``, or cancelling the consuming task) aborts the request and
-        frees its KV blocks before the next step.
+        the cheap checks). Leaving early aborts the request and frees its KV blocks before
+        the next step (``async with engine.stream(...) as s: async for out in s``, then
+        ``break``, an exception, a cancellation or a timeout; or ``aclose()``): see
+        :class:`RequestStream`.
 
         Args:
             prompt: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``.
@@ -287,8 +265,9 @@ class AsyncEngine:
                     yield out
         finally:
             for state in pending:
-                self._finish_early(state.request_id, "abort")
+                self._requests.finish_early(state.request_id, "abort")
 
+    @stream_method
     async def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -303,23 +282,18 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the answer to chat ``messages``, like :meth:`stream`.
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the answer to chat ``messages``, like :meth:`stream` (a
+        :class:`RequestStream`).
 
         The prompt is the model's chat template applied by transformers
         (``tokenizer.apply_chat_template``) to ``messages``.
 
-        Tool calling (OpenAI's; vLLM's tool parsers are the reference): ``tools`` are
-        rendered by the template (transformers' ``apply_chat_template(tools=...)``) and the
-        model's calls are parsed out of its output in the format its template uses
-        (``<tool_call>`` JSON as Hermes/Qwen write it, or Llama 3's JSON; see
-        :mod:`asyncllm.engine.tool_calls`): items carry them in ``tool_calls`` (a call is
-        delivered whole, on the item whose text completed it; ``text`` holds only the
-        content outside calls); with ``output_kind`` "delta" they also stream in
-        ``tool_call_deltas`` (id and name, then the arguments text in pieces, as OpenAI
-        streams ``delta.tool_calls``), and the last item has ``finish_reason`` "tool_calls" when
-        the model made calls and stopped on its own. Output that is not a valid call stays
-        in ``text`` and is described in ``tool_call_error``; it never raises.
+        Tool calling (OpenAI's, vLLM's parsers the reference): ``tools`` are rendered by the
+        template and the model's calls parsed out of its output into ``tool_calls`` (and
+        ``tool_call_deltas``); :mod:`asyncllm.engine.chat_tool_setup` tells what items carry
+        and how "required" or a named ``tool_choice`` constrain the output. Output that is not
+        a valid call stays in ``text`` and is described in ``tool_call_error``; it never raises.
 
         Args:
             messages: ``[{"role": "system" | "user" | "assistant" | "tool", "content":
@@ -334,13 +308,7 @@ class AsyncEngine:
                 "description", "parameters": JSON schema of an object}}]``.
             tool_choice: "auto" (the default with tools), "none" (tools rendered, output
                 not parsed), "required", or ``{"type": "function", "function": {"name":
-                ...}}`` (only that tool rendered). "required" and a named function
-                constrain the output with a grammar (``structured_outputs``, set here):
-                the whole output is tool calls in the template's format, each naming an
-                allowed function with arguments that match its parameter schema
-                (``asyncllm.engine.tool_calls.ChatTools.structured_outputs``); only
-                ``max_tokens`` can cut a call short (finish_reason "length",
-                ``tool_call_error`` set).
+                ...}}`` (only that tool rendered; "required" and this force calls).
             parallel_tool_calls: False keeps only the model's first call.
             Other arguments as in :meth:`stream`.
 
@@ -356,48 +324,12 @@ class AsyncEngine:
                 a named function with ``params.structured_outputs`` set; and everything
                 :meth:`stream` raises.
         """
-        self._check_running()
-        self._engine.inputs.check_chat(
+        prompt, params, calls = await self._chat_prompt(
             messages,
+            params,
+            ChatToolSetup(tools, tool_choice, parallel_tool_calls),
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
-        )
-        calls: ChatTools | None = None
-        if tools is not None:
-            kind = params.output_kind if isinstance(params, SamplingParams) else "delta"
-            calls = ChatTools.from_request(
-                self._engine.tokenizer,
-                tools,
-                tool_choice,
-                parallel_tool_calls=parallel_tool_calls,
-                chat_template_kwargs=chat_template_kwargs,
-                output_kind=kind,
-            )
-            chat_template_kwargs = calls.template_kwargs(chat_template_kwargs)
-            if (
-                isinstance(params, SamplingParams)
-                and params.skip_special_tokens
-                and calls.keep_special_tokens(self._engine.tokenizer)
-            ):
-                params = msgspec.structs.replace(params, skip_special_tokens=False)
-        elif tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError(f"tool_choice {tool_choice!r:.80} needs tools")
-        if calls is not None and calls.constrained:
-            if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-                raise InvalidRequestError(
-                    f"tool_choice {calls.choice!r} constrains the output to tool calls; "
-                    "it cannot be combined with structured_outputs (response_format)"
-                )
-            spec = await self._off_loop(calls.structured_outputs)  # imports xgrammar
-            params = msgspec.structs.replace(params or SamplingParams(), structured_outputs=spec)
-        prompt = await self._off_loop(
-            functools.partial(
-                self._engine.inputs.render_chat,
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                chat_template_kwargs=chat_template_kwargs,
-            ),
-            _num_samples(params),
         )
         gen = self.stream(
             prompt,
@@ -407,11 +339,40 @@ class AsyncEngine:
             cache_salt=cache_salt,
             timeout=timeout,
         )
-        try:
+        async with gen:
             async for out in gen:
                 yield out if calls is None else calls.apply(out)
-        finally:
-            await gen.aclose()
+
+    async def _chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None,
+        tools: ChatToolSetup,
+        *,
+        add_generation_prompt: bool,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[PromptType, SamplingParams | None, ChatTools | None]:
+        """A chat call's prompt (rendered and tokenized off the loop), its params and its
+        tool-call parser (see :meth:`chat`)."""
+        self._check_running()
+        self._engine.inputs.check_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        calls, params, chat_template_kwargs = tools.prepare(
+            self._engine.tokenizer, params, chat_template_kwargs
+        )
+        if calls is not None and calls.constrained:
+            spec = await self._off_loop(calls.structured_outputs)  # imports xgrammar
+            params = constrain_to_calls(params, spec)
+        render = functools.partial(
+            self._engine.inputs.render_chat,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return await self._off_loop(render, num_samples(params)), params, calls
 
     async def generate(
         self,
@@ -447,44 +408,33 @@ class AsyncEngine:
         """
         self._check_running()
         core = self._engine
-        if len(token_ids) > core.max_model_len:
-            raise InvalidRequestError(
-                f"{len(token_ids)} token ids to decode; max_model_len is {core.max_model_len}"
-            )
-        try:
-            ids = [operator.index(t) if not isinstance(t, bool) else -1 for t in token_ids]
-        except TypeError:
-            raise InvalidRequestError("token ids must be integers") from None
-        if any(not 0 <= t < core.vocab_size for t in ids):
-            raise InvalidRequestError(f"token ids must be ints in [0, {core.vocab_size})")
+        ids = check_token_ids(token_ids, core.max_model_len, core.vocab_size)
         return str(await self._off_loop(functools.partial(core.tokenizer.decode, ids)))
 
     def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort" and its blocks are
-        freed before the next step. Callable from any task, and from other threads (then
-        applied on the engine's loop soon after). Unknown or finished ids are ignored; the id
-        of a request with ``n > 1`` aborts all its samples."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is not loop:
-                loop.call_soon_threadsafe(self._finish_call, request_id, "abort")
-                return
-        self._finish_call(request_id, "abort")
+        freed before the next step. Callable from any task, and from other threads (it waits
+        there until the engine's loop has applied it). Unknown or finished ids are ignored;
+        the id of a request with ``n > 1`` aborts all its samples."""
+        token = self._token
+        if token is not None and self._tg and threading.get_ident() != self._loop_thread:
+            # Waits for the engine's loop to apply it; a loop that has ended runs nothing.
+            with contextlib.suppress(anyio.RunFinishedError):
+                finish = self._requests.finish_call
+                anyio.from_thread.run_sync(finish, request_id, "abort", token=token)
+            return
+        self._requests.finish_call(request_id, "abort")
 
     async def reset_prefix_cache(self) -> int:
         """Forget every prefix-cache block that no request holds (applied between steps);
         returns how many blocks were dropped. Blocks in use keep their hashes."""
-        if self._task is None or self._task.done():
+        if not self._running:
             return self._engine.reset_prefix_cache()
-        assert self._loop is not None and self._wakeup is not None
-        done: asyncio.Future[int] = self._loop.create_future()
-        self._cache_resets.append(done)
-        self._wakeup.set()
-        return await done
+        reply = self._requests.reset_prefix_cache()
+        await reply.done.wait()
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
 
     def stats(self) -> dict[str, int | float | str]:
         """Engine counters and the weights' precision and bytes (see ``LLMEngine.stats``);
@@ -494,7 +444,7 @@ class AsyncEngine:
         return s
 
     def _num_queued(self) -> int:
-        return sum(len(call.requests) for call in self._inbox_add) + self._tokenizing
+        return self._requests.num_queued() + self._tokenizing
 
     def _num_waiting(self) -> int:
         return self._num_queued() + self._engine.scheduler.num_waiting
@@ -507,54 +457,16 @@ class AsyncEngine:
         err.__cause__ = self._dead.__cause__
         return err
 
-    def _finish_call(self, request_id: str, reason: str) -> None:
-        """End the call the caller's ``request_id`` names, all its samples; unknown: ignored."""
-        call = self._calls.get(request_id)
-        if call is not None:
-            for request in call.requests:
-                self._finish_early(request.request_id, reason)
-
-    def _finish_early(self, internal_id: str, reason: str) -> None:
-        """End one core request from outside a step ("abort", "timeout"); a finished or
-        unknown internal id is ignored."""
-        state = self._states.get(internal_id)
-        if state is None:
-            return
-        call = self._forget(state)
-        if not call.queued:
-            self._inbox_abort.add(internal_id)
-            if self._wakeup is not None:
-                self._wakeup.set()
-        state.finish(reason)
-
-    def _forget(self, state: RequestState) -> _Call:
-        """Drop a finished (or finishing) request's state; the caller's id is free again
-        once every request of its call is finished."""
-        del self._states[state.request_id]
-        call = self._calls[state.output_id]
-        call.live -= 1
-        if call.live == 0:
-            del self._calls[state.output_id]
-        return call
-
-    def _abort_all(self) -> None:
-        for internal_id in list(self._states):
-            self._finish_early(internal_id, "abort")
-
     def _check_running(self) -> None:
         """Raise unless new calls are accepted now, from this loop."""
         if self._dead is not None:
             raise self._dead_error()
-        if self._task is None or self._closing:
+        if self._tg is None or self._closing:
             raise EngineNotRunningError("use `async with engine:` before sending requests")
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is not self._loop:
+        if threading.get_ident() != self._loop_thread:  # one loop runs on a thread at a time
             raise EngineNotRunningError(
                 "an AsyncEngine serves the event loop that entered it; call it from that loop "
-                "(from another thread: asyncio.run_coroutine_threadsafe, or the LLM facade)"
+                "(from another thread: anyio.from_thread.run with its token, or the LLM facade)"
             )
 
     def _check_queue(self, num_requests: int) -> None:
@@ -569,18 +481,18 @@ class AsyncEngine:
     async def _off_loop(
         self, fn: Callable[[], _T], num_requests: int = 0, *, grammar: bool = False
     ) -> _T:
-        """``fn()`` on the tokenizer thread (the grammar thread when ``grammar``); then check
-        the engine still takes calls.
+        """``fn()`` on a worker thread, after the tokenizer's other work (the grammar
+        compiler's when ``grammar``); then check the engine still takes calls.
 
         ``num_requests``: the requests of the call being prepared; they are refused at once
         (QueueFull) when the queue is full, and count as waiting while ``fn`` waits or runs.
+        A cancelled caller waits for ``fn`` to end (never two tokenizations at once).
         """
-        pool = self._grammar_pool if grammar else self._tokenize_pool
-        assert self._loop is not None and pool is not None
+        limiter = self._grammar_limiter if grammar else self._tokenize_limiter
         self._check_queue(num_requests)
         self._tokenizing += num_requests
         try:
-            result = await self._loop.run_in_executor(pool, fn)
+            result = await anyio.to_thread.run_sync(fn, limiter=limiter)
         finally:
             self._tokenizing -= num_requests
         self._check_running()
@@ -596,35 +508,19 @@ class AsyncEngine:
         timeout: float | None,
     ) -> list[RequestState]:
         self._check_running()
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self._calls:  # a caller chose this id
-                request_id = f"req-{next(self._ids)}"
-        elif not isinstance(request_id, str) or not request_id or SAMPLE_ID_SEP in request_id:
-            raise InvalidRequestError(
-                f"request_id must be a non-empty str without {SAMPLE_ID_SEP!r}, got {request_id!r}"
-            )
-        if request_id in self._calls:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        if timeout is not None and (
-            not isinstance(timeout, (int, float))
-            or isinstance(timeout, bool)
-            or not 0 < timeout < math.inf
-        ):
-            raise InvalidRequestError(
-                f"timeout must be a positive number of seconds or None, got {timeout!r}"
-            )
+        request_id = self._requests.caller_id(request_id)
+        check_timeout(timeout)
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             params = msgspec.structs.replace(params)  # validated, and safe from the caller
             grammar = await self._off_loop(
                 functools.partial(self._engine.compile_grammar, params),
-                _num_samples(params),
+                num_samples(params),
                 grammar=True,
             )
         make = functools.partial(
             self._engine.inputs.make_requests,
-            f"{request_id}{SAMPLE_ID_SEP}{next(self._ids)}",  # unique for the engine's life
+            self._requests.internal_id(request_id),
             prompt,
             params if params is not None else SamplingParams(),
             priority=priority,
@@ -635,12 +531,9 @@ class AsyncEngine:
             requests = make()
         else:
             self._engine.inputs.check_prompt_chars(len(text))
-            requests = await self._off_loop(make, _num_samples(params))
-        if request_id in self._calls:  # taken while this one was tokenized or compiled
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+            requests = await self._off_loop(make, num_samples(params))
+        self._requests.check_free(request_id)  # taken while this one was tokenized?
         self._check_queue(len(requests))
-        call = _Call(requests, grammar)
-        self._calls[request_id] = call
         states = []
         for i, request in enumerate(requests):
             state = RequestState(
@@ -648,94 +541,57 @@ class AsyncEngine:
                 output_id=request_id, index=i,
             )  # fmt: skip
             if timeout is not None:
-                assert self._loop is not None
-                state.timeout_handle = self._loop.call_later(
-                    timeout, self._finish_early, request.request_id, "timeout"
+                assert self._tg is not None
+                state.timeout_handle = self._requests.start_timer(
+                    self._tg, request.request_id, timeout
                 )
-            self._states[request.request_id] = state
             states.append(state)
-        self._inbox_add.append(call)
-        assert self._wakeup is not None
-        self._wakeup.set()
+        self._requests.add(request_id, Call(requests, grammar), states)
         return states
 
-    def _drain_inbox(self) -> None:
-        for done in self._cache_resets:
-            if not done.done():
-                done.set_result(self._engine.reset_prefix_cache())
-        self._cache_resets.clear()
-        for internal_id in self._inbox_abort:
-            self._engine.abort_request(internal_id)
-        self._inbox_abort.clear()
-        for call in self._inbox_add:
-            call.queued = False
-            # Requests that ended while queued (abort, timeout) never reach the core.
-            live = [r for r in call.requests if r.request_id in self._states]
-            if len(call.requests) == 1 and live:
-                self._engine.add_request(live[0], call.grammar)
-            elif live:
-                self._engine.add_parallel_requests(live, call.grammar)
-        self._inbox_add.clear()
-
-    def _dispatch(self, updates: StepOutput) -> None:
-        # Keyed by internal ids: a request that ended during the step has no state, and
-        # no later call (even one reusing the caller's id) shares its internal id.
-        for state, must_stop_core in process_step(self._states, updates):
-            if must_stop_core:
-                # A stop string: finish it in the core now, before the next step.
-                self._engine.abort_request(state.request_id, RequestStatus.FINISHED_STOPPED)
-            if state.finished:
-                self._forget(state)
-
-    def _step(self) -> StepOutput:
-        try:
-            return self._engine.step()
-        finally:
-            self._stepping = False
+    async def _run_step(self) -> StepOutput:
+        """One step on the compute thread, waited for to its end even when the loop is
+        cancelled (a step cannot be interrupted; the core must not change under it)."""
+        return await wait_future(self._engine.compute_thread.submit(self._engine.step))
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wakeup is not None
         try:
             while True:
-                self._drain_inbox()
+                self._requests.apply_inbox(self._engine)
                 if not self._engine.has_unfinished():
                     if self._closing:
                         return
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                self._stepping = True
-                updates = await loop.run_in_executor(self._engine.compute_thread, self._step)
-                self._dispatch(updates)
+                await anyio.lowlevel.checkpoint_if_cancelled()  # the step's wait is shielded
+                updates = await self._run_step()
+                self._requests.dispatch(updates, self._engine)
                 if updates.idle:
                     # Nothing was schedulable: do not spin; wait for news, re-plan soon.
                     self._wakeup.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wakeup.wait(), IDLE_RETRY_S)
+                    with anyio.move_on_after(IDLE_RETRY_S):
+                        await self._wakeup.wait()
+        except anyio.get_cancelled_exc_class():
+            # The engine's task group is cancelled (a cancelled or failed ``async with``
+            # block, a cancelled drain): abort what is left, free its blocks in the core.
+            self._requests.abort_all()
+            self._requests.apply_inbox(self._engine)
+            raise
         except BaseException as exc:
             self._die(exc)
             if not isinstance(exc, Exception):
                 raise
+        finally:
+            self._running = False
 
     def _die(self, exc: BaseException) -> None:
         """Mark the engine dead and end every stream with EngineDeadError."""
         dead = EngineDeadError(f"engine loop failed: {exc!r}")
         dead.__cause__ = exc
         self._dead = dead
-        states = list(self._states.values())
-        self._states.clear()
-        self._calls.clear()
-        self._inbox_add.clear()
-        self._inbox_abort.clear()
-        for state in states:
-            state.fail(self._dead_error())
-        for done in self._cache_resets:
-            if not done.done():
-                done.set_exception(self._dead_error())
-        self._cache_resets.clear()
-        if not self._stepping:
-            self._release_core()
+        self._requests.fail_all(self._dead_error)
+        self._release_core()  # no step runs: _run_step waits for its end
         if isinstance(exc, Exception):
             logger.error("asyncllm engine loop failed", exc_info=exc)
 
@@ -753,11 +609,3 @@ class AsyncEngine:
         resolved against the model's limit)."""
         return int(self._engine.max_model_len)
 
-
-async def collect(stream: AsyncIterator[RequestOutput], output_kind: str) -> RequestOutput:
-    """Read a stream to its end and return the whole output (deltas merged); with several
-    parallel samples, sample 0's output with all of them in ``samples``."""
-    by_index: dict[int, list[RequestOutput]] = {}
-    async for out in stream:
-        by_index.setdefault(out.index, []).append(out)
-    return merge_samples([merge_outputs(by_index[i], output_kind) for i in sorted(by_index)])

@@ -11,15 +11,17 @@ step's :class:`~asyncllm.engine.step_output.StepOutput` (:func:`process_step`).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+import anyio
 
 from asyncllm.core.request import Request
 from asyncllm.engine.detokenizer import IncrementalDetokenizer, token_bytes
 from asyncllm.engine.step_output import StepOutput
 from asyncllm.engine.stop_checker import StopChecker
+from asyncllm.engine.wakeup import Wakeup
 from asyncllm.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.runner_output import TokenLogprobs
@@ -124,12 +126,12 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: BaseException | None = None
-        self.event = asyncio.Event()
+        self.event = Wakeup()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
-        #: The ``loop.call_at`` handle of the request's timeout, if it has one.
-        self.timeout_handle: asyncio.TimerHandle | None = None
+        #: The cancel scope of the request's timeout timer, if it has one.
+        self.timeout_handle: anyio.CancelScope | None = None
 
     @property
     def finished(self) -> bool:

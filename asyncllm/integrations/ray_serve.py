@@ -96,9 +96,24 @@ class LLMServer:
 
     async def __init__(self, model: str = "default", engine_config: dict[str, Any] | None = None):
         self.engine = AsyncEngine.from_pretrained(model, **(engine_config or {}))
-        await self.engine.__aenter__()
+        # The engine is entered and left by one task (its task group's rule): this one,
+        # which holds it until __del__ sets _stop.
+        self._stop = asyncio.Event()
+        entered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._serving = asyncio.create_task(self._serve(entered))
+        await entered
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._served: collections.deque[str] = collections.deque(maxlen=4096)
+
+    async def _serve(self, entered: asyncio.Future[None]) -> None:
+        try:
+            async with self.engine:
+                entered.set_result(None)
+                await self._stop.wait()
+        except BaseException as exc:
+            if not entered.done():
+                entered.set_exception(exc)  # the replica fails to start
+            raise
 
     async def stream(
         self, prompt: Any, params: Any = None, **kwargs: Any
@@ -151,7 +166,8 @@ class LLMServer:
 
     async def __del__(self) -> None:
         # Serve calls (and awaits) this when the replica shuts down.
-        await self.engine.__aexit__(None, None, None)
+        self._stop.set()
+        await self._serving
 
 
 def build_llm_deployment(
