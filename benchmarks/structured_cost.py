@@ -197,7 +197,7 @@ def engine_w1j(batch: int, rounds: int, max_tokens: int, dtype: str, threads: in
     for rnd in range(rounds):
         sampler.grammar_rows = sampler_mod.GrammarRowCounts()
         for ids in prompts:
-            engine.add_request(engine.make_request(f"q{n}", list(ids), params))
+            engine.add_request(engine.inputs.make_request(f"q{n}", list(ids), params))
             n += 1
         fill = mask = step = 0.0
         counted = 0

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from asyncllm import SamplingParams
+from asyncllm.worker.argmax import row_argmax
 from asyncllm.worker.sampler import (
     Sampler,
     SamplingBatch,
     apply_penalties,
     compute_logprobs,
-    row_argmax,
     top_k_top_p,
 )
 

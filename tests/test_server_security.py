@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import anyio.from_thread
 import httpx
 import openai
 import pytest
@@ -273,7 +274,8 @@ def test_echo_decodes_token_ids_off_the_loop_after_the_length_check(
 ) -> None:
     """``echo`` with token ids decodes them for the response: a prompt longer than
     max_model_len is refused before that (600,000 ids took 0.4 s to decode on the loop),
-    and a fitting one is decoded on the tokenizer thread."""
+    and a fitting one is decoded on a worker thread (neither the loop nor the compute
+    thread)."""
     import threading
 
     tok = engine.tokenizer
@@ -286,7 +288,7 @@ def test_echo_decodes_token_ids_off_the_loop_after_the_length_check(
         return real(ids, *args, **kw)
 
     monkeypatch.setattr(tok, "decode", spy)
-    limit = engine._engine.max_model_len
+    limit = engine.max_model_len
     for ids in ([5] * (limit + 1), [5] * 100_000):
         body = {"prompt": ids, "echo": True, "max_tokens": 1}
         err = assert_error(post(f"{base}/v1/completions", body), 400, "prompt")
@@ -297,14 +299,19 @@ def test_echo_decodes_token_ids_off_the_loop_after_the_length_check(
     assert r.status_code == 200
     assert r.json()["choices"][0]["text"].startswith(real(ids))
     assert [n for _, n in decoded] == [10]
-    assert decoded[0][0].startswith("asyncllm-tokenize")
+    loop_thread = anyio.from_thread.run_sync(
+        lambda: threading.current_thread().name,
+        token=engine._token,  # type: ignore[arg-type]
+    )
+    assert decoded[0][0] not in (loop_thread, "MainThread")
+    assert not decoded[0][0].startswith("asyncllm-step")
 
     async def bad_ids() -> None:
         for ids in ([5.5], ["5"], [True], [-1], [engine._engine.vocab_size]):
             with pytest.raises(InvalidRequestError, match="token ids"):
                 await engine.decode(ids)  # type: ignore[arg-type]
 
-    asyncio.run_coroutine_threadsafe(bad_ids(), engine._loop).result(10)  # type: ignore[arg-type]
+    anyio.from_thread.run(bad_ids, token=engine._token)  # type: ignore[arg-type]
 
 
 def test_too_many_stop_strings_answer_400(base: str) -> None:

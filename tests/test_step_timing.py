@@ -20,14 +20,14 @@ def test_step_observer_gets_each_phase_and_the_plan(tiny_llama_dir):
 
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     # A 6-token prompt in chunks of 4: a step that samples nothing, then ones that do.
-    engine.add_request(engine.make_request("a", [5, 6, 7, 8, 9, 10], params))
+    engine.add_request(engine.inputs.make_request("a", [5, 6, 7, 8, 9, 10], params))
     engine.step_observer = observer
     steps = 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
     engine.step_observer = None
-    engine.add_request(engine.make_request("b", [5, 6], params))
+    engine.add_request(engine.inputs.make_request("b", [5, 6], params))
     while engine.has_unfinished():
         engine.step()
     engine.stop_compute_thread()

@@ -1,5 +1,4 @@
-"""The async front end (anyio: asyncio, uvloop or trio): streams, the step loop,
-cancellation, failure.
+"""The async front end on anyio (asyncio, uvloop, trio): streams, step loop, cancellation.
 
 One task of the engine's task group (``async with engine``) owns the :class:`LLMEngine`.
 Calls from other tasks (new requests, aborts) go through an inbox
@@ -10,13 +9,11 @@ free while the model computes. Leaving a stream early (cancelled, timed out, ``b
 step. A request's :class:`~asyncllm.engine.output_processor.RequestState` holds its unread
 output: a slow reader gets several steps merged into one item, not an unbounded queue.
 
-Text prompts and chat templates are tokenized on an anyio worker thread, one at a time (never
-on the loop, never on the compute thread, which alone does torch work); a text too long for
-``max_model_len`` is refused before (``InputProcessor.check_prompt_chars``). Grammars
-(``SamplingParams.structured_outputs``) are compiled on another worker thread, one at a
-time, with a cache (``LLMEngine.compile_grammar``), before the request is queued: a grammar
-that does not compile fails only its call; a slow compile holds up neither the step loop
-nor tokenization.
+Text prompts and chat templates are tokenized on an anyio worker thread (never the loop or
+the compute thread, which alone does torch work), after a length check
+(``InputProcessor.check_prompt_chars``); grammars (``structured_outputs``) compile on another,
+one at a time, with a cache (``LLMEngine.compile_grammar``), before the request is queued: a
+grammar that fails ends only its call; a slow one holds up neither the loop nor tokenization.
 """
 
 from __future__ import annotations
@@ -40,21 +37,12 @@ from asyncllm.engine.chat_tool_setup import ChatToolSetup, constrain_to_calls
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.engine.output_processor import RequestState, TokenTextCache
 from asyncllm.engine.parallel_sampling import num_samples
+from asyncllm.engine.request_table import Call, RequestTable, check_timeout, check_token_ids
 from asyncllm.engine.step_output import StepOutput
-from asyncllm.engine.request_table import (
-    Call,
-    RequestTable,
-    check_timeout,
-    check_token_ids,
-)
 from asyncllm.engine.streams import RequestStream, collect, stream_method
 from asyncllm.engine.tool_calls import ChatTools
 from asyncllm.engine.wakeup import Wakeup, wait_future
-from asyncllm.errors import (
-    EngineDeadError,
-    EngineNotRunningError,
-    QueueFull,
-)
+from asyncllm.errors import EngineDeadError, EngineNotRunningError, QueueFull
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -608,4 +596,3 @@ class AsyncEngine:
         """The most tokens (prompt + generated) of one request (``EngineConfig.max_model_len``
         resolved against the model's limit)."""
         return int(self._engine.max_model_len)
-

@@ -27,7 +27,6 @@ from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
 from asyncllm.engine.output_processor import RequestState, process_step
 from asyncllm.engine.step_output import StepOutput
 from asyncllm.errors import InvalidRequestError
-from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine core imports torch; the front end does not
     from asyncllm.engine.llm_engine import LLMEngine
