@@ -17,7 +17,6 @@ MODULE_OF = {"prometheus-client": "prometheus_client", "ray[serve]": "ray"}
 #: Declared but not imported, and why.
 NOT_IMPORTED = {
     "ninja": "torch.utils.cpp_extension runs it to build the CPU paged-decode kernel",
-    "anyio": "the async front end's event-loop layer (imported once issue 15's anyio part lands)",
 }
 #: Imported but run only in the benchmark's peer processes, from venvs of their own.
 PEER_ONLY = {"vllm", "llama_cpp"}
