@@ -363,7 +363,7 @@ def _targets(s: dict[str, Any], threads: int) -> list[dict[str, Any]]:
         add(f"{name} at batch {b['batch']}", f, "< 0.10", f < 0.10)
     g = s.get("grammar")
     if g and g["share"] is not None:
-        add(f"W1J grammar (bitmask fill; its mask is in sampling), share of the step at "
+        add(f"W1J grammar (bitmask fill + the sampler's check and mask), share of the step at "
             f"batch {g['batch']}",
             g["share"], "<= 0.05", g["share"] <= 0.05,
             f"{g['share_with_accept']:.1%} with the matchers' accept")  # fmt: skip

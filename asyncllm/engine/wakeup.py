@@ -7,13 +7,12 @@ news, waited for, and cleared when the news is read (what ``asyncio.Event`` gave
 
 from __future__ import annotations
 
-import threading
+import asyncio
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 
 _T = TypeVar("_T")
 
@@ -24,25 +23,32 @@ async def wait_future(future: Future[_T]) -> _T:
     end even when the caller is cancelled (the work cannot be interrupted; the cancellation
     is delivered at the caller's next checkpoint).
 
-    The thread that ends the work wakes the loop through ``anyio.from_thread.run_sync``, as
-    ``loop.run_in_executor`` would on asyncio; no worker thread of anyio's sits in between.
+    The thread that ends the work schedules the wake-up on the loop and returns at once
+    (``loop.call_soon_threadsafe`` on asyncio, ``TrioToken.run_sync_soon`` on trio), as
+    ``loop.run_in_executor`` does: ``anyio.from_thread.run_sync`` would hold that thread
+    until the loop ran the call, and it then waits for the GIL while the loop handles the
+    step's outputs (measured: a few ms per step at batch 1).
 
     Raises:
         whatever the work raised.
     """
     done = anyio.Event()
-    token, loop_thread = anyio.lowlevel.current_token(), threading.get_ident()
-
-    def wake(_: Future[_T]) -> None:
-        if threading.get_ident() == loop_thread:  # it ended before the callback was added
-            done.set()
-        else:
-            anyio.from_thread.run_sync(done.set, token=token)
-
-    future.add_done_callback(wake)
+    soon = _call_soon_threadsafe()
+    future.add_done_callback(lambda _: soon(done.set))
     with anyio.CancelScope(shield=True):
         await done.wait()
     return future.result()
+
+
+def _call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
+    """A function that any thread may call to run a callback soon on the current loop,
+    without waiting for it."""
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:  # not asyncio: anyio's other backend, trio
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
 
 
 class Wakeup:
