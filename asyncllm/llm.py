@@ -234,10 +234,15 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
-        if not isinstance(params, Sequence) or len(params) != n:
+        if isinstance(params, str | bytes) or not isinstance(params, Sequence):
             raise InvalidRequestError(
                 f"params must be SamplingParams or a list of {n} (one per prompt), got "
-                f"{len(params) if isinstance(params, Sequence) else type(params)}"
+                f"{type(params).__name__}"
+            )
+        if len(params) != n:
+            raise InvalidRequestError(
+                f"params must be SamplingParams or a list of {n} (one per prompt), got a "
+                f"list of {len(params)}"
             )
         for p in params:
             if not isinstance(p, SamplingParams):

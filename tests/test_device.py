@@ -71,3 +71,22 @@ async def test_engine_reports_the_resolved_dtype(tiny_llama_dir, make_engine):
     core = engine._engine
     assert core.dtype == want == core.kv_cache.spec.dtype
     assert next(core.loaded.model.parameters()).dtype == want
+
+
+@pytest.mark.parametrize(("block_size", "blocks"), [(7, 37), (16, 16)])
+def test_default_kv_cache_holds_max_model_len_in_whole_blocks(block_size, blocks):
+    """Unset kv_cache_bytes is capped at max_num_seqs sequences of max_model_len tokens in
+    whole blocks: with one sequence and a block size that does not divide max_model_len,
+    the cap used to round down below one sequence and the engine refused to start."""
+    from types import SimpleNamespace
+
+    from asyncllm.worker.kv_cache import size_kv_cache
+
+    config = SimpleNamespace(
+        num_attention_heads=4, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2
+    )
+    _, num_blocks = size_kv_cache(
+        config, torch.float32, torch.device("cpu"),
+        block_size=block_size, max_model_len=256, max_num_seqs=1, kv_cache_bytes=None,
+    )  # fmt: skip
+    assert num_blocks == blocks

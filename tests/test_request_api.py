@@ -767,3 +767,16 @@ def test_llm_facade_retries_past_a_bounded_queue(tiny_llama_dir):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)
         check_pool_whole(llm.engine)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [("notparams", "got str"), (b"x", "got bytes"), ([SamplingParams()] * 2, "a list of 2")],
+)
+def test_llm_params_of_the_wrong_kind_are_named(params, message):
+    """A string is a Sequence: it was reported by its length ("got 9")."""
+    from asyncllm.errors import InvalidRequestError
+    from asyncllm.llm import LLM
+
+    with pytest.raises(InvalidRequestError, match=message):
+        LLM._params_list(params, 1)

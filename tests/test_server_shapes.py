@@ -165,7 +165,8 @@ def test_existing_option_names(argv: list[str], expected: dict[str, Any]) -> Non
 @pytest.mark.parametrize(
     "argv",
     [["--quantization-group-size", "48"], ["--dtype", "float8"], ["--max-num-seqs", "x"],
-     ["--compile", "maybe"], ["--quantization", "int3"]],
+     ["--compile", "maybe"], ["--quantization", "int3"], ["--port", "-5"],
+     ["--port", "70000"]],
 )  # fmt: skip
 def test_bad_option_values_exit(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

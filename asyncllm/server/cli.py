@@ -47,7 +47,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     security."""
     parser.add_argument("--model", default="default", help='"default", an HF directory or a .gguf')
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (8000)")
     parser.add_argument(
         "--served-model-name",
         default=None,
@@ -195,3 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # our typed errors: bad model path, bad engine settings
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _port(text: str) -> int:
+    """A TCP port for argparse (0: the OS picks one)."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0-65535, got {port}")
+    return port

@@ -103,7 +103,7 @@ def size_kv_cache(
         max_num_seqs: the most sequences running at once.
         kv_cache_bytes: the budget in bytes; None: :func:`default_kv_cache_bytes` of the
             device's free memory, capped at ``max_num_seqs`` sequences of
-            ``max_model_len`` tokens.
+            ``max_model_len`` tokens (each in whole blocks).
 
     Returns:
         (the spec, the number of blocks the budget holds).
@@ -112,7 +112,9 @@ def size_kv_cache(
         ValueError: a budget that cannot hold one sequence of ``max_model_len`` tokens.
     """
     spec = kv_cache_spec(model_config, dtype, block_size)
-    cap = max_num_seqs * max_model_len * spec.bytes_per_token
+    # Whole blocks per sequence: a block size that does not divide max_model_len still
+    # leaves room for one sequence of max_model_len tokens per max_num_seqs.
+    cap = max_num_seqs * -(-max_model_len // block_size) * spec.bytes_per_block
     budget = kv_cache_bytes or default_kv_cache_bytes(device, cap)
     num_blocks = budget // spec.bytes_per_block
     if num_blocks * block_size < max_model_len:
