@@ -298,3 +298,56 @@ def test_auto_picks_gguf_only_where_every_layer_has_a_kernel(caplog):
         assert qz._auto_mode(bad, path, cpu, torch.float32) is None
         assert qz._auto_mode(None, None, cpu, torch.float32) is None
     assert "Q5_K" in caplog.text and "dequantized" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def tiny_tied_dir(tmp_path_factory, default_model_dir) -> pathlib.Path:
+    """The tiny Llama with its LM head tied to the embedding (as SmolLM2's is)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from asyncllm.bench.tiny_model import TINY_CONFIG
+
+    torch.manual_seed(2)
+    path = tmp_path_factory.mktemp("tiny-tied")
+    LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, "tie_word_embeddings": True})).save_pretrained(
+        path
+    )
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "tied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_start_builds_only_the_unquantized_weights(
+    request, quant_cache, monkeypatch, model, dtype
+):
+    """With the quantized layers cached, a start builds the model around them (no
+    ``from_pretrained``, so no dense copy of those layers is ever made): same modules, same
+    weights, same logits as the first start, tied head and generation config included."""
+    import transformers
+
+    from asyncllm.models.loader import load_model
+
+    path = request.getfixturevalue(f"tiny_{model}_dir")
+    cpu = torch.device("cpu")
+    first = load_model(path, dtype=dtype, device=cpu, quantization="int4")
+    tied = first.model.lm_head.weight is first.model.get_input_embeddings().weight
+    assert tied == (model == "tied")
+
+    def refuse(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("from_pretrained called despite a cached quantization")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    again = load_model(path, dtype=dtype, device=cpu, quantization="int4")
+    assert again.precision == first.precision == "int4 g32"
+    assert again.weight_bytes == first.weight_bytes
+    assert again.eos_token_ids == first.eos_token_ids
+    assert str(again.model) == str(first.model)
+    want, got = first.model.state_dict(), again.model.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+    assert (again.model.lm_head.weight is again.model.get_input_embeddings().weight) == tied
+    ids = torch.tensor([[1, 5, 9, 200, 7, 3]])
+    with torch.inference_mode():
+        assert torch.equal(first.model(ids).logits, again.model(ids).logits)

@@ -28,6 +28,7 @@ files, the setting, the dtype and the torch version, so a second start only load
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -41,7 +42,14 @@ from torch import nn
 
 from asyncllm.worker import quant_linear as ql
 
-__all__ = ["MODES", "QuantInfo", "quantize_model"]
+__all__ = [
+    "MODES",
+    "QuantInfo",
+    "QuantSetting",
+    "load_cached",
+    "quantize_model",
+    "resolve_quantization",
+]
 
 logger = logging.getLogger("asyncllm")
 
@@ -75,76 +83,119 @@ class QuantInfo:
         return f"QuantInfo({self.precision!r}, n={self.num_quantized}, cache={self.from_cache})"
 
 
-def quantize_model(
-    lm: nn.Module,
-    *,
+@dataclasses.dataclass(frozen=True)
+class QuantSetting:
+    """``EngineConfig.quantization`` resolved for one model, before any weight is read.
+
+    Attributes:
+        mode: "gguf", "int8", "int4" or None (the model's dtype).
+        group_size: int4's group (GGUF's block for "gguf").
+        dtype: the model's dtype.
+        device: where the model runs.
+        cache_path: the converted modules' cache file (None when ``mode`` is None).
+        tensors: the GGUF file's tensors (None for a model that is not a GGUF file).
+    """
+
+    mode: str | None
+    group_size: int
+    dtype: torch.dtype
+    device: torch.device
+    cache_path: pathlib.Path | None
+    tensors: list | None
+
+
+def resolve_quantization(
     mode: Mode,
+    *,
     group_size: int,
     model_dir: pathlib.Path,
     gguf_file: pathlib.Path | None,
     cache_root: pathlib.Path,
-) -> QuantInfo:
+    dtype: torch.dtype,
+    device: torch.device,
+) -> QuantSetting:
+    """Resolve and check ``mode`` for the model in ``model_dir`` (see the module docstring).
+
+    Args:
+        mode: ``EngineConfig.quantization``.
+        group_size: int4's group (32, 64 or 128); ignored otherwise.
+        model_dir: the Hugging Face directory of the model (its files key the cache).
+        gguf_file: the GGUF file ``model_dir`` was converted from, or None.
+        cache_root: where converted models are cached (``cache_dir()``).
+        dtype, device: the model's.
+
+    Raises:
+        ValueError: an unknown ``mode``; ``"gguf"`` for a model that is not a GGUF file; a
+            group size outside 32/64/128; a kernel missing on the device (naming the
+            setting).
+    """
+    if mode not in (None, *MODES):
+        raise ValueError(f"EngineConfig.quantization must be one of {(None, *MODES)}, got {mode!r}")
+    tensors = _gguf_tensors(gguf_file) if gguf_file is not None else None
+    resolved = _auto_mode(tensors, gguf_file, device, dtype) if mode == "auto" else mode
+    if resolved is None:
+        return QuantSetting(None, group_size, dtype, device, None, tensors)
+    if resolved == "gguf" and tensors is None:
+        raise ValueError(
+            f"quantization='gguf' needs a .gguf model; {model_dir} is not one (use 'int4' "
+            "or 'int8' to quantize it)"
+        )
+    if resolved == "int4" and group_size not in ql.GROUP_SIZES:
+        raise ValueError(
+            f"EngineConfig.quantization_group_size must be one of {ql.GROUP_SIZES}, got "
+            f"{group_size!r}"
+        )
+    gs = GGUF_GROUP if resolved == "gguf" else group_size
+    ql.check_kernel("int8" if resolved == "int8" else "int4", device, ql.COMPUTE_DTYPE)
+    dtype_name = str(dtype).removeprefix("torch.")
+    key = _cache_key(model_dir, f"{resolved}-g{gs}-{dtype_name}")
+    path = cache_root / "quant" / f"{model_dir.name}-{key}.pt"
+    return QuantSetting(resolved, gs, dtype, device, path, tensors)
+
+
+def load_cached(setting: QuantSetting) -> dict | None:
+    """The converted modules cached for ``setting``, or None (not cached, or unreadable)."""
+    return None if setting.cache_path is None else _load_cache(setting.cache_path)
+
+
+def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = None) -> QuantInfo:
     """Replace ``lm``'s linear layers (and a GGUF embedding table) by quantized ones, in place.
 
     Args:
-        lm: a transformers causal LM, loaded from ``model_dir`` on its device and dtype.
-        mode: see the module docstring.
-        group_size: int4's group (32, 64 or 128); ignored otherwise.
-        model_dir: the Hugging Face directory ``lm`` came from (its files key the cache).
-        gguf_file: the GGUF file ``model_dir`` was converted from, or None.
-        cache_root: where converted models are cached (``cache_dir()``).
+        lm: a transformers causal LM on ``setting``'s device and dtype; with ``cached``, its
+            replaced layers may still be on the meta device (never read).
+        setting: from :func:`resolve_quantization`.
+        cached: :func:`load_cached`'s result, when the caller already read it.
 
     Returns:
         A :class:`QuantInfo`.
 
     Raises:
-        ValueError: an unknown ``mode``; ``"gguf"`` for a model that is not a GGUF file or
-            whose linear weight has a type without a kernel (naming the tensor and type);
-            a group size outside 32/64/128 or not dividing a layer's input width (naming the
-            layer); a kernel missing on the model's device or dtype (naming the setting).
+        ValueError: a ``"gguf"`` linear weight whose type has no kernel (naming the tensor
+            and type); an int4 group size that does not divide a layer's input width
+            (naming the layer).
     """
-    if mode not in (None, *MODES):
-        raise ValueError(f"EngineConfig.quantization must be one of {(None, *MODES)}, got {mode!r}")
-    p = next(lm.parameters())
-    dtype, device = p.dtype, p.device
-    dtype_name = str(dtype).removeprefix("torch.")
-    tensors = _gguf_tensors(gguf_file) if gguf_file is not None else None
-    if mode == "auto":
-        mode = _auto_mode(tensors, gguf_file, device, dtype)
-    if mode is None:
+    dtype_name = str(setting.dtype).removeprefix("torch.")
+    if setting.mode is None:
         return QuantInfo(dtype_name, None, 0, False)
-    if mode == "gguf" and tensors is None:
-        raise ValueError(
-            f"quantization='gguf' needs a .gguf model; {model_dir} is not one (use 'int4' "
-            "or 'int8' to quantize it)"
-        )
-    if mode == "int4" and group_size not in ql.GROUP_SIZES:
-        raise ValueError(
-            f"EngineConfig.quantization_group_size must be one of {ql.GROUP_SIZES}, got "
-            f"{group_size!r}"
-        )
-    gs = GGUF_GROUP if mode == "gguf" else group_size
-    ql.check_kernel("int8" if mode == "int8" else "int4", device, ql.COMPUTE_DTYPE)
-
-    key = _cache_key(model_dir, f"{mode}-g{gs}-{dtype_name}")
-    path = cache_root / "quant" / f"{model_dir.name}-{key}.pt"
-    cached = _load_cache(path)
+    cached = cached if cached is not None else load_cached(setting)
     if cached is not None:
         for name, state in cached["modules"].items():
-            ql.replace_module(lm, name, ql.module_from_state(state).to(device))
+            ql.replace_module(lm, name, ql.module_from_state(state).to(setting.device))
         _retie(lm)
-        return QuantInfo(cached["precision"], mode, len(cached["modules"]), True)
+        return QuantInfo(cached["precision"], setting.mode, len(cached["modules"]), True)
 
-    if mode == "gguf":
-        assert tensors is not None
-        modules, precision = _from_gguf(lm, tensors, dtype)
+    if setting.mode == "gguf":
+        assert setting.tensors is not None
+        modules, precision = _from_gguf(lm, setting.tensors, setting.dtype)
     else:
-        modules, precision = _from_float(lm, mode, gs, dtype)
+        modules, precision = _from_float(lm, setting.mode, setting.group_size, setting.dtype)
     for name, module in modules.items():
-        ql.replace_module(lm, name, module.to(device))
+        ql.replace_module(lm, name, module.to(setting.device))
     _retie(lm)
-    _save_cache(path, modules, precision)
-    return QuantInfo(precision, mode, len(modules), False)
+    assert setting.cache_path is not None
+    _save_cache(setting.cache_path, modules, precision)
+    return QuantInfo(precision, setting.mode, len(modules), False)
 
 
 def _auto_mode(

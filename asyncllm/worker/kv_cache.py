@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
+import math
+import mmap
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -126,36 +127,38 @@ def size_kv_cache(
     return spec, num_blocks
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
-
-
-def zeros_huge_pages(
+def zeros_on_demand(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """A zero tensor; on Linux CPUs its memory is first advised ``MADV_HUGEPAGE``.
+    """A zero tensor whose host memory is committed page by page as it is written.
 
-    Decode attention reads each sequence's blocks from scattered places in the pool: with
-    4 KiB pages nearly every block costs TLB misses, which also stop software prefetches.
-    With the kernel's transparent huge pages in "madvise" mode (a common default) only
-    advised memory gets 2 MiB pages; the advice must come before the first write. Where it
-    is refused the tensor keeps ordinary pages.
+    On CPU the tensor lies in an anonymous ``mmap``: the kernel hands out zero pages on
+    first touch, so a process's resident memory (RSS) grows with the KV blocks actually
+    used, not with the budget (``torch.zeros`` writes every page up front). The mapping is
+    advised ``MADV_HUGEPAGE`` before any write: decode attention reads each sequence's
+    blocks from scattered places in the pool, and with 4 KiB pages nearly every block
+    costs TLB misses, which also stop software prefetches; with transparent huge pages in
+    "madvise" mode (a common default) only advised memory gets 2 MiB pages. Where the
+    advice is refused the tensor keeps ordinary pages. Elsewhere: ``torch.zeros``.
     """
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and sys.platform == "linux":
-        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-    return t.zero_()
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+        with contextlib.suppress(OSError):
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor keeps the mapping alive (frombuffer holds a reference to ``buf``).
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+    return flat.view(dtype).view(shape)
 
 
 class KVCache:
     """One K and one V tensor per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
-    Allocated once, zero-filled so that never-written slots read as finite numbers. On Linux
-    CPUs the tensors ask for transparent huge pages (:func:`zeros_huge_pages`).
+    Allocated once, zero-filled so that never-written slots read as finite numbers; on CPU
+    committed page by page as blocks are first written, with transparent huge pages asked
+    for (:func:`zeros_on_demand`).
 
     Args:
         spec: the per-token shape.
@@ -168,10 +171,10 @@ class KVCache:
         self.num_blocks = num_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.key_caches = [
-            zeros_huge_pages(shape, spec.dtype, device) for _ in range(spec.num_layers)
+            zeros_on_demand(shape, spec.dtype, device) for _ in range(spec.num_layers)
         ]
         self.value_caches = [
-            zeros_huge_pages(shape, spec.dtype, device) for _ in range(spec.num_layers)
+            zeros_on_demand(shape, spec.dtype, device) for _ in range(spec.num_layers)
         ]
 
     @property

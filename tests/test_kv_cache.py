@@ -1,0 +1,44 @@
+"""The KV cache's host memory: zero-filled, committed page by page as blocks are written."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from asyncllm.worker.kv_cache import KVCache, KVCacheSpec, zeros_on_demand
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeros_on_demand_is_a_writable_zero_tensor(dtype):
+    t = zeros_on_demand((3, 16, 2, 8), dtype, torch.device("cpu"))
+    assert t.shape == (3, 16, 2, 8) and t.dtype == dtype and t.is_contiguous()
+    assert torch.count_nonzero(t) == 0
+    t[1, 3] = 2.5
+    assert float(t.sum()) == 2.5 * 16
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
+def test_an_unused_kv_cache_takes_no_resident_memory():
+    """A 512 MiB cache adds next to nothing to the resident set until blocks are written;
+    writing a quarter of one layer's blocks commits about that much (huge pages aside)."""
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                       block_size=16)  # fmt: skip
+    num_blocks = (512 << 20) // spec.bytes_per_block
+    before = _rss_bytes()
+    cache = KVCache(spec, num_blocks, torch.device("cpu"))
+    assert cache.num_bytes >= 500 << 20
+    assert _rss_bytes() - before < 32 << 20
+    layer = cache.key_caches[0]
+    layer[: num_blocks // 4].fill_(1.0)
+    grown = _rss_bytes() - before
+    quarter = layer.numel() * layer.element_size() // 4
+    assert quarter <= grown < quarter + (32 << 20)
+    assert torch.count_nonzero(cache.value_caches[-1]) == 0
