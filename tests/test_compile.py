@@ -13,6 +13,7 @@ import logging
 import pathlib
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -160,6 +161,39 @@ def test_failed_compile_serves_eagerly(
     assert again.runner.compiled is cf and cf.state == "failed" and not cf.ready
     assert len([r for r in caplog.records if "serving eagerly" in r.getMessage()]) == 2
     for e in (engine, eager, again):
+        e.stop_compute_thread()
+
+
+@pytest.mark.parametrize("dtype,packed", [("float32", "1"), ("bfloat16", "1"), ("float32", "0")])
+def test_eager_steps_while_compiling(
+    tiny_llama_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, dtype: str, packed: str
+) -> None:
+    """Steps served eagerly while the background thread is inside the compiler compute the
+    eager tokens. (torch.compiler.is_compiling() is one flag for the whole process: eager
+    code that read it sent attention to the compiled path's op, which found no metadata
+    and returned zeros, and the packed linears recursed until RecursionError.)"""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(gm: Any, inputs: Any) -> Any:
+        entered.set()
+        release.wait(600)
+        raise RuntimeError("released")  # the engine stays eager
+
+    monkeypatch.setattr(compiled_mod, "BACKEND", slow)
+    monkeypatch.setenv("ASYNCLLM_CPU_PACKED_LINEAR", packed)  # "0": attention alone
+    config = {**SMALL, "dtype": dtype}
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_llama_dir), compile=True, **config))
+    eager = twin(engine, compiled=False, dtype=dtype)
+    try:
+        assert entered.wait(600)
+        assert torch.compiler.is_compiling()  # here, on the main thread, as on the engine's
+        assert engine.stats()["compile"] == "compiling"
+        got = run(engine)
+    finally:
+        release.set()
+    assert got == run(eager)
+    assert engine.runner.compiled is not None and engine.runner.compiled.wait(600)
+    for e in (engine, eager):
         e.stop_compute_thread()
 
 
