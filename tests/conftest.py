@@ -3,10 +3,10 @@
 Every engine a test builds through ``make_engine`` is checked after the test: no request left
 in it, every KV block free, and the pool's reference counts consistent.
 
-``EngineConfig.compile="auto"`` is off in the test suite (``ASYNCLLM_COMPILE=0``, set here
-unless already set, and inherited by the processes tests start): a compile on a background
-thread would slow every test that builds an engine. tests/test_compile.py asks for
-``compile=True`` explicitly.
+``EngineConfig.compile="auto"`` is forced off in the test suite (``ASYNCLLM_COMPILE=0``, set
+here and inherited by the processes tests start), whatever the shell exported or "auto"'s
+default becomes: a compile on a background thread would slow every test that builds an
+engine. tests/test_compile.py asks for ``compile=True`` explicitly.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ if sys.version_info < (3, 11):
 
 TINY = TINY_CONFIG
 
-os.environ.setdefault(COMPILE_ENV, "0")
+os.environ[COMPILE_ENV] = "0"
 
 
 #: Log-probability gap under which two correct greedy runs of one model in one dtype may

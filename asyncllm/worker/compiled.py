@@ -82,31 +82,6 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks: the longest ``nn.ModuleList`` whose modules all share one
-    class (transformers' ``model.layers``); empty when there is none."""
-    best: list[torch.nn.Module] = []
-    for m in model.modules():
-        if (
-            isinstance(m, torch.nn.ModuleList)
-            and len(m) > len(best)
-            and len(set(map(type, m))) == 1
-        ):
-            best = list(m)
-    return best
-
-
-_regional = threading.local()
-
-
-def _layer_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    # The compiled layer forward on threads inside a compiled step, the eager one elsewhere.
-    fn = getattr(_regional, "fn", None)
-    if fn is None:
-        return type(layer).forward(layer, *args, **kwargs)
-    return fn(layer, *args, **kwargs)
-
-
 def pad_to(n: int) -> int:
     """The row count a compiled step runs for ``n`` rows (at least :data:`MIN_ROWS`)."""
     return max(n, MIN_ROWS)
@@ -195,30 +170,10 @@ class CompiledForward:
         logger.warning("asyncllm: compiled forward failed, serving eagerly (%s)", self.error)
         self._done.set()
 
-    def _regional_forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor
-    ) -> torch.Tensor:
-        prev = getattr(_regional, "fn", None)
-        _regional.fn = self._layer_fn
-        try:
-            return self._forward(input_ids, position_ids, keep)
-        finally:
-            _regional.fn = prev
-
     def _compile(self) -> None:
         try:
-            if os.environ.get("ASYNCLLM_COMPILE_REGIONAL") == "1":
-                layers = decoder_layers(self.model)
-                torch._dynamo.config.allow_unspec_int_on_nn_module = True
-                self._layer_fn = torch.compile(
-                    own_code(type(layers[0]).forward), backend=BACKEND, dynamic=True
-                )
-                for layer in layers:
-                    layer.forward = types.MethodType(_layer_forward, layer)
-                fn = self._regional_forward
-            else:
-                forward = types.MethodType(own_code(CompiledForward._forward), self)
-                fn = torch.compile(forward, backend=BACKEND, dynamic=False)
+            forward = types.MethodType(own_code(CompiledForward._forward), self)
+            fn = torch.compile(forward, backend=BACKEND, dynamic=False)
             dev = self.device
             # Dry runs (no metadata: attention writes nothing): T != K at the first call, so
             # that Dynamo gives them separate symbols; then the shapes the engine meets.

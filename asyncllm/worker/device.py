@@ -121,15 +121,18 @@ COMPILE_ENV = "ASYNCLLM_COMPILE"
 def resolve_compile(compile: str | bool, device: torch.device) -> bool:
     """``EngineConfig.compile`` -> whether to compile the forward on ``device``.
 
-    True and False are returned as they are. "auto" is on for CPU and off for every other
-    device, unless ``$ASYNCLLM_COMPILE`` says "0" (off) or "1" (on).
+    True and False are returned as they are. "auto" is off on every device unless
+    ``$ASYNCLLM_COMPILE`` says "1" (on) or "0" (off).
 
-    Why CPU: on the 2-core x86 machine (AVX-512 BF16; bfloat16 weights with Q4_1 linears, the
-    defaults), the compiled decode step took 0.78x the eager one at batch 1 (25.9 vs
-    33.0 ms) and 0.90x at batch 64 (400 vs 445 ms), and the engine serves eagerly while it
-    compiles in the background, so turning it on costs no latency (docs/tuning.md has the
-    table and the commands). CUDA: the compiled forward has never run on a GPU (no CUDA
-    graphs, no Triton attention inside the graph), so "auto" stays off there.
+    Why off on CPU, where the compiled step is faster: on the 2-core x86 machine (AVX-512
+    BF16; bfloat16 with Q4_1 linears, the defaults; ``benchmarks/profile_step.py --ab
+    compile --threads 2 --context 100``) the compiled decode step took 0.78x the eager one at
+    batch 1 on a quiet machine (25.9 vs 33.0 ms), 0.87-0.89x at load average 2-3 and 0.90x at
+    batch 64 (400 vs 445 ms, load ~2.4); but while the background thread compiles (15-50 s
+    with a warm Inductor cache), the eager steps stall: ``python -m asyncllm generate Hi``
+    took 16.4 s to its first token instead of 8.8 s (TTFT 8.7 s instead of 0.09 s), past the
+    10 s cold-start bound. CUDA: the compiled forward has never run on a GPU. docs/tuning.md
+    has the table.
 
     Raises:
         ValueError: ``$ASYNCLLM_COMPILE`` set to something other than "0" or "1".
@@ -139,9 +142,7 @@ def resolve_compile(compile: str | bool, device: torch.device) -> bool:
     env = os.environ.get(COMPILE_ENV, "").strip()
     if env not in ("", "0", "1"):
         raise ValueError(f"${COMPILE_ENV} must be '0' or '1', got {env!r}")
-    if env:
-        return env == "1"
-    return device.type == "cpu"
+    return env == "1"
 
 
 def set_cpu_threads(device: torch.device, num_threads: int | None) -> None:
