@@ -51,8 +51,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         compile: compile the model's forward with ``torch.compile`` (Inductor; paged
             attention and the packed linears as opaque custom ops). The engine serves eagerly
             while it compiles on a background thread and switches between two steps when
-            ready; a failed compile leaves it eager with one warning. "auto": where compiling
-            is measured faster, which is nowhere yet (docs/tuning.md), True: always,
+            ready; a failed compile leaves it eager with one warning. "auto": off on every
+            device (on CPU the compiled step is faster, but the background compile stalls
+            the first token; docs/tuning.md), on with ``ASYNCLLM_COMPILE=1``; True: always,
             False: never.
         max_waiting: the most requests waiting to be scheduled (submitted, not yet
             running; calls waiting for or in tokenization included); past it

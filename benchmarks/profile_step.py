@@ -14,18 +14,21 @@ engines on two copies of the model, one with the optimization switched off
 ``compile=False``; the compiled engine is waited for until its compile ended; for ``dtype``,
 one in bfloat16 and one in float32), and alternates their steps (the ratio of medians is
 robust to other load on the machine). ``--dtype`` sets the engines' dtype (but for ``--ab
-dtype``).
+dtype``); ``--inductor cpp_wrapper=True`` (repeatable) sets an Inductor option before the
+compiled engine compiles.
 This is the script behind the step-time notes of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import statistics
 import time
 
 import torch
+import torch._inductor.config as inductor_config
 
 from asyncllm import SamplingParams
 from asyncllm.bench.workloads import load_prompts
@@ -53,10 +56,10 @@ def engine_at_batch(
             quantization=quantization,  # type: ignore[arg-type]
         )
     )
-    if eng.runner.compiled is not None:
-        t = time.perf_counter()
-        eng.runner.compiled.wait()
-        print(f"compiled in {time.perf_counter() - t:.0f} s: {eng.runner.compiled.error or 'ok'}")
+    compiled = eng.runner.compiled
+    if compiled is not None:
+        compiled.wait()
+        print(f"compiled in {compiled.seconds:.0f} s: {compiled.error or 'ok'}")
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(load_prompts()["W1"]["ids"][:batch]):
         eng.add_request(eng.inputs.make_request(f"r{i}", ids, params))
@@ -79,7 +82,17 @@ def main() -> None:
     ap.add_argument("--ab", choices=["packed", "attention", "compile", "dtype"], default=None)
     ap.add_argument("--dtype", default="auto", help="the engines' dtype (not with --ab dtype)")
     ap.add_argument("--quantization", default="auto", help="EngineConfig.quantization; none")
+    ap.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set torch._inductor.config.KEY (a Python literal) before compiling; repeatable",
+    )
     args = ap.parse_args()
+    for item in args.inductor:
+        key, _, value = item.partition("=")
+        setattr(inductor_config, key, ast.literal_eval(value))
     quant = None if args.quantization == "none" else args.quantization
     if args.ab == "dtype":
         engines = {

@@ -2,10 +2,16 @@
 
 Every engine a test builds through ``make_engine`` is checked after the test: no request left
 in it, every KV block free, and the pool's reference counts consistent.
+
+``EngineConfig.compile="auto"`` is forced off in the test suite (``ASYNCLLM_COMPILE=0``, set
+here and inherited by the processes tests start), whatever the shell exported or "auto"'s
+default becomes: a compile on a background thread would slow every test that builds an
+engine. tests/test_compile.py asks for ``compile=True`` explicitly.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -20,12 +26,15 @@ from asyncllm import AsyncEngine
 from asyncllm.bench.tiny_model import TINY_CONFIG, save_tiny_llama
 from asyncllm.core.request import SAMPLE_ID_SEP, Request
 from asyncllm.models.loader import resolve_model_dir
+from asyncllm.worker.device import COMPILE_ENV
 from asyncllm.worker.sampler import SamplerOutput
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 TINY = TINY_CONFIG
+
+os.environ[COMPILE_ENV] = "0"
 
 
 #: Log-probability gap under which two correct greedy runs of one model in one dtype may

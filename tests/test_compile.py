@@ -8,8 +8,12 @@ KV cache: each engine's caches reach it through the step's metadata).
 
 from __future__ import annotations
 
+import collections
 import logging
 import pathlib
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +25,7 @@ from asyncllm import SamplingParams
 from asyncllm.config import EngineConfig
 from asyncllm.engine.llm_engine import LLMEngine
 from asyncllm.worker import compiled as compiled_mod
+from asyncllm.worker.device import COMPILE_ENV, resolve_compile
 from tests.conftest import check_pool_whole
 
 # float32: Inductor keeps fused bfloat16 intermediates in float32 where eager rounds each
@@ -36,6 +41,7 @@ def compiled_engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
     cf = engine.runner.compiled
     assert cf is not None and cf.wait(600), "compile did not finish"
     assert cf.ready, cf.error
+    assert engine.stats()["compile"] == "ready" and engine.stats()["compile_seconds"] > 0
     yield engine
     engine.stop_compute_thread()
 
@@ -140,7 +146,9 @@ def test_failed_compile_serves_eagerly(
     assert not cf.ready and cf.error is not None and "injected" in cf.error
     warnings = [r for r in caplog.records if "serving eagerly" in r.getMessage()]
     assert len(warnings) == 1
+    assert engine.stats()["compile"] == "failed"
     eager = twin(engine, compiled=False)
+    assert eager.stats()["compile"] == "off" and eager.stats()["compile_seconds"] == 0.0
     want = run(eager)
     assert run(engine) == want
 
@@ -150,9 +158,42 @@ def test_failed_compile_serves_eagerly(
     again = twin(engine, compiled=True)
     cf._fn, cf.ready = fails_in_step, True
     assert run(again) == want
-    assert again.runner.compiled is None and not cf.ready
+    assert again.runner.compiled is cf and cf.state == "failed" and not cf.ready
     assert len([r for r in caplog.records if "serving eagerly" in r.getMessage()]) == 2
     for e in (engine, eager, again):
+        e.stop_compute_thread()
+
+
+@pytest.mark.parametrize("dtype,packed", [("float32", "1"), ("bfloat16", "1"), ("float32", "0")])
+def test_eager_steps_while_compiling(
+    tiny_llama_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, dtype: str, packed: str
+) -> None:
+    """Steps served eagerly while the background thread is inside the compiler compute the
+    eager tokens. (torch.compiler.is_compiling() is one flag for the whole process: eager
+    code that read it sent attention to the compiled path's op, which found no metadata
+    and returned zeros, and the packed linears recursed until RecursionError.)"""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(gm: Any, inputs: Any) -> Any:
+        entered.set()
+        release.wait(600)
+        raise RuntimeError("released")  # the engine stays eager
+
+    monkeypatch.setattr(compiled_mod, "BACKEND", slow)
+    monkeypatch.setenv("ASYNCLLM_CPU_PACKED_LINEAR", packed)  # "0": attention alone
+    config = {**SMALL, "dtype": dtype}
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_llama_dir), compile=True, **config))
+    eager = twin(engine, compiled=False, dtype=dtype)
+    try:
+        assert entered.wait(600)
+        assert torch.compiler.is_compiling()  # here, on the main thread, as on the engine's
+        assert engine.stats()["compile"] == "compiling"
+        got = run(engine)
+    finally:
+        release.set()
+    assert got == run(eager)
+    assert engine.runner.compiled is not None and engine.runner.compiled.wait(600)
+    for e in (engine, eager):
         e.stop_compute_thread()
 
 
@@ -161,3 +202,88 @@ def test_compile_config_values() -> None:
     for bad in ("yes", 1, 0, None):
         with pytest.raises(ValueError, match="compile"):
             EngineConfig(compile=bad)  # type: ignore[arg-type]
+
+
+def test_compile_auto_resolves_off_unless_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "auto" is off on CPU and CUDA (the background compile stalls the first token);
+    $ASYNCLLM_COMPILE=1 turns "auto" on, "0" off; True and False win over it; a bad value
+    is a ValueError."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    assert resolve_compile("auto", cpu) is False
+    assert resolve_compile("auto", cuda) is False
+    for dev in (cpu, cuda):
+        assert resolve_compile(True, dev) is True
+        assert resolve_compile(False, dev) is False
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    assert resolve_compile("auto", cpu) is True
+    assert resolve_compile(False, cpu) is False
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert resolve_compile("auto", cpu) is False
+    assert resolve_compile(True, cpu) is True
+    monkeypatch.setenv(COMPILE_ENV, "yes")
+    with pytest.raises(ValueError, match=COMPILE_ENV):
+        resolve_compile("auto", cpu)
+
+
+def test_test_suite_builds_eager_engines(tiny_llama_dir: pathlib.Path) -> None:
+    """conftest sets $ASYNCLLM_COMPILE=0: an engine built with the default "auto" does not
+    compile (tests stay fast)."""
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_llama_dir), **SMALL))
+    assert engine.runner.compiled is None and engine.stats()["compile"] == "off"
+    engine.stop_compute_thread()
+
+
+_Out = collections.namedtuple("_Out", "logits")
+
+
+class _FakeLM(torch.nn.Module):
+    """A causal LM's call signature: an embedding plus ``depth`` (a loop count: each depth
+    is another graph, as each model architecture is)."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)
+        self.depth = depth
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **kw: Any) -> Any:
+        logits = self.embed(input_ids)[:, kw["logits_to_keep"]]
+        for _ in range(self.depth):
+            logits = logits + 1
+        return _Out(logits)  # a namedtuple: no graph break, one frame as a real model
+
+
+def test_many_compiled_models_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More different compiled models in one process than Dynamo keeps variants of one
+    function (``recompile_limit``, 8): every one still compiles its graph and runs it (past
+    the limit Dynamo runs a shared function eagerly, silently)."""
+    monkeypatch.setattr(compiled_mod, "BACKEND", "eager")
+    for depth in range(torch._dynamo.config.recompile_limit + 2):
+        cf = compiled_mod.CompiledForward(_FakeLM(depth), torch.device("cpu"))
+        graphs = counters["stats"]["unique_graphs"]
+        cf.start()
+        assert cf.wait(600) and cf.ready, cf.error
+        assert counters["stats"]["unique_graphs"] > graphs, f"model {depth} runs eagerly"
+        with torch.inference_mode():
+            out = cf(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], torch.tensor([0, 2]))
+        assert torch.allclose(out, cf.model.embed.weight[[1, 3]] + depth)
+
+
+def test_exit_while_compiling_is_quiet(tiny_llama_dir: pathlib.Path) -> None:
+    """A process that ends while its engine still compiles in the background exits at once
+    with status 0 and no traceback (the compile thread is a daemon)."""
+    code = (
+        "import time\n"
+        "from asyncllm import LLM, SamplingParams\n"
+        "from asyncllm.worker import compiled\n"
+        "compiled.BACKEND = lambda gm, inputs: time.sleep(3600)  # compiling when it exits\n"
+        f"llm = LLM({str(tiny_llama_dir)!r}, compile=True, dtype='float32',"
+        " kv_cache_bytes=2**22, max_model_len=256)\n"
+        "out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))\n"
+        "assert llm.engine.stats()['compile'] == 'compiling', llm.engine.stats()['compile']\n"
+        "print('generated', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "generated" in proc.stdout
+    assert "Traceback" not in proc.stderr and "Exception" not in proc.stderr, proc.stderr[-3000:]

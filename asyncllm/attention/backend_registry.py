@@ -103,7 +103,9 @@ def paged_attention_forward(
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    if torch.compiler.is_compiling():
+    # Dynamo's trace only: torch.compiler.is_compiling() is one flag for the whole process,
+    # True on the engine's thread too while the background thread compiles.
+    if torch.compiler.is_dynamo_compiling():
         return torch.ops.asyncllm.paged_attention(q, k, v, module.layer_idx, scale)[None], None
     meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if meta is None:

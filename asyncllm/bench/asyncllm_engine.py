@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import gc
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +28,12 @@ class AsyncllmWorker:
     time). Each engine is built on its own compute thread, as ``LLMEngine.from_config`` does
     (the thread that loaded the model has exited by then). With a ``quantization`` in
     ``--config``, each engine is built by ``LLMEngine.from_config`` itself (the engine's own
-    loading and quantizing path), from ``--model`` as the user named it."""
+    loading and quantizing path), from ``--model`` as the user named it.
+
+    A compiled forward (``EngineConfig.compile``, "auto" on CPU) is waited for when an
+    engine is built, before any run of it, so the measured runs step through the compiled
+    forward (or, when the compile failed, eagerly); each run's settings name the compile
+    state and its seconds (``compile``, ``compile_s``)."""
 
     name = "asyncllm"
 
@@ -97,6 +103,7 @@ class AsyncllmWorker:
                 config = EngineConfig(model=str(self.loaded.model_dir), **cfg)
                 compute = ComputeThread()
                 core = compute.submit(LLMEngine, config, self.loaded, compute).result()
+            wait_for_compile(core)
             self._engines[key] = AsyncEngine(core)
         return self._engines[key]
 
@@ -115,6 +122,8 @@ class AsyncllmWorker:
             "attention": core.runner.attention_backend.name,
             "packed_linears": getattr(core.runner, "num_packed_linears", 0),
             "quantization": getattr(c, "quantization", None),
+            "compile": core.stats()["compile"],
+            "compile_s": round(float(core.stats()["compile_seconds"]), 1),
             "threads": self.threads,
         }
 
@@ -159,6 +168,20 @@ class AsyncllmWorker:
         if tracer is not None:
             res["trace"] = tracer.report()
         return res
+
+
+#: The longest a benchmark engine's compile is waited for (seconds); past it the runs go on
+#: eagerly, and the settings say "compiling".
+COMPILE_WAIT_S = 900.0
+
+
+def wait_for_compile(core: Any) -> None:
+    """Block until ``core``'s background compile ended (ready or failed), if it has one."""
+    compiled = core.runner.compiled
+    if compiled is not None and not compiled.wait(COMPILE_WAIT_S):
+        logging.getLogger("asyncllm").warning(
+            "asyncllm: compile not done after %.0f s; running eagerly", COMPILE_WAIT_S
+        )
 
 
 def run_loop(main: Callable[[], Any]) -> Any:

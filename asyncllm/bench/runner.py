@@ -173,9 +173,10 @@ class Bench:
                 self._wait(w)
 
     def _wait(self, w: WorkerProc) -> None:
-        # vLLM compiles its model; a quantized asyncllm may convert a GGUF file first.
+        # vLLM compiles its model; asyncllm may convert a GGUF file first, and waits for its
+        # compiled forward (COMPILE_WAIT_S at most) before it says it is ready.
         base = base_engine(w.name)
-        timeout = 1200 if base == "vllm" else 600 if base == "asyncllm" else 300
+        timeout = 1200 if base in ("vllm", "asyncllm") else 300
         if w.wait_ready(timeout):
             log(f"{w.name} ready in {w.info['start_s']:.0f} s: {w.info}")
         else:

@@ -159,7 +159,7 @@ class LLMEngine:
             self.kv_cache,
             seed=config.seed,
             attention_backend=config.attention_backend,
-            compile=resolve_compile(config.compile),
+            compile=resolve_compile(config.compile, self.device),
         )
 
     @property
@@ -355,7 +355,11 @@ class LLMEngine:
         blocks swapped out and in, bytes they moved and tokens dropped for recompute; CPU pool
         blocks free and total; prefix-cache queries and hits (tokens) and hit rate; steps and
         generated tokens; the weights' ``precision`` (e.g. "float32", "int4 g32", "gguf
-        (...)") and ``weight_bytes`` (bytes of parameters and buffers, as loaded)."""
+        (...)") and ``weight_bytes`` (bytes of parameters and buffers, as loaded); the
+        compiled forward's ``compile`` state ("off", "compiling", "ready" or "failed";
+        ``EngineConfig.compile``) and ``compile_seconds`` (seconds it took, or has taken so
+        far; 0.0 when off)."""
+        compiled = self.runner.compiled
         bm = self.block_manager
         sched = self.scheduler
         queries = sched.prefix_cache_queries
@@ -380,4 +384,6 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "precision": self.loaded.precision,
             "weight_bytes": self.loaded.weight_bytes,
+            "compile": compiled.state if compiled else "off",
+            "compile_seconds": compiled.seconds if compiled else 0.0,
         }

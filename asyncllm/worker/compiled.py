@@ -36,8 +36,9 @@ import os
 import pathlib
 import threading
 import time
+import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -68,6 +69,19 @@ def inductor_cache_dir() -> pathlib.Path:
     return pathlib.Path(env) if env else cache_dir() / "inductor"
 
 
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of the plain function ``fn`` with a code object of its own.
+
+    Dynamo keeps the variants it compiled for a function on that function's code object, at
+    most ``torch._dynamo.config.recompile_limit`` (8) of them; past that it runs the function
+    eagerly, silently. Every engine compiles its own model (its guards name that model), so
+    with one shared code object a process's ninth compiled engine would run eagerly: each
+    :class:`CompiledForward` compiles its own copy instead.
+    """
+    code = fn.__code__.replace()  # equal, but another object: another Dynamo cache
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def pad_to(n: int) -> int:
     """The row count a compiled step runs for ``n`` rows (at least :data:`MIN_ROWS`)."""
     return max(n, MIN_ROWS)
@@ -86,6 +100,7 @@ class CompiledForward:
             [K, vocab]``.
         error: why compiling failed, or None.
         compile_seconds: how long compiling took, once done.
+        state: "compiling", "ready" or "failed" (:attr:`state`).
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
@@ -96,6 +111,7 @@ class CompiledForward:
         self.calls = 0
         self.error: str | None = None
         self.compile_seconds: float | None = None
+        self._started = time.monotonic()
         self._fn: Callable[..., torch.Tensor] = self._forward
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -112,6 +128,7 @@ class CompiledForward:
     def start(self) -> None:
         """Compile on a background thread (returns at once)."""
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+        self._started = time.monotonic()
         logger.info(
             "asyncllm: compiling the model forward in the background (torch.compile, cache "
             "%s); serving eagerly until it is ready",
@@ -119,6 +136,21 @@ class CompiledForward:
         )
         self._thread = threading.Thread(target=self._compile, name="asyncllm-compile", daemon=True)
         self._thread.start()
+
+    @property
+    def state(self) -> Literal["compiling", "ready", "failed"]:
+        """Where compiling stands: "compiling" (eager steps meanwhile), "ready" (steps run
+        the compiled forward) or "failed" (eager for good; :attr:`error` says why)."""
+        if self.ready:
+            return "ready"
+        return "failed" if self.error is not None else "compiling"
+
+    @property
+    def seconds(self) -> float:
+        """Seconds compiling took (ready or failed), or has taken so far."""
+        if self.compile_seconds is not None:
+            return self.compile_seconds
+        return time.monotonic() - self._started
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until compiling ended (ready or failed); False on timeout."""
@@ -132,14 +164,16 @@ class CompiledForward:
     def fail(self, error: BaseException) -> None:
         """Drop the compiled forward for good (eager from now on), with one warning."""
         self.ready = False
+        if self.compile_seconds is None:
+            self.compile_seconds = time.monotonic() - self._started
         self.error = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
         logger.warning("asyncllm: compiled forward failed, serving eagerly (%s)", self.error)
         self._done.set()
 
     def _compile(self) -> None:
-        t0 = time.monotonic()
         try:
-            fn = torch.compile(self._forward, backend=BACKEND, dynamic=False)
+            forward = types.MethodType(own_code(CompiledForward._forward), self)
+            fn = torch.compile(forward, backend=BACKEND, dynamic=False)
             dev = self.device
             # Dry runs (no metadata: attention writes nothing): T != K at the first call, so
             # that Dynamo gives them separate symbols; then the shapes the engine meets.
@@ -152,7 +186,7 @@ class CompiledForward:
         except Exception as e:
             self.fail(e)
             return
-        self.compile_seconds = time.monotonic() - t0
+        self.compile_seconds = time.monotonic() - self._started
         self.ready = True
         logger.info("asyncllm: compiled forward ready after %.1f s", self.compile_seconds)
         self._done.set()

@@ -95,7 +95,9 @@ class PackedLinear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # opaque to Inductor: see packed_linear_op
+        # Opaque to Inductor (see packed_linear_op). Dynamo's trace only: is_compiling() is
+        # process-wide, True for eager steps too while another thread compiles.
+        if torch.compiler.is_dynamo_compiling():
             y: torch.Tensor = packed_linear_op(
                 x, self.packed, self.bias, self.in_features, self.out_features
             )

@@ -113,11 +113,36 @@ def default_num_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def resolve_compile(compile: str | bool) -> bool:
-    """``EngineConfig.compile`` -> whether to compile. "auto" is off on every device for
-    now: on the 2-core CPU it was not faster (docs/tuning.md), and on CUDA the compiled
-    forward has not been run yet."""
-    return compile is True
+#: Overrides what ``EngineConfig.compile="auto"`` resolves to: "0" off, "1" on (an explicit
+#: True or False in the config still wins). The test suite sets "0" (tests/conftest.py).
+COMPILE_ENV = "ASYNCLLM_COMPILE"
+
+
+def resolve_compile(compile: str | bool, device: torch.device) -> bool:
+    """``EngineConfig.compile`` -> whether to compile the forward on ``device``.
+
+    True and False are returned as they are. "auto" is off on every device unless
+    ``$ASYNCLLM_COMPILE`` says "1" (on) or "0" (off).
+
+    Why off on CPU, where the compiled step is faster: on the 2-core x86 machine (AVX-512
+    BF16; bfloat16 with Q4_1 linears, the defaults; ``benchmarks/profile_step.py --ab
+    compile --threads 2 --context 100``) the compiled decode step took 0.78x the eager one at
+    batch 1 on a quiet machine (25.9 vs 33.0 ms), 0.87-0.89x at load average 2-3 and 0.90x at
+    batch 64 (400 vs 445 ms, load ~2.4); but while the background thread compiles (15-50 s
+    with a warm Inductor cache), the eager steps stall: ``python -m asyncllm generate Hi``
+    took 16.4 s to its first token instead of 8.8 s (TTFT 8.7 s instead of 0.09 s), past the
+    10 s cold-start bound. CUDA: the compiled forward has never run on a GPU. docs/tuning.md
+    has the table.
+
+    Raises:
+        ValueError: ``$ASYNCLLM_COMPILE`` set to something other than "0" or "1".
+    """
+    if isinstance(compile, bool):
+        return compile
+    env = os.environ.get(COMPILE_ENV, "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"${COMPILE_ENV} must be '0' or '1', got {env!r}")
+    return env == "1"
 
 
 def set_cpu_threads(device: torch.device, num_threads: int | None) -> None:

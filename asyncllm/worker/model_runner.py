@@ -201,8 +201,7 @@ class ModelRunner:
             try:
                 return self._forward_compiled(compiled, input_ids, positions, meta, keep)
             except Exception as e:  # never a dead engine: eager from now on
-                compiled.fail(e)
-                self.compiled = None
+                compiled.fail(e)  # not ready any more: stats() says "failed"
         out = self.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
