@@ -5,7 +5,12 @@
   CPU int4 layout calls too; torchao adds nothing on CPU that this needs). The kernel computes
   ``w = (q - 8) * scale + zero`` (checked bit for bit in the tests), so GGUF's ``Q4_1``
   (``d * q + m``: scale ``d``, zero ``m + 8 d``) and ``Q4_0`` (``d * (q - 8)``: zero 0) map
-  onto it without loss when the scales are float32 (a float32 model).
+  onto it without loss when the scales are float32 (a float32 model). That kernel is a
+  matrix-vector kernel (its time grows with the row count): a call with more than
+  :data:`INT4_KERNEL_MAX_ROWS` rows instead dequantizes the weight into a reused scratch
+  buffer (:mod:`asyncllm.worker.int4_dequant`, C++) and runs one bfloat16 GEMM, 3x faster
+  at 64 rows, with only the int4 weight kept. Both paths are one custom op,
+  ``asyncllm::int4_linear``, under ``torch.compile``.
 * :class:`Int8Linear`: int8 codes with one scale per output channel,
   ``aten._weight_int8pack_mm``.
 * :class:`QuantEmbedding`: an embedding table kept as integer codes with per-group scale and
@@ -168,9 +173,16 @@ class Int4Linear(nn.Module):
 #: Calls with more rows than this dequantize the int4 weight (:mod:`.int4_dequant`) and run
 #: one dense GEMM; up to this many go through torch's int4 kernel, whose cost grows with the
 #: row count (a matrix-vector kernel). Measured with ``benchmarks/quant_kernels.py``
-#: (bfloat16, 2 threads, median us per call, weights out of cache; docs/tuning.md):
+#: (bfloat16, 2 threads, median us per call, weights out of cache, int4 kernel / dequantize
+#: then ``torch.mm``; the dequantization alone: 12, 55 and 59 us; docs/tuning.md)::
 #:
-#: TABLE
+#:     rows         1         8        12        16        24        64
+#:     192x576   11 / 55   31 / 60   33 / 59   54 / 59   53 / 63  115 /  69
+#:     1536x576  39 / 220 119 / 215 173 / 242 224 / 222 349 / 257 857 / 264
+#:     576x1536  41 / 199 115 / 203 175 / 218 223 / 219 325 / 210 854 / 256
+#:
+#: The crossover is at 16 rows with 2 threads (12 with 1 thread: the dequantization halves
+#: with a second thread, the int4 kernel less so).
 INT4_KERNEL_MAX_ROWS = 16
 
 #: Calls of :func:`int4_linear` per path ("int4": torch's kernel, "dequant": dequantize then
