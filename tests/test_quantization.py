@@ -151,6 +151,23 @@ def test_int4_dequant_kernel_matches_reference(n, k, gs, dtype):
 
 
 @needs_dequant
+def test_int4_dequant_kernel_checks_its_inputs():
+    """Buffers of the wrong size or dtype: a RuntimeError naming the argument, never a read
+    or write out of bounds."""
+    mod = int4_dequant.EXTENSION.load()
+    packed = torch.zeros(64, 32, dtype=torch.uint8)
+    sz = torch.zeros(2, 64, 2, dtype=torch.bfloat16)
+    out = torch.empty(64, 64, dtype=torch.bfloat16)
+    mod.int4_dequant_t(packed, sz, 32, out)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        mod.int4_dequant_t(packed[:, :16], sz, 32, out)
+    with pytest.raises(RuntimeError, match="sz must be"):
+        mod.int4_dequant_t(packed, sz.float(), 32, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        mod.int4_dequant_t(packed, sz, 32, torch.empty(64, 96, dtype=torch.bfloat16))
+
+
+@needs_dequant
 @pytest.mark.parametrize("rows", [1, ql.INT4_KERNEL_MAX_ROWS, ql.INT4_KERNEL_MAX_ROWS + 1, 40])
 def test_int4_linear_few_and_many_rows(rows):
     """Up to INT4_KERNEL_MAX_ROWS rows run torch's int4 kernel, more the dequantize-then-GEMM

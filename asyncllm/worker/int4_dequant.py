@@ -118,6 +118,16 @@ static void dequant(const at::Tensor& packed, const at::Tensor& sz, int64_t grou
 
 void int4_dequant_t(const at::Tensor& packed, const at::Tensor& sz, int64_t group,
                     at::Tensor& out) {
+  const int64_t K = out.size(0), N = out.size(1);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && N % 64 == 0 && group > 0 &&
+                  K % group == 0,
+              "int4_dequant_t: out must be a contiguous [K, N] with N % 64 == 0, K % group == 0");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() * 2 == N * K,
+              "int4_dequant_t: packed must be contiguous uint8 with N * K / 2 bytes");
+  TORCH_CHECK(sz.scalar_type() == out.scalar_type() && sz.is_contiguous() && sz.dim() == 3 &&
+                  sz.size(0) == K / group && sz.size(1) == N && sz.size(2) == 2,
+              "int4_dequant_t: sz must be a contiguous [K / group, N, 2] of out's dtype");
   if (out.scalar_type() == at::kBFloat16) return dequant<at::BFloat16>(packed, sz, group, out);
   return dequant<float>(packed, sz, group, out);
 }
