@@ -139,7 +139,7 @@ def test_switch_and_build_dir(monkeypatch):
 def test_extension_that_cannot_build_falls_back_once(tmp_path, monkeypatch, caplog):
     """A kernel that does not compile: load() is None, the reason is kept and logged once,
     and a second load() does not try again; its build folder is its own."""
-    from asyncllm._kernels.cpu_build import CpuExtension
+    from asyncllm.worker.cpu_extension import CpuExtension
 
     monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path))
     ext = CpuExtension("asyncllm_broken", "this is not C++", ["f"], ["-O1"], "broken kernel",

@@ -15,11 +15,10 @@ vectorizes), and the output is rounded to the query's dtype, as the torch path's
 ``scaled_dot_product_attention`` does. A bfloat16 cache is half the bytes to read.
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (g++ and
-ninja; 30-60 s, once per machine: :mod:`asyncllm._kernels.cpu_build` keeps the build in
-asyncllm's cache directory, keyed by the source, flags, torch and Python, and later processes
-import it in milliseconds). Where
-it cannot be built, or with ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``, the engine keeps the torch
-path, with one log line.
+ninja; 30-60 s, once per machine: :mod:`asyncllm.worker.cpu_extension` keeps the build
+in asyncllm's cache directory, keyed by the source, flags, torch and Python, and later
+processes import it in milliseconds). Where it cannot be built, or with
+``ASYNCLLM_CPU_ATTENTION_KERNEL=0``, the engine keeps the torch path, with one log line.
 """
 
 from __future__ import annotations
@@ -31,9 +30,9 @@ from typing import Any
 
 import torch
 
-from asyncllm._kernels.cpu_build import CpuExtension
 from asyncllm.attention.backend_registry import AttentionBackend
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
+from asyncllm.worker.cpu_extension import CpuExtension
 
 ENV_SWITCH = "ASYNCLLM_CPU_ATTENTION_KERNEL"
 
@@ -193,7 +192,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 EXTENSION = CpuExtension(
     NAME, _SOURCE, ["paged_decode"], CFLAGS, "CPU attention kernel", ENV_SWITCH
 )
-"""The kernel's build-once extension (:mod:`asyncllm._kernels.cpu_build`)."""
+"""The kernel's build-once extension (:mod:`asyncllm.worker.cpu_extension`)."""
 
 
 def enabled() -> bool:

@@ -19,9 +19,9 @@ Arithmetic: float32 (a bfloat16 scale widens exactly), the multiply and add roun
 separately (``-ffp-contract=off``: the same values as torch's float32 ``(q - 8) * s + z``),
 then rounded once to the output dtype (bfloat16: to nearest even, as torch's ``.to()``).
 
-Built once per machine by :mod:`asyncllm._kernels.cpu_build` (``ASYNCLLM_INT4_DEQUANT_KERNEL=0``
-turns it off); where it cannot be built, ``Int4Linear`` keeps the int4 kernel for every row
-count (correct, slower for many rows).
+Built once per machine by :mod:`asyncllm.worker.cpu_extension`
+(``ASYNCLLM_INT4_DEQUANT_KERNEL=0`` turns it off); where it cannot be built,
+``Int4Linear`` keeps the int4 kernel for every row count (correct, slower for many rows).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from asyncllm._kernels.cpu_build import CpuExtension
+from asyncllm.worker.cpu_extension import CpuExtension
 
 __all__ = ["EXTENSION", "KERNEL_DTYPES", "dequantize_t", "supported"]
 

@@ -113,7 +113,7 @@ class CpuExtension:
         d = self.build_dir()
         d.mkdir(parents=True, exist_ok=True)
         logger.info("asyncllm: building the %s once (about a minute) in %s", self.what, d)
-        return load_inline(
+        return load_inline(  # type: ignore[no-untyped-call]
             name=self.name,
             cpp_sources=[self.source],
             functions=self.functions,
