@@ -5,12 +5,14 @@
     python benchmarks/profile_step.py --ab attention  # the C++ decode attention vs the torch path
     python benchmarks/profile_step.py --ab compile    # EngineConfig.compile=True vs False
     python benchmarks/profile_step.py --ab dtype      # bfloat16 vs float32 (weights and KV)
+    python benchmarks/profile_step.py --ab int4rows   # int4 many-row path (dequant + GEMM) vs not
 
 W1's prompts (64 chat-templated "Write a short story about a robot number {i}."), greedy,
 128 tokens, on the default model. The prompts are prefilled first; the profile then covers
 decode steps only, where every request of the batch computes one token. ``--ab`` builds two
 engines on two copies of the model, one with the optimization switched off
-(``ASYNCLLM_CPU_PACKED_LINEAR=0``, ``ASYNCLLM_CPU_ATTENTION_KERNEL=0`` or
+(``ASYNCLLM_CPU_PACKED_LINEAR=0``, ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``,
+``ASYNCLLM_INT4_DEQUANT_KERNEL=0``, read at each call, so set around each of its steps, or
 ``compile=False``; the compiled engine is waited for until its compile ended; for ``dtype``,
 one in bfloat16 and one in float32), and alternates their steps (the ratio of medians is
 robust to other load on the machine). ``--dtype`` sets the engines' dtype (but for ``--ab
@@ -79,7 +81,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--context", type=int, default=0, help="decode until contexts hold this")
-    ap.add_argument("--ab", choices=["packed", "attention", "compile", "dtype"], default=None)
+    ap.add_argument(
+        "--ab", choices=["packed", "attention", "compile", "dtype", "int4rows"], default=None
+    )
     ap.add_argument("--dtype", default="auto", help="the engines' dtype (not with --ab dtype)")
     ap.add_argument("--quantization", default="auto", help="EngineConfig.quantization; none")
     ap.add_argument(
@@ -104,6 +108,7 @@ def main() -> None:
             "packed": "ASYNCLLM_CPU_PACKED_LINEAR",
             "attention": "ASYNCLLM_CPU_ATTENTION_KERNEL",
             "compile": "ASYNCLLM_UNUSED",
+            "int4rows": "ASYNCLLM_INT4_DEQUANT_KERNEL",
         }
         engines = {}
         for name, flag in (("on", "1"), ("off", "0")):
@@ -121,6 +126,8 @@ def main() -> None:
         times: dict[str, list[float]] = {k: [] for k in engines}
         for i in range(2 * args.steps):
             for name in list(engines)[:: 1 if i % 2 else -1]:
+                if args.ab == "int4rows":  # the switch is read per call: set it per step
+                    os.environ["ASYNCLLM_INT4_DEQUANT_KERNEL"] = "1" if name == "on" else "0"
                 t = time.perf_counter()
                 engines[name].step()
                 times[name].append(time.perf_counter() - t)

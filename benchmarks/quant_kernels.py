@@ -7,14 +7,21 @@ For each of the default model's projection shapes (out x in: 576x576, 192x576, 1
 * ``bf16-packed``: bfloat16 weight reordered for oneDNN, bfloat16 activations;
 * ``int8-f32`` / ``int8-bf16``: ``aten._weight_int8pack_mm`` (per-output-channel scales);
 * ``int4-f32`` / ``int4-bf16``: ``aten._weight_int4pack_mm_for_cpu`` (group 32, scale and
-  zero point), float32 or bfloat16 activations.
+  zero point), float32 or bfloat16 activations;
+* ``bf16-plain``: ``F.linear`` on a plain bfloat16 weight (no oneDNN reorder);
+* ``dequant-bf16``: only the C++ dequantization of the int4 weight to a bfloat16 ``W^T``
+  (:mod:`asyncllm.worker.int4_dequant`), the many-row path's overhead;
+* ``int4dq-bf16``: the many-row path of ``Int4Linear``: that dequantization, then one
+  ``torch.mm`` (``--rows 1 2 4 8 16 64`` gives the crossover with ``int4-bf16``).
 
 Each candidate cycles through enough distinct weights (>= 32 MiB of them, at least 2) that
 they do not sit in cache, as in a real decode step. Candidates are interleaved in a
 shuffled order inside every repeat (the machine is shared and noisy) and the table gives
 the median microseconds per call, and each candidate's ratio to ``f32-packed``.
 
-Run: ``python benchmarks/quant_kernels.py --threads 1 2 --repeats 7``
+Run: ``python benchmarks/quant_kernels.py --threads 1 2 --repeats 7``; the int4 crossover
+(docs/tuning.md): ``python benchmarks/quant_kernels.py --threads 2 --rows 1 2 4 8 16 64
+--candidates int4-bf16 int4dq-bf16 dequant-bf16 bf16-packed``
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import statistics
 import time
 
 import torch
+
+from asyncllm.worker import int4_dequant
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 TARGET_BYTES = 32 << 20
@@ -68,6 +77,16 @@ def build(name: str, n: int, k: int, copies: int):  # type: ignore[no-untyped-de
             q, s = _int8_pack(w)
             s = s.to(act)
             fns.append(lambda x, q=q, s=s: torch.ops.aten._weight_int8pack_mm(x, q, s))
+        elif name == "bf16-plain":
+            wb = w.bfloat16()
+            fns.append(lambda x, wb=wb: torch.nn.functional.linear(x, wb))
+        elif name in ("dequant-bf16", "int4dq-bf16"):
+            p, sz = _int4_pack(w, 32, act)
+            dq = lambda p=p, sz=sz: int4_dequant.dequantize_t(p, sz, 32, k, n)  # noqa: E731
+            if name == "dequant-bf16":
+                fns.append(lambda x, dq=dq: dq())
+            else:
+                fns.append(lambda x, dq=dq: torch.mm(x, dq()))
         elif name.startswith("int4"):
             p, sz = _int4_pack(w, 32, act)
             fns.append(

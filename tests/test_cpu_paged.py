@@ -136,6 +136,23 @@ def test_switch_and_build_dir(monkeypatch):
     assert (cpu_paged.build_dir() / f"{cpu_paged.NAME}.so").is_file()
 
 
+def test_extension_that_cannot_build_falls_back_once(tmp_path, monkeypatch, caplog):
+    """A kernel that does not compile: load() is None, the reason is kept and logged once,
+    and a second load() does not try again; its build folder is its own."""
+    from asyncllm.worker.cpu_extension import CpuExtension
+
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path))
+    ext = CpuExtension("asyncllm_broken", "this is not C++", ["f"], ["-O1"], "broken kernel",
+                       "ASYNCLLM_BROKEN_KERNEL")  # fmt: skip
+    assert ext.build_dir().parent == tmp_path / "kernels"
+    assert ext.build_dir().name.startswith("broken-")
+    with caplog.at_level("WARNING", logger="asyncllm"):
+        assert ext.load() is None
+        assert not ext.available()
+    assert ext.failure() is not None
+    assert caplog.text.count("broken kernel unavailable") == 1
+
+
 def test_packed_linear_matches_linear():
     torch.manual_seed(0)
     lin = nn.Linear(48, 80, bias=True)

@@ -17,6 +17,7 @@ from asyncllm import EngineConfig, SamplingParams
 from asyncllm.models import quantization as qz
 from asyncllm.models.gguf_quant import GGUFTensor, read_tensors, unpack
 from asyncllm.models.loader import _default_gguf_path, load_model
+from asyncllm.worker import int4_dequant
 from asyncllm.worker import quant_linear as ql
 
 TEXT = pathlib.Path(__file__).parent / "data" / "public_domain.txt"
@@ -113,6 +114,125 @@ def test_quantized_linear_matches_dequantized_reference(mode, rows):
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
 
+def _int4_layer(n: int, k: int, gs: int, dtype: torch.dtype = ql.COMPUTE_DTYPE):
+    """An Int4Linear of random codes [n, k] and its weight dequantized in float32 (rounded
+    through the layer's scale dtype, as the kernels see them)."""
+    torch.manual_seed(n + k + gs)
+    q, s, o = ql.int4_codes(torch.randn(n, k) * 0.05, gs)
+    layer = ql.Int4Linear(q, s, o, gs, None, dtype)
+    sz = layer.scales_and_zeros.float()  # [k / gs, n, 2]
+    scale, zero = (sz[..., i].T.repeat_interleave(gs, 1) for i in (0, 1))
+    return layer, (q.float() - 8) * scale + zero
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _dequant_kernel_built():
+    """Built (or found) before ``quant_cache`` points the cache elsewhere: one build."""
+    int4_dequant.EXTENSION.load()
+
+
+needs_dequant = pytest.mark.skipif(
+    not int4_dequant.EXTENSION.available(),
+    reason=f"int4 dequant kernel unavailable: {int4_dequant.EXTENSION.failure()}",
+)
+
+
+@needs_dequant
+@pytest.mark.parametrize("n, k, gs", [(64, 64, 32), (192, 128, 64), (128, 256, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_dequant_kernel_matches_reference(n, k, gs, dtype):
+    """The C++ dequantization of torch's packed layout gives W^T equal, bit for bit, to
+    (q - 8) * scale + zero computed by torch in float32 from the original codes (rounded once
+    to bfloat16): this also checks the layout the kernel assumes."""
+    layer, ref = _int4_layer(n, k, gs, dtype)
+    got = int4_dequant.dequantize_t(layer.packed, layer.scales_and_zeros, gs, k, n)
+    assert got.shape == (k, n) and got.dtype == dtype
+    assert torch.equal(got, ref.T.to(dtype))
+
+
+@needs_dequant
+def test_int4_dequant_kernel_checks_its_inputs():
+    """Buffers of the wrong size or dtype: a RuntimeError naming the argument, never a read
+    or write out of bounds."""
+    mod = int4_dequant.EXTENSION.load()
+    packed = torch.zeros(64, 32, dtype=torch.uint8)
+    sz = torch.zeros(2, 64, 2, dtype=torch.bfloat16)
+    out = torch.empty(64, 64, dtype=torch.bfloat16)
+    mod.int4_dequant_t(packed, sz, 32, out)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        mod.int4_dequant_t(packed[:, :16], sz, 32, out)
+    with pytest.raises(RuntimeError, match="sz must be"):
+        mod.int4_dequant_t(packed, sz.float(), 32, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        mod.int4_dequant_t(packed, sz, 32, torch.empty(64, 96, dtype=torch.bfloat16))
+
+
+@needs_dequant
+@pytest.mark.parametrize("rows", [1, ql.INT4_KERNEL_MAX_ROWS, ql.INT4_KERNEL_MAX_ROWS + 1, 40])
+def test_int4_linear_few_and_many_rows(rows):
+    """Up to INT4_KERNEL_MAX_ROWS rows run torch's int4 kernel, more the dequantize-then-GEMM
+    path; both agree with a matmul on the dequantized weight within bfloat16 rounding, and a
+    second call reuses the scratch weight."""
+    layer, ref_w = _int4_layer(128, 64, 32)
+    x = torch.randn(rows, 64)
+    before = ql.PATH_CALLS.copy()
+    with torch.inference_mode():
+        got = layer(x)
+        again = layer(x * 2)
+    path = "int4" if rows <= ql.INT4_KERNEL_MAX_ROWS else "dequant"
+    assert ql.PATH_CALLS[path] - before[path] == 2
+    ref = x.bfloat16().float() @ ref_w.bfloat16().float().T
+    assert got.dtype == torch.float32 and got.shape == (rows, 128)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(again, 2 * ref, rtol=2e-2, atol=4e-2)
+    if path == "dequant":
+        buf = int4_dequant.dequantize_t(layer.packed, layer.scales_and_zeros, 32, 64, 128)
+        assert (
+            buf.data_ptr()
+            == int4_dequant.dequantize_t(
+                layer.packed, layer.scales_and_zeros, 32, 64, 128
+            ).data_ptr()
+        )
+
+
+@pytest.mark.parametrize("case", ["out 96", "switched off"])
+def test_int4_linear_falls_back_to_the_int4_kernel(case, monkeypatch):
+    """out_features not a multiple of 64 (the packing's row block), or the kernel switched
+    off: many rows still run torch's int4 kernel, with the same result."""
+    n = 96 if case == "out 96" else 128
+    if case == "switched off":
+        monkeypatch.setenv(int4_dequant.ENV_SWITCH, "0")
+    layer, ref_w = _int4_layer(n, 64, 32)
+    x = torch.randn(3 * ql.INT4_KERNEL_MAX_ROWS, 64)
+    before = ql.PATH_CALLS.copy()
+    with torch.inference_mode():
+        got = layer(x)
+    assert ql.PATH_CALLS["int4"] - before["int4"] == 1
+    assert ql.PATH_CALLS["dequant"] == before["dequant"]
+    ref = x.bfloat16().float() @ ref_w.bfloat16().float().T
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+@needs_dequant
+def test_int4_linear_compiles_without_a_row_count_guard():
+    """Under torch.compile the layer is one custom op (asyncllm::int4_linear) that picks the
+    path inside: a graph compiled with a dynamic row count runs both paths without
+    recompiling, and matches eager."""
+    from torch._dynamo.testing import CompileCounter
+
+    layer, _ = _int4_layer(128, 64, 32)
+    counter = CompileCounter()
+    fn = torch.compile(lambda x: layer(x).relu(), backend=counter, dynamic=True)
+    torch._dynamo.reset()
+    before = ql.PATH_CALLS.copy()
+    with torch.inference_mode():
+        for rows in (2, 3, ql.INT4_KERNEL_MAX_ROWS + 5, 40):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(fn(x), layer(x).relu(), rtol=0, atol=0)
+    assert counter.frame_count == 1
+    assert ql.PATH_CALLS["dequant"] - before["dequant"] == 4  # compiled and eager, 2 each
+
+
 def test_int4_group_size_must_divide_input():
     with pytest.raises(ValueError, match="in_features=96"):
         ql.int4_codes(torch.randn(8, 96), 64)
@@ -199,16 +319,26 @@ def test_engine_greedy_matches_dequantized_model(
                         kv_cache_bytes=8 * 2**20, dtype="float32")  # fmt: skip
     assert again.stats()["weight_bytes"] == stats["weight_bytes"]
     assert cached.stat().st_mtime_ns == mtime  # read, not written again
+    # more sequences than INT4_KERNEL_MAX_ROWS: decode steps take the dequantize-then-GEMM
+    # path too (and the tiny model's 32-wide k/v projections the int4 kernel at every size)
     prompts = [[1, 5, 9, 200, 7], [3, 3, 3], [100, 2000, 30000, 4, 4, 4, 4, 4]]
+    prompts += [[17 * i + 3, 400 + i, 9] for i in range(ql.INT4_KERNEL_MAX_ROWS)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
     async def run(engine):  # type: ignore[no-untyped-def]
         async with engine:
             return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
 
+    before = ql.PATH_CALLS.copy()
     got = asyncio.run(run(quant))
+    if mode == "int4" and int4_dequant.EXTENSION.available():
+        assert ql.PATH_CALLS["dequant"] > before["dequant"]
+        assert ql.PATH_CALLS["int4"] > before["int4"]
     want = asyncio.run(run(ref))
-    lm = ref._engine.loaded.model
+    # a fresh copy: the engine's model runs only through its paged attention
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
     for prompt, g, w in zip(prompts, got, want, strict=True):
         if g.token_ids == w.token_ids:
             continue

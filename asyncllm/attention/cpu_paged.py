@@ -15,22 +15,15 @@ vectorizes), and the output is rounded to the query's dtype, as the torch path's
 ``scaled_dot_product_attention`` does. A bfloat16 cache is half the bytes to read.
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (g++ and
-ninja; 30-60 s, once per machine: the build is kept in asyncllm's cache directory, keyed by
-the source, flags, torch and Python, and later processes import it in milliseconds). Where
-it cannot be built, or with ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``, the engine keeps the torch
-path, with one log line.
+ninja; 30-60 s, once per machine: :mod:`asyncllm.worker.cpu_extension` keeps the build
+in asyncllm's cache directory, keyed by the source, flags, torch and Python, and later
+processes import it in milliseconds). Where it cannot be built, or with
+``ASYNCLLM_CPU_ATTENTION_KERNEL=0``, the engine keeps the torch path, with one log line.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import logging
-import os
 import pathlib
-import platform
-import sys
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +32,7 @@ import torch
 
 from asyncllm.attention.backend_registry import AttentionBackend
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
-
-logger = logging.getLogger("asyncllm")
+from asyncllm.worker.cpu_extension import CpuExtension
 
 ENV_SWITCH = "ASYNCLLM_CPU_ATTENTION_KERNEL"
 
@@ -197,83 +189,36 @@ NAME = "asyncllm_cpu_paged"
 # (the kernel keeps every value finite: the running max starts at -1e30, not -inf).
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 
-_lock = threading.Lock()
-_module: Any = None
-_failed: str | None = None
+EXTENSION = CpuExtension(
+    NAME, _SOURCE, ["paged_decode"], CFLAGS, "CPU attention kernel", ENV_SWITCH
+)
+"""The kernel's build-once extension (:mod:`asyncllm.worker.cpu_extension`)."""
 
 
 def enabled() -> bool:
     """Not switched off with ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return EXTENSION.enabled()
 
 
 def build_dir() -> pathlib.Path:
-    """Where the kernel is built: asyncllm's cache, keyed by the source, the flags, torch and
-    Python (a change of any rebuilds it)."""
-    from asyncllm.models.loader import cache_dir
-
-    key = hashlib.sha256(
-        "\0".join([_SOURCE, *CFLAGS, torch.__version__, sys.version, platform.machine()]).encode()
-    ).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"cpu_paged-{key}"
+    """Where the kernel is built (see :meth:`CpuExtension.build_dir`)."""
+    return EXTENSION.build_dir()
 
 
 def load() -> Any:
     """The compiled extension, building it on first use; None where it cannot be built
     (the reason is logged once and kept in :func:`failure`)."""
-    global _module, _failed
-    if _module is not None or _failed is not None:
-        return _module
-    with _lock:
-        if _module is not None or _failed is not None:
-            return _module
-        try:
-            _module = _import_built() or _build()
-        except Exception as e:  # no compiler, no ninja, no headers...
-            lines = str(e).strip().splitlines()
-            _failed = f"{type(e).__name__}: {lines[-1] if lines else ''}"
-            logger.warning("asyncllm: CPU attention kernel unavailable, using torch (%s)", _failed)
-    return _module
-
-
-def _import_built() -> Any:
-    """The already built extension (a plain import, milliseconds), or None."""
-    so = build_dir() / f"{NAME}.so"
-    if not so.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location(NAME, so)
-    if spec is None or spec.loader is None:
-        return None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _build() -> Any:
-    from torch.utils.cpp_extension import load_inline
-
-    d = build_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    logger.info("asyncllm: building the CPU attention kernel once (about a minute) in %s", d)
-    return load_inline(
-        name=NAME,
-        cpp_sources=[_SOURCE],
-        functions=["paged_decode"],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(d),
-        verbose=False,
-    )
+    return EXTENSION.load()
 
 
 def failure() -> str | None:
     """Why the kernel could not be built, or None."""
-    return _failed
+    return EXTENSION.failure()
 
 
 def available() -> bool:
     """The kernel is enabled and builds (building it now if needed)."""
-    return enabled() and load() is not None
+    return EXTENSION.available()
 
 
 @dataclass(frozen=True)
@@ -323,7 +268,7 @@ def decode_attention(
         )
     mod = load()
     if mod is None:
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failed}")
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {failure()}")
     out = torch.empty(query.shape, dtype=query.dtype)
     mod.paged_decode(query, key_cache, value_cache, block_tables, lens, float(scale), out)
     return out

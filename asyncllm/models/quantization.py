@@ -17,10 +17,14 @@ The quantized layers compute in bfloat16 (:data:`asyncllm.worker.quant_linear.CO
 and hand float32 back to a float32 model.
 
 What is quantized (docs/tuning.md has the measurements): every ``nn.Linear`` of the decoder
-layers. The LM head only where it has its own 4-bit GGUF blocks: in int8/int4 modes it stays
-in the model's dtype (it is a fifth of SmolLM2-135M's weights, but at batch 64 the int4 and
-int8 kernels are slower than oneDNN's float32 at its 49152 x 576 shape, and its rounding
-moves every logit), and so does a tied embedding table (it is the same tensor).
+layers. The LM head stays in the model's dtype, and so does a tied embedding table (it is
+the same tensor). The head is a fifth of SmolLM2-135M's weights and at one row the int4
+kernel runs its 49152 x 576 shape 2.2x faster than oneDNN's packed bfloat16 (1.1 against
+2.5 ms, 2 threads), but its rounding moves every logit: an int4 (group 32) copy of the
+default model's head, used for every row, raised the perplexity of the bfloat16 "gguf"
+model on tests/data/public_domain.txt from 18.90 to 19.88 (+5.2%; float32 18.77), past the
+1% the quality test allows (``benchmarks/head_precision.py``). At 8 or more rows bfloat16
+is faster anyway.
 
 The converted modules are saved under ``cache_dir()/quant/`` keyed by the model's weight
 files, the setting, the dtype and the torch version, so a second start only loads them.

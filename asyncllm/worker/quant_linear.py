@@ -5,7 +5,12 @@
   CPU int4 layout calls too; torchao adds nothing on CPU that this needs). The kernel computes
   ``w = (q - 8) * scale + zero`` (checked bit for bit in the tests), so GGUF's ``Q4_1``
   (``d * q + m``: scale ``d``, zero ``m + 8 d``) and ``Q4_0`` (``d * (q - 8)``: zero 0) map
-  onto it without loss when the scales are float32 (a float32 model).
+  onto it without loss when the scales are float32 (a float32 model). That kernel is a
+  matrix-vector kernel (its time grows with the row count): a call with more than
+  :data:`INT4_KERNEL_MAX_ROWS` rows instead dequantizes the weight into a reused scratch
+  buffer (:mod:`asyncllm.worker.int4_dequant`, C++) and runs one bfloat16 GEMM, 3x faster
+  at 64 rows, with only the int4 weight kept. Both paths are one custom op,
+  ``asyncllm::int4_linear``, under ``torch.compile``.
 * :class:`Int8Linear`: int8 codes with one scale per output channel,
   ``aten._weight_int8pack_mm``.
 * :class:`QuantEmbedding`: an embedding table kept as integer codes with per-group scale and
@@ -19,12 +24,15 @@ docs/tuning.md (``benchmarks/quant_kernels.py``).
 
 from __future__ import annotations
 
+import collections
 import logging
 import typing
 from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from asyncllm.worker import int4_dequant
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
@@ -148,16 +156,96 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sz = self.scales_and_zeros
-        rows = _rows(x, self.in_features, sz.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, sz)
-        return _finish(y, x, self.out_features, self.bias)
+        args = (x, self.packed, self.scales_and_zeros, self.bias)
+        sizes = (self.group_size, self.in_features, self.out_features)
+        if torch.compiler.is_compiling():  # the row-count choice inside one opaque op
+            y: torch.Tensor = int4_linear_op(*args, *sizes)
+            return y
+        return int4_linear(*args, *sizes)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"int4 g{self.group_size}"
         )
+
+
+#: Calls with more rows than this dequantize the int4 weight (:mod:`.int4_dequant`) and run
+#: one dense GEMM; up to this many go through torch's int4 kernel, whose cost grows with the
+#: row count (a matrix-vector kernel). Measured with ``benchmarks/quant_kernels.py``
+#: (bfloat16, 2 threads, median us per call, weights out of cache, int4 kernel / dequantize
+#: then ``torch.mm``; the dequantization alone: 12, 55 and 59 us; docs/tuning.md)::
+#:
+#:     rows         1         8        12        16        24        64
+#:     192x576   11 / 55   31 / 60   33 / 59   54 / 59   53 / 63  115 /  69
+#:     1536x576  39 / 220 119 / 215 173 / 242 224 / 222 349 / 257 857 / 264
+#:     576x1536  41 / 199 115 / 203 175 / 218 223 / 219 325 / 210 854 / 256
+#:
+#: The crossover is at 16 rows with 2 threads (12 with 1 thread: the dequantization halves
+#: with a second thread, the int4 kernel less so).
+INT4_KERNEL_MAX_ROWS = 16
+
+#: Calls of :func:`int4_linear` per path ("int4": torch's kernel, "dequant": dequantize then
+#: GEMM), for tests and profiles.
+PATH_CALLS: collections.Counter[str] = collections.Counter()
+
+
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+    out_features: int,
+) -> torch.Tensor:
+    """``y = x W^T + b`` for an :class:`Int4Linear`'s buffers, in ``x``'s shape and dtype.
+
+    Up to :data:`INT4_KERNEL_MAX_ROWS` rows: ``aten._weight_int4pack_mm_for_cpu``. More:
+    the weight dequantized into a reused scratch ``W^T`` by
+    :func:`asyncllm.worker.int4_dequant.dequantize_t`, then one ``torch.mm`` (oneDNN's
+    bfloat16 GEMM); where that kernel cannot run (``out_features`` not a multiple of 64, no
+    compiler, float16 scales), torch's int4 kernel for every row count.
+    """
+    sz = scales_and_zeros
+    rows = _rows(x, in_features, sz.dtype)
+    if rows.shape[0] > INT4_KERNEL_MAX_ROWS and int4_dequant.supported(packed, sz, out_features):
+        PATH_CALLS["dequant"] += 1
+        wt = int4_dequant.dequantize_t(packed, sz, group_size, in_features, out_features)
+        y = torch.mm(rows, wt)
+    else:
+        PATH_CALLS["int4"] += 1
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, sz)
+    return _finish(y, x, out_features, bias)
+
+
+@torch.library.custom_op("asyncllm::int4_linear", mutates_args=())
+def int4_linear_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+    out_features: int,
+) -> torch.Tensor:
+    """:func:`int4_linear` as one op for ``torch.compile`` (:mod:`asyncllm.worker.compiled`):
+    the row-count choice happens inside it, so a compiled graph with a dynamic row count
+    needs no guard on it (and Inductor does not trace the packed int4 weight)."""
+    return int4_linear(x, packed, scales_and_zeros, bias, group_size, in_features, out_features)
+
+
+@int4_linear_op.register_fake
+def _(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+    out_features: int,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 class Int8Linear(nn.Module):

@@ -1,0 +1,124 @@
+"""Build-once, import-fast C++ CPU extensions (the decode attention and int4 dequant kernels).
+
+Each kernel is C++ source compiled with ``torch.utils.cpp_extension.load_inline`` (g++ and
+ninja; 30-60 s, once per machine). The build is kept under asyncllm's cache directory
+(:func:`asyncllm.models.loader.cache_dir`), in a folder keyed by the source, the flags, torch,
+Python and the machine, so a change of any rebuilds it and later processes find the ``.so``
+and import it in milliseconds, without calling the compiler. Where it cannot be built (no
+compiler, no ninja, no headers...) or its switch variable is ``0``, :meth:`CpuExtension.load`
+returns None and the caller keeps its torch path; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import pathlib
+import platform
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("asyncllm")
+
+__all__ = ["CpuExtension"]
+
+
+class CpuExtension:
+    """One C++ extension built on first use and cached on disk.
+
+    Args:
+        name: the extension's module name (also names its build folder).
+        source: the C++ source (``#include <torch/extension.h>`` and the functions).
+        functions: the functions to bind.
+        cflags: compiler flags (``-fopenmp`` among them links OpenMP too).
+        what: a few words naming the kernel in log lines ("CPU attention kernel").
+        env_switch: an environment variable that turns the kernel off when ``0``/``false``/
+            ``no``/``off`` (read on every :meth:`enabled` call).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        source: str,
+        functions: Sequence[str],
+        cflags: Sequence[str],
+        what: str,
+        env_switch: str,
+    ) -> None:
+        self.name, self.source, self.what, self.env_switch = name, source, what, env_switch
+        self.functions, self.cflags = list(functions), list(cflags)
+        self._lock = threading.Lock()
+        self._module: Any = None
+        self._failed: str | None = None
+
+    def enabled(self) -> bool:
+        """Not switched off with ``<env_switch>=0``."""
+        flag = os.environ.get(self.env_switch, "1").strip().lower()
+        return flag not in ("0", "false", "no", "off")
+
+    def build_dir(self) -> pathlib.Path:
+        """Where the kernel is built: asyncllm's cache, keyed by the source, the flags, torch,
+        Python and the machine (a change of any rebuilds it)."""
+        from asyncllm.models.loader import cache_dir
+
+        parts = [self.source, *self.cflags, torch.__version__, sys.version, platform.machine()]
+        key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+        return cache_dir() / "kernels" / f"{self.name.removeprefix('asyncllm_')}-{key}"
+
+    def load(self) -> Any:
+        """The compiled extension, building it on first use; None where it cannot be built
+        (the reason is logged once and kept in :meth:`failure`). Thread-safe."""
+        if self._module is not None or self._failed is not None:
+            return self._module
+        with self._lock:
+            if self._module is not None or self._failed is not None:
+                return self._module
+            try:
+                self._module = self._import_built() or self._build()
+            except Exception as e:  # no compiler, no ninja, no headers...
+                lines = str(e).strip().splitlines()
+                e_line = self._failed = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+                logger.warning("asyncllm: %s unavailable, using torch (%s)", self.what, e_line)
+        return self._module
+
+    def failure(self) -> str | None:
+        """Why the kernel could not be built, or None."""
+        return self._failed
+
+    def available(self) -> bool:
+        """The kernel is enabled and builds (building it now if needed)."""
+        return self.enabled() and self.load() is not None
+
+    def _import_built(self) -> Any:
+        """The already built extension (a plain import, milliseconds), or None."""
+        so = self.build_dir() / f"{self.name}.so"
+        if not so.is_file():
+            return None
+        spec = importlib.util.spec_from_file_location(self.name, so)
+        if spec is None or spec.loader is None:
+            return None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    def _build(self) -> Any:
+        from torch.utils.cpp_extension import load_inline
+
+        d = self.build_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        logger.info("asyncllm: building the %s once (about a minute) in %s", self.what, d)
+        return load_inline(  # type: ignore[no-untyped-call]
+            name=self.name,
+            cpp_sources=[self.source],
+            functions=self.functions,
+            extra_cflags=self.cflags,
+            extra_ldflags=["-fopenmp"] if "-fopenmp" in self.cflags else [],
+            build_directory=str(d),
+            verbose=False,
+        )
