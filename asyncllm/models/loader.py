@@ -26,7 +26,6 @@ import shutil
 import tempfile
 import time
 
-import accelerate
 import torch
 import transformers
 from filelock import FileLock
@@ -35,7 +34,6 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    GenerationConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
 )
@@ -45,19 +43,12 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from asyncllm.errors import (
-    AsyncLLMError,
     ModelLoadError,
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from asyncllm.models.quantization import (
-    QuantInfo,
-    QuantSetting,
-    gguf_source,
-    load_cached,
-    quantize_model,
-    resolve_quantization,
-)
+from asyncllm.models.quantization import gguf_source, resolve_quantization
+from asyncllm.models.weights import load_weights
 from asyncllm.worker.quant_linear import DEFAULT_GROUP_SIZE, weight_bytes
 
 __all__ = [
@@ -264,28 +255,7 @@ def load_model(
         dtype=dtype,
         device=device,
     )
-    cached = load_cached(setting)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        # With the quantized layers cached, their dense weights are never built or read.
-        built = _load_around_cached(model_dir, config, attn_implementation, setting, cached)
-        if built is None:
-            lm = AutoModelForCausalLM.from_pretrained(
-                model_dir,
-                config=config,
-                dtype=dtype,
-                attn_implementation=attn_implementation,
-                local_files_only=True,
-            )
-    except (AsyncLLMError, MemoryError, torch.OutOfMemoryError):
-        raise
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load the model in {model_dir}: {exc}") from exc
-    if built is None:
-        lm.to(device)
-        info = quantize_model(lm, setting, cached)
-    else:
-        lm, info = built
+    tokenizer, lm, info = load_weights(model_dir, config, attn_implementation, setting)
     lm.eval()
     lm.requires_grad_(False)
     if info.mode is not None:
@@ -301,55 +271,6 @@ def load_model(
         precision=info.precision,
         weight_bytes=weight_bytes(lm),
     )
-
-
-def _load_around_cached(
-    model_dir: pathlib.Path,
-    config: PretrainedConfig,
-    attn_implementation: str,
-    setting: QuantSetting,
-    cached: dict | None,
-) -> tuple[torch.nn.Module, QuantInfo] | None:
-    """Build the model with its cached quantized layers, reading only the other weights.
-
-    The model is made with its parameters on the meta device (accelerate's
-    ``init_empty_weights``; buffers such as the rotary frequencies are computed as usual),
-    the cached modules replace theirs, and the remaining parameters (embeddings, norms, what
-    was not quantized) are read from the safetensors files in ``setting.dtype``. So a start
-    from the cache never holds the dense weights of the quantized layers, nor maps the
-    file's copy of them: the peak resident memory is about the quantized model's.
-
-    Returns:
-        (the model on ``setting.device``, what was quantized), or None where this path does
-        not apply (nothing cached, no safetensors files, or a parameter the files lack under
-        its own name): then the caller loads the whole model with ``from_pretrained``.
-    """
-    files = sorted(model_dir.glob("*.safetensors"))
-    if cached is None or not files:
-        return None
-    with accelerate.init_empty_weights(include_buffers=False):
-        lm = AutoModelForCausalLM.from_config(
-            config, dtype=setting.dtype, attn_implementation=attn_implementation
-        )
-    info = quantize_model(lm, setting, cached)
-    tied = dict(getattr(lm, "all_tied_weights_keys", None) or {})
-    wanted = {n for n, p in lm.named_parameters(remove_duplicate=False) if p.is_meta}
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in wanted & set(f.keys()):
-                state[key] = f.get_tensor(key).to(setting.dtype)
-    if wanted - state.keys() - tied.keys():
-        return None
-    lm.load_state_dict(state, strict=False, assign=True)
-    if tied and getattr(lm.config, "tie_word_embeddings", False):
-        lm.tie_weights()
-    if any(p.is_meta for p in lm.parameters()):
-        return None
-    lm.generation_config = GenerationConfig.from_model_config(lm.config)
-    if (model_dir / "generation_config.json").is_file():
-        lm.generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
-    return lm.to(setting.device), info
 
 
 def _read_config(model_dir: pathlib.Path) -> PretrainedConfig:

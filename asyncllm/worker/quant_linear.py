@@ -158,7 +158,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (x, self.packed, self.scales_and_zeros, self.bias)
         sizes = (self.group_size, self.in_features, self.out_features)
-        if torch.compiler.is_compiling():  # the row-count choice inside one opaque op
+        if torch.compiler.is_dynamo_compiling():  # the row-count choice inside one opaque op
             y: torch.Tensor = int4_linear_op(*args, *sizes)
             return y
         return int4_linear(*args, *sizes)
