@@ -131,8 +131,11 @@ def resolve_compile(compile: str | bool, device: torch.device) -> bool:
     batch 64 (400 vs 445 ms, load ~2.4); but while the background thread compiles (15-50 s
     with a warm Inductor cache), the eager steps stall: ``python -m asyncllm generate Hi``
     took 16.4 s to its first token instead of 8.8 s (TTFT 8.7 s instead of 0.09 s), past the
-    10 s cold-start bound. CUDA: the compiled forward has never run on a GPU. docs/tuning.md
-    has the table.
+    10 s cold-start bound; with a cold cache (61 s of compiling, g++ on both cores) a
+    30-token stream took 79 s. And since the int4 linears became one opaque custom op, the
+    compiled step no longer wins at batch 1 (1.03x and 0.97x the eager step, two runs at
+    load 0.3-1). CUDA: the compiled forward has never run on a GPU. docs/tuning.md has the
+    table.
 
     Raises:
         ValueError: ``$ASYNCLLM_COMPILE`` set to something other than "0" or "1".
