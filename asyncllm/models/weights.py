@@ -22,7 +22,13 @@ from transformers import (
 )
 
 from asyncllm.errors import AsyncLLMError, ModelLoadError
-from asyncllm.models.quantization import QuantInfo, QuantSetting, load_cached, quantize_model
+from asyncllm.models.quantization import (
+    QuantInfo,
+    QuantSetting,
+    apply_cached,
+    load_cached,
+    quantize_model,
+)
 
 __all__ = ["build_around_cached", "load_weights"]
 
@@ -81,8 +87,10 @@ def build_around_cached(
 
     Returns:
         (the model on ``setting.device``, what was quantized), or None where this path does
-        not apply (nothing cached, no safetensors files, or a parameter the files lack under
-        its own name): then the caller loads the whole model with ``from_pretrained``.
+        not apply (nothing cached, a cache that does not fit the model (see
+        :func:`~asyncllm.models.quantization.apply_cached`), no safetensors files, or a
+        parameter the files lack under its own name): then the caller loads the whole
+        model with ``from_pretrained``.
     """
     files = sorted(model_dir.glob("*.safetensors"))
     if cached is None or not files:
@@ -91,7 +99,9 @@ def build_around_cached(
         lm = AutoModelForCausalLM.from_config(
             config, dtype=setting.dtype, attn_implementation=attn_implementation
         )
-    info = quantize_model(lm, setting, cached)
+    info = apply_cached(lm, setting, cached)
+    if info is None:
+        return None
     tied = dict(getattr(lm, "all_tied_weights_keys", None) or {})
     wanted = {n for n, p in lm.named_parameters(remove_duplicate=False) if p.is_meta}
     state: dict[str, torch.Tensor] = {}
