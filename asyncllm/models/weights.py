@@ -43,7 +43,8 @@ def load_weights(
     (around its cached layers when they are cached: :func:`build_around_cached`).
 
     Raises:
-        ModelLoadError: the weight or tokenizer files cannot be read.
+        ModelLoadError: the weight or tokenizer files cannot be read, or lack a parameter
+            of the model (naming it; transformers would initialize it at random).
         ValueError: a quantization the model's layers cannot take (naming the layer).
     """
     cached = load_cached(setting)
@@ -52,13 +53,22 @@ def load_weights(
         # With the quantized layers cached, their dense weights are never built or read.
         built = build_around_cached(model_dir, config, attn_implementation, setting, cached)
         if built is None:
-            lm = AutoModelForCausalLM.from_pretrained(
+            lm, loading = AutoModelForCausalLM.from_pretrained(
                 model_dir,
                 config=config,
                 dtype=setting.dtype,
                 attn_implementation=attn_implementation,
                 local_files_only=True,
+                output_loading_info=True,
             )
+            # transformers initializes a parameter the files lack at random and only
+            # reports it; vLLM refuses such a checkpoint ("weights not initialized").
+            if loading.get("missing_keys"):
+                missing = sorted(loading["missing_keys"])
+                raise ModelLoadError(
+                    f"the weight files in {model_dir} lack {len(missing)} parameter(s) of "
+                    f"the model: {', '.join(missing[:5])}"
+                )
     except (AsyncLLMError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as exc:
