@@ -42,3 +42,13 @@ def test_an_unused_kv_cache_takes_no_resident_memory():
     quarter = layer.numel() * layer.element_size() // 4
     assert quarter <= grown < quarter + (32 << 20)
     assert torch.count_nonzero(cache.value_caches[-1]) == 0
+
+
+def test_kv_budget_the_host_cannot_reserve_is_a_value_error(tiny_llama_dir, make_engine):
+    """A budget past the address space (1 PiB; 2**60 bytes for the bare helper) raised the
+    mapping's bare ``OSError`` (ENOMEM); now a ValueError naming ``kv_cache_bytes``, raised
+    while the engine is built."""
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        zeros_on_demand((2**28, 2**30), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"cannot reserve .*kv_cache_bytes"):
+        make_engine(tiny_llama_dir, quantization=None, kv_cache_bytes=2**50)

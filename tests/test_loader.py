@@ -264,6 +264,29 @@ def test_truncated_safetensors(tiny_hf_dir, keep: int):
     assert str(weights.absolute()) in str(info.value)
 
 
+@pytest.mark.parametrize("quantization", [None, "int4"])
+@pytest.mark.parametrize("drop", ["model.norm.weight", "model.layers.0.self_attn.q_proj.weight"])
+def test_weights_lacking_a_parameter_raise_model_load_error(
+    tiny_hf_dir, monkeypatch: pytest.MonkeyPatch, drop: str, quantization: str | None
+):
+    """A checkpoint without one of the model's parameters is refused, naming it (as vLLM
+    does), instead of served with that parameter initialized at random (transformers'
+    ``from_pretrained`` only reports it); a norm (never quantized) and a layer that int4
+    replaces, with and without quantization."""
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tiny_hf_dir[0].parent / "cache"))
+    path, _ = tiny_hf_dir
+    weights = load_file(path / "model.safetensors")
+    del weights[drop]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    for _ in range(2):  # and again, as a second start would (nothing was cached)
+        with pytest.raises(ModelLoadError, match=rf"lack 1 parameter.*{drop}"):
+            load_model(
+                path, dtype=torch.float32, device=torch.device("cpu"), quantization=quantization
+            )
+
+
 def test_corrupt_bin_weights_raise_model_load_error(tiny_hf_dir):
     path, _ = tiny_hf_dir
     (path / "model.safetensors").unlink()

@@ -481,3 +481,54 @@ def test_cached_start_builds_only_the_unquantized_weights(
     ids = torch.tensor([[1, 5, 9, 200, 7, 3]])
     with torch.inference_mode():
         assert torch.equal(first.model(ids).logits, again.model(ids).logits)
+
+
+def _drop_a_module(path: pathlib.Path) -> None:
+    data = torch.load(path, weights_only=True)
+    del data["modules"][sorted(data["modules"])[0]]
+    torch.save(data, path)
+
+
+def _unknown_class(path: pathlib.Path) -> None:
+    data = torch.load(path, weights_only=True)
+    data["modules"][sorted(data["modules"])[0]]["cls"] = "Int3Linear"
+    torch.save(data, path)
+
+
+def _add_a_module(path: pathlib.Path) -> None:
+    data = torch.load(path, weights_only=True)
+    data["modules"]["model.layers.9.mlp.up_proj"] = next(iter(data["modules"].values()))
+    torch.save(data, path)
+
+
+@pytest.mark.parametrize(
+    "tamper", ["other model", "other setting", "drop a module", "add a module", "unknown class"]
+)
+def test_cache_that_does_not_fit_is_converted_again(
+    tiny_llama_dir, tiny_qwen2_dir, quant_cache, tamper
+):
+    """A cache file under this model's name that was written for another model or setting,
+    lacks or adds a layer, or names an unknown class is ignored: the start converts again
+    (same weights as a fresh start, the file rewritten), never serves it as the model or
+    fails on it (it served another model's layers, the int8 layers for int4, a dense layer
+    among int4 ones, or raised ModelLoadError)."""
+    cpu = torch.device("cpu")
+    fresh = load_model(tiny_llama_dir, dtype=torch.float32, device=cpu, quantization="int4")
+    (own,) = (quant_cache / "quant").glob("*.pt")
+    good = own.read_bytes()
+    if tamper in ("other model", "other setting"):
+        other = (tiny_qwen2_dir, "int4") if tamper == "other model" else (tiny_llama_dir, "int8")
+        load_model(other[0], dtype=torch.float32, device=cpu, quantization=other[1])
+        (foreign,) = set((quant_cache / "quant").glob("*.pt")) - {own}
+        own.write_bytes(foreign.read_bytes())
+    else:
+        {"drop a module": _drop_a_module, "add a module": _add_a_module,
+         "unknown class": _unknown_class}[tamper](own)  # fmt: skip
+    again = load_model(tiny_llama_dir, dtype=torch.float32, device=cpu, quantization="int4")
+    assert again.precision == "int4 g32"
+    assert again.weight_bytes == fresh.weight_bytes
+    want, got = fresh.model.state_dict(), again.model.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    assert own.read_bytes() == good  # converted again and cached again

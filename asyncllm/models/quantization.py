@@ -27,7 +27,10 @@ model on tests/data/public_domain.txt from 18.90 to 19.88 (+5.2%; float32 18.77)
 is faster anyway.
 
 The converted modules are saved under ``cache_dir()/quant/`` keyed by the model's weight
-files, the setting, the dtype and the torch version, so a second start only loads them.
+files, the setting, the dtype and the torch version, so a second start only loads them. A
+file that does not fit the model (another model's or setting's, a layer missing or extra, an
+unknown module class) is ignored with a warning and the model converted again
+(:func:`apply_cached`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "MODES",
     "QuantInfo",
     "QuantSetting",
+    "apply_cached",
     "load_cached",
     "quantize_model",
     "resolve_quantization",
@@ -61,7 +65,7 @@ MODES = ("auto", "int8", "int4", "gguf")
 Mode = Literal["auto", "int8", "int4", "gguf"] | None
 #: GGUF block size (the group of a Q4_* weight run by Int4Linear).
 GGUF_GROUP = 32
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 class QuantInfo:
@@ -182,12 +186,9 @@ def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = N
     dtype_name = str(setting.dtype).removeprefix("torch.")
     if setting.mode is None:
         return QuantInfo(dtype_name, None, 0, False)
-    cached = cached if cached is not None else load_cached(setting)
-    if cached is not None:
-        for name, state in cached["modules"].items():
-            ql.replace_module(lm, name, ql.module_from_state(state).to(setting.device))
-        _retie(lm)
-        return QuantInfo(cached["precision"], setting.mode, len(cached["modules"]), True)
+    info = apply_cached(lm, setting, cached if cached is not None else load_cached(setting))
+    if info is not None:
+        return info
 
     if setting.mode == "gguf":
         assert setting.tensors is not None
@@ -200,6 +201,59 @@ def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = N
     assert setting.cache_path is not None
     _save_cache(setting.cache_path, modules, precision)
     return QuantInfo(precision, setting.mode, len(modules), False)
+
+
+def apply_cached(lm: nn.Module, setting: QuantSetting, cached: dict | None) -> QuantInfo | None:
+    """Put the cached quantized modules into ``lm`` (its layers may be on the meta device),
+    if they fit it: one module for each layer a conversion under ``setting`` replaces (every
+    linear but the LM head for int4/int8; linears and the embedding for "gguf"), each of that
+    layer's shape. A file that does not fit (written for another model or setting, edited,
+    or by another version) is ignored with a warning, ``lm`` left as it was, and None
+    returned: the caller converts again (or loads the dense weights first), as for an
+    unreadable file; it is never served as the model.
+
+    Returns:
+        What was quantized (``from_cache`` True), or None (nothing cached, or a misfit).
+    """
+    if cached is None:
+        return None
+    try:
+        modules = {n: ql.module_from_state(st) for n, st in cached["modules"].items()}
+        misfit = _cache_misfit(lm, setting, modules)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        misfit = f"unreadable module ({exc})"
+    if misfit:
+        logger.warning("asyncllm: ignoring quantization cache %s: %s", setting.cache_path, misfit)
+        return None
+    for name, module in modules.items():
+        ql.replace_module(lm, name, module.to(setting.device))
+    _retie(lm)
+    return QuantInfo(cached["precision"], setting.mode, len(modules), True)
+
+
+def _cache_misfit(lm: nn.Module, setting: QuantSetting, modules: dict[str, nn.Module]) -> str:
+    """Why cached ``modules`` cannot replace ``lm``'s layers under ``setting`` ("" if they can)."""
+    head = _head_name(lm)
+    layers = {n: m for n, m in _linears(lm) if n != head}
+    emb = _embedding(lm)
+    if setting.mode == "gguf":
+        if emb is not None:
+            layers[emb[0]] = emb[1]
+        extra = sorted(modules.keys() - layers.keys())
+        if extra or not modules:
+            return f"no such layers {extra[:3]}" if extra else "no modules"
+    elif modules.keys() != layers.keys():
+        return f"layers {sorted(layers.keys() ^ modules.keys())[:3]} differ from the model's"
+    for name, module in modules.items():
+        layer = layers[name]
+        dims = (
+            ("num_embeddings", "embedding_dim")
+            if isinstance(layer, nn.Embedding)
+            else ("in_features", "out_features")
+        )
+        if any(getattr(module, d, None) != getattr(layer, d) for d in dims):
+            return f"{name} has another shape than the model's"
+    return ""
 
 
 def _auto_mode(
@@ -385,7 +439,9 @@ def _load_cache(path: pathlib.Path) -> dict | None:
         return None
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")
-        if data.get("version") != _CACHE_VERSION:
+        # The file's own name is stored in it: a file copied or renamed from another
+        # model's or setting's name is not this one's.
+        if data.get("version") != _CACHE_VERSION or data.get("name") != path.name:
             return None
         return data  # type: ignore[no-any-return]
     except Exception as exc:  # a truncated or foreign file: convert again
@@ -396,6 +452,7 @@ def _load_cache(path: pathlib.Path) -> dict | None:
 def _save_cache(path: pathlib.Path, modules: dict[str, nn.Module], precision: str) -> None:
     data = {
         "version": _CACHE_VERSION,
+        "name": path.name,
         "precision": precision,
         "modules": {n: ql.module_state(m) for n, m in modules.items()},
     }

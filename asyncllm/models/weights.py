@@ -22,7 +22,13 @@ from transformers import (
 )
 
 from asyncllm.errors import AsyncLLMError, ModelLoadError
-from asyncllm.models.quantization import QuantInfo, QuantSetting, load_cached, quantize_model
+from asyncllm.models.quantization import (
+    QuantInfo,
+    QuantSetting,
+    apply_cached,
+    load_cached,
+    quantize_model,
+)
 
 __all__ = ["build_around_cached", "load_weights"]
 
@@ -37,7 +43,8 @@ def load_weights(
     (around its cached layers when they are cached: :func:`build_around_cached`).
 
     Raises:
-        ModelLoadError: the weight or tokenizer files cannot be read.
+        ModelLoadError: the weight or tokenizer files cannot be read, or lack a parameter
+            of the model (naming it; transformers would initialize it at random).
         ValueError: a quantization the model's layers cannot take (naming the layer).
     """
     cached = load_cached(setting)
@@ -46,13 +53,22 @@ def load_weights(
         # With the quantized layers cached, their dense weights are never built or read.
         built = build_around_cached(model_dir, config, attn_implementation, setting, cached)
         if built is None:
-            lm = AutoModelForCausalLM.from_pretrained(
+            lm, loading = AutoModelForCausalLM.from_pretrained(
                 model_dir,
                 config=config,
                 dtype=setting.dtype,
                 attn_implementation=attn_implementation,
                 local_files_only=True,
+                output_loading_info=True,
             )
+            # transformers initializes a parameter the files lack at random and only
+            # reports it; vLLM refuses such a checkpoint ("weights not initialized").
+            if loading.get("missing_keys"):
+                missing = sorted(loading["missing_keys"])
+                raise ModelLoadError(
+                    f"the weight files in {model_dir} lack {len(missing)} parameter(s) of "
+                    f"the model: {', '.join(missing[:5])}"
+                )
     except (AsyncLLMError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as exc:
@@ -81,8 +97,10 @@ def build_around_cached(
 
     Returns:
         (the model on ``setting.device``, what was quantized), or None where this path does
-        not apply (nothing cached, no safetensors files, or a parameter the files lack under
-        its own name): then the caller loads the whole model with ``from_pretrained``.
+        not apply (nothing cached, a cache that does not fit the model (see
+        :func:`~asyncllm.models.quantization.apply_cached`), no safetensors files, or a
+        parameter the files lack under its own name): then the caller loads the whole
+        model with ``from_pretrained``.
     """
     files = sorted(model_dir.glob("*.safetensors"))
     if cached is None or not files:
@@ -91,7 +109,9 @@ def build_around_cached(
         lm = AutoModelForCausalLM.from_config(
             config, dtype=setting.dtype, attn_implementation=attn_implementation
         )
-    info = quantize_model(lm, setting, cached)
+    info = apply_cached(lm, setting, cached)
+    if info is None:
+        return None
     tied = dict(getattr(lm, "all_tied_weights_keys", None) or {})
     wanted = {n for n, p in lm.named_parameters(remove_duplicate=False) if p.is_meta}
     state: dict[str, torch.Tensor] = {}

@@ -140,11 +140,21 @@ def zeros_on_demand(
     costs TLB misses, which also stop software prefetches; with transparent huge pages in
     "madvise" mode (a common default) only advised memory gets 2 MiB pages. Where the
     advice is refused the tensor keeps ordinary pages. Elsewhere: ``torch.zeros``.
+
+    Raises:
+        ValueError: the host refuses to reserve the mapping (more than its memory and
+            overcommit allow), naming ``kv_cache_bytes``, instead of a bare ``OSError``.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, max(nbytes, 1))
+    try:
+        buf = mmap.mmap(-1, max(nbytes, 1))
+    except OSError as exc:  # ENOMEM: past what the kernel's overcommit lets one reserve
+        raise ValueError(
+            f"cannot reserve {nbytes} bytes of host memory for the KV cache ({exc}): lower "
+            "EngineConfig.kv_cache_bytes (or leave it None)"
+        ) from exc
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
         with contextlib.suppress(OSError):
             buf.madvise(mmap.MADV_HUGEPAGE)
