@@ -208,14 +208,15 @@ def apply_cached(lm: nn.Module, setting: QuantSetting, cached: dict | None) -> Q
     if they fit it: one module for each layer a conversion under ``setting`` replaces (every
     linear but the LM head for int4/int8; linears and the embedding for "gguf"), each of that
     layer's shape. A file that does not fit (written for another model or setting, edited,
-    or by another version) is ignored with a warning, ``lm`` left as it was, and None
-    returned: the caller converts again (or loads the dense weights first), as for an
-    unreadable file; it is never served as the model.
+    or by another version) is ignored with one warning (``cached`` is emptied, so a second
+    call with it returns None quietly), ``lm`` left as it was, and None returned: the
+    caller converts again (or loads the dense weights first), as for an unreadable file; it
+    is never served as the model.
 
     Returns:
         What was quantized (``from_cache`` True), or None (nothing cached, or a misfit).
     """
-    if cached is None:
+    if not cached:  # nothing cached, or a file already found not to fit (emptied below)
         return None
     try:
         modules = {n: ql.module_from_state(st) for n, st in cached["modules"].items()}
@@ -224,6 +225,7 @@ def apply_cached(lm: nn.Module, setting: QuantSetting, cached: dict | None) -> Q
         misfit = f"unreadable module ({exc})"
     if misfit:
         logger.warning("asyncllm: ignoring quantization cache %s: %s", setting.cache_path, misfit)
+        cached.clear()  # one warning per read, whichever load path tries it next
         return None
     for name, module in modules.items():
         ql.replace_module(lm, name, module.to(setting.device))
