@@ -49,12 +49,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "triton" on a CPU raises ValueError when the engine is built unless
             ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests).
         compile: compile the model's forward with ``torch.compile`` (Inductor; paged
-            attention and the packed linears as opaque custom ops). The engine serves eagerly
-            while it compiles on a background thread and switches between two steps when
-            ready; a failed compile leaves it eager with one warning. "auto": off on every
-            device (on CPU the compiled step is faster, but the background compile stalls
-            the first token; docs/tuning.md), on with ``ASYNCLLM_COMPILE=1``; True: always,
-            False: never.
+            attention and the packed and int4 linears as opaque ops). The first engine of a
+            model serves eagerly while a low-priority child process compiles it (about a
+            minute on 2 cores) and switches between two steps when ready; later engines load
+            the saved result in seconds (:mod:`asyncllm.worker.compiled`); a failed compile
+            leaves it eager with one warning. "auto": on on CPU (the compiled decode step
+            took 0.65x the eager one at batch 1 and 0.76x at batch 64; docs/tuning.md), off
+            on CUDA (never measured); ``ASYNCLLM_COMPILE=0``/``1`` overrides "auto"; True:
+            always, False: never.
         max_waiting: the most requests waiting to be scheduled (submitted, not yet
             running; calls waiting for or in tokenization included); past it
             ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at once instead of

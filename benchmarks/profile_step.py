@@ -12,7 +12,8 @@ W1's prompts (64 chat-templated "Write a short story about a robot number {i}.")
 decode steps only, where every request of the batch computes one token. ``--ab`` builds two
 engines on two copies of the model, one with the optimization switched off
 (``ASYNCLLM_CPU_PACKED_LINEAR=0``, ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``,
-``ASYNCLLM_INT4_DEQUANT_KERNEL=0``, read at each call, so set around each of its steps, or
+read at each call, so set around each of its steps; for ``int4rows``,
+``quant_linear.INT4_KERNEL_MAX_ROWS`` raised past any batch around the "off" steps; or
 ``compile=False``; the compiled engine is waited for until its compile ended; for ``dtype``,
 one in bfloat16 and one in float32), and alternates their steps (the ratio of medians is
 robust to other load on the machine). ``--dtype`` sets the engines' dtype (but for ``--ab
@@ -36,6 +37,7 @@ from asyncllm import SamplingParams
 from asyncllm.bench.workloads import load_prompts
 from asyncllm.config import EngineConfig
 from asyncllm.engine.llm_engine import LLMEngine
+from asyncllm.worker import quant_linear
 
 
 def engine_at_batch(
@@ -108,7 +110,7 @@ def main() -> None:
             "packed": "ASYNCLLM_CPU_PACKED_LINEAR",
             "attention": "ASYNCLLM_CPU_ATTENTION_KERNEL",
             "compile": "ASYNCLLM_UNUSED",
-            "int4rows": "ASYNCLLM_INT4_DEQUANT_KERNEL",
+            "int4rows": "ASYNCLLM_UNUSED",
         }
         engines = {}
         for name, flag in (("on", "1"), ("off", "0")):
@@ -123,11 +125,12 @@ def main() -> None:
             )
         os.environ.pop(var[args.ab])
     if args.ab:
+        max_rows = quant_linear.INT4_KERNEL_MAX_ROWS
         times: dict[str, list[float]] = {k: [] for k in engines}
         for i in range(2 * args.steps):
             for name in list(engines)[:: 1 if i % 2 else -1]:
-                if args.ab == "int4rows":  # the switch is read per call: set it per step
-                    os.environ["ASYNCLLM_INT4_DEQUANT_KERNEL"] = "1" if name == "on" else "0"
+                if args.ab == "int4rows":  # read per call: set it per step
+                    quant_linear.INT4_KERNEL_MAX_ROWS = max_rows if name == "on" else 1 << 30
                 t = time.perf_counter()
                 engines[name].step()
                 times[name].append(time.perf_counter() - t)

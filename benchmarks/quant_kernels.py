@@ -82,11 +82,14 @@ def build(name: str, n: int, k: int, copies: int):  # type: ignore[no-untyped-de
             fns.append(lambda x, wb=wb: torch.nn.functional.linear(x, wb))
         elif name in ("dequant-bf16", "int4dq-bf16"):
             p, sz = _int4_pack(w, 32, act)
-            dq = lambda p=p, sz=sz: int4_dequant.dequantize_t(p, sz, 32, k, n)  # noqa: E731
             if name == "dequant-bf16":
-                fns.append(lambda x, dq=dq: dq())
-            else:
-                fns.append(lambda x, dq=dq: torch.mm(x, dq()))
+                wt = torch.empty(k, n, dtype=act)
+                kern = int4_dequant.EXTENSION.load().int4_dequant_t
+                fns.append(lambda x, p=p, sz=sz, wt=wt, kern=kern: kern(p, sz, 32, wt))
+            else:  # the layer's op, which dequantizes above max_rows rows (0 here)
+                int4_dequant.kernel()  # loads the extension, which registers the op
+                op = torch.ops.asyncllm_cpu.int4_linear.default
+                fns.append(lambda x, p=p, sz=sz, op=op: op(x, p, sz, None, 32, k, n, 0))
         elif name.startswith("int4"):
             p, sz = _int4_pack(w, 32, act)
             fns.append(

@@ -35,7 +35,8 @@ SMALL = dict(max_model_len=256, kv_cache_bytes=2**22, max_num_batched_tokens=64,
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def compiled_engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
-    """An engine on the tiny model with its forward compiled (waited for)."""
+    """An engine on the tiny model with its forward compiled (in a child process, into an
+    artifact file; waited for)."""
     path: pathlib.Path = request.getfixturevalue(f"tiny_{request.param}_dir")
     engine = LLMEngine.from_config(EngineConfig(model=str(path), compile=True, **SMALL))
     cf = engine.runner.compiled
@@ -44,6 +45,19 @@ def compiled_engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
     assert engine.stats()["compile"] == "ready" and engine.stats()["compile_seconds"] > 0
     yield engine
     engine.stop_compute_thread()
+
+
+def compile_here(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    """Compile on the engine's background thread (where a patched ``BACKEND`` applies)
+    instead of a child process, into a fresh artifact under ``tmp_path``."""
+
+    def in_thread(self: compiled_mod.CompiledForward, source: Any) -> None:
+        compiled_mod.build_artifact(self.model, self.path)
+
+    monkeypatch.setattr(compiled_mod.CompiledForward, "_build_in_child", in_thread)
+    monkeypatch.setattr(
+        compiled_mod, "artifact_path", lambda model, threads: tmp_path / f"{id(model)}.bin"
+    )
 
 
 def twin(base: LLMEngine, *, compiled: bool, **config: Any) -> LLMEngine:
@@ -116,6 +130,22 @@ def test_compiled_tokens_equal_eager(compiled_engine: LLMEngine, config: dict[st
         e.stop_compute_thread()
 
 
+def test_second_engine_loads_the_artifact(compiled_engine: LLMEngine) -> None:
+    """The fixture's engine compiled in a child process into an artifact file; a new engine
+    of the same model finds it, loads it without compiling (no child) and computes the
+    eager tokens."""
+    first = compiled_engine.runner.compiled
+    assert first is not None and first.path.is_file()
+    again = LLMEngine.from_config(compiled_engine.config)
+    cf = again.runner.compiled
+    assert cf is not None and cf.wait(600) and cf.ready, cf.error
+    assert cf.path == first.path and cf._child is None
+    eager = twin(compiled_engine, compiled=False)
+    assert run(again) == run(eager)
+    for e in (again, eager):
+        e.stop_compute_thread()
+
+
 def test_no_recompilation_across_batch_compositions(compiled_engine: LLMEngine) -> None:
     """20+ steps of changing token and kept-row counts (1 to 64 tokens, decodes alone,
     prefill chunks that sample nothing) run the one graph compiled at start."""
@@ -129,6 +159,7 @@ def test_no_recompilation_across_batch_compositions(compiled_engine: LLMEngine) 
 
 def test_failed_compile_serves_eagerly(
     tiny_llama_dir: pathlib.Path,
+    tmp_path: pathlib.Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -139,6 +170,7 @@ def test_failed_compile_serves_eagerly(
         raise RuntimeError("injected compile failure")
 
     monkeypatch.setattr(compiled_mod, "BACKEND", broken)
+    compile_here(monkeypatch, tmp_path)
     caplog.set_level(logging.WARNING, "asyncllm")
     engine = LLMEngine.from_config(EngineConfig(model=str(tiny_llama_dir), compile=True, **SMALL))
     cf = engine.runner.compiled
@@ -166,7 +198,11 @@ def test_failed_compile_serves_eagerly(
 
 @pytest.mark.parametrize("dtype,packed", [("float32", "1"), ("bfloat16", "1"), ("float32", "0")])
 def test_eager_steps_while_compiling(
-    tiny_llama_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, dtype: str, packed: str
+    tiny_llama_dir: pathlib.Path,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: str,
+    packed: str,
 ) -> None:
     """Steps served eagerly while the background thread is inside the compiler compute the
     eager tokens. (torch.compiler.is_compiling() is one flag for the whole process: eager
@@ -180,13 +216,13 @@ def test_eager_steps_while_compiling(
         raise RuntimeError("released")  # the engine stays eager
 
     monkeypatch.setattr(compiled_mod, "BACKEND", slow)
+    compile_here(monkeypatch, tmp_path)
     monkeypatch.setenv("ASYNCLLM_CPU_PACKED_LINEAR", packed)  # "0": attention alone
     config = {**SMALL, "dtype": dtype}
     engine = LLMEngine.from_config(EngineConfig(model=str(tiny_llama_dir), compile=True, **config))
     eager = twin(engine, compiled=False, dtype=dtype)
     try:
         assert entered.wait(600)
-        assert torch.compiler.is_compiling()  # here, on the main thread, as on the engine's
         assert engine.stats()["compile"] == "compiling"
         got = run(engine)
     finally:
@@ -204,19 +240,18 @@ def test_compile_config_values() -> None:
             EngineConfig(compile=bad)  # type: ignore[arg-type]
 
 
-def test_compile_auto_resolves_off_unless_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ "auto" is off on CPU and CUDA (the background compile stalls the first token);
-    $ASYNCLLM_COMPILE=1 turns "auto" on, "0" off; True and False win over it; a bad value
-    is a ValueError."""
+def test_compile_auto_resolves_on_cpu_unless_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "auto" is on on CPU and off on CUDA; $ASYNCLLM_COMPILE=1 turns "auto" on, "0" off;
+    True and False win over it; a bad value is a ValueError."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv(COMPILE_ENV, raising=False)
-    assert resolve_compile("auto", cpu) is False
+    assert resolve_compile("auto", cpu) is True
     assert resolve_compile("auto", cuda) is False
     for dev in (cpu, cuda):
         assert resolve_compile(True, dev) is True
         assert resolve_compile(False, dev) is False
     monkeypatch.setenv(COMPILE_ENV, "1")
-    assert resolve_compile("auto", cpu) is True
+    assert resolve_compile("auto", cuda) is True
     assert resolve_compile(False, cpu) is False
     monkeypatch.setenv(COMPILE_ENV, "0")
     assert resolve_compile("auto", cpu) is False
@@ -252,21 +287,52 @@ class _FakeLM(torch.nn.Module):
             logits = logits + 1
         return _Out(logits)  # a namedtuple: no graph break, one frame as a real model
 
+    def extra_repr(self) -> str:
+        return f"depth={self.depth}"  # part of the structure: names the artifact
 
-def test_many_compiled_models_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """More different compiled models in one process than Dynamo keeps variants of one
-    function (``recompile_limit``, 8): every one still compiles its graph and runs it (past
-    the limit Dynamo runs a shared function eagerly, silently)."""
-    monkeypatch.setattr(compiled_mod, "BACKEND", "eager")
-    for depth in range(torch._dynamo.config.recompile_limit + 2):
+
+def test_models_in_one_process_run_their_own_graphs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """Models of different structure get different artifacts, and each compiled forward
+    runs its own model's graph on its own weights; a second CompiledForward of a model
+    loads the artifact instead of compiling again."""
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path))
+    forwards = []
+    for depth in (1, 2):
         cf = compiled_mod.CompiledForward(_FakeLM(depth), torch.device("cpu"))
-        graphs = counters["stats"]["unique_graphs"]
         cf.start()
         assert cf.wait(600) and cf.ready, cf.error
-        assert counters["stats"]["unique_graphs"] > graphs, f"model {depth} runs eagerly"
-        with torch.inference_mode():
+        forwards.append(cf)
+    assert forwards[0].path != forwards[1].path and forwards[1].path.is_file()
+    again = compiled_mod.CompiledForward(_FakeLM(2), torch.device("cpu"))
+    assert again.path == forwards[1].path
+    mtime = again.path.stat().st_mtime_ns
+    again.start()
+    assert again.wait(600) and again.ready, again.error
+    assert again.path.stat().st_mtime_ns == mtime  # loaded, not written again
+    with torch.inference_mode():
+        for depth, cf in enumerate([*forwards, again], start=1):
+            depth = min(depth, 2)
             out = cf(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], torch.tensor([0, 2]))
-        assert torch.allclose(out, cf.model.embed.weight[[1, 3]] + depth)
+            assert torch.allclose(out, cf.model.embed.weight[[1, 3]] + depth)
+
+
+def test_child_compile_failure_leaves_the_engine_eager(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The child process that cannot load the model exits non-zero: one warning naming its
+    error, state "failed", no artifact."""
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path))
+    caplog.set_level(logging.WARNING, "asyncllm")
+    source = compiled_mod.ModelSource(str(tmp_path / "no-such-model"), "float32", None, 32)
+    cf = compiled_mod.CompiledForward(_FakeLM(1), torch.device("cpu"), source)
+    cf.start()
+    assert cf.wait(600) and cf.state == "failed"
+    assert cf.error is not None and "compile process exited with status 1" in cf.error
+    assert "no-such-model" in cf.error
+    assert not cf.path.exists()
+    assert len([r for r in caplog.records if "serving eagerly" in r.getMessage()]) == 1
 
 
 def test_exit_while_compiling_is_quiet(tiny_llama_dir: pathlib.Path) -> None:

@@ -49,6 +49,45 @@ def test_decode_kernel_matches_torch(hkv, group, dim, bs):
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padding", [0, 3])
+def test_write_and_decode_matches_write_then_attend(dtype, padding):
+    """The decode-only fast path (K/V write and attention in one kernel call) gives the torch
+    path's caches and output; padded rows (a compiled step's) come out zero and write
+    nothing, and a negative slot is skipped."""
+    seq_lens = [1, 17, 40, 33]
+    bs, hkv, group, dim = 16, 3, 3, 64
+    query_lens = [1] * len(seq_lens)
+    q, kc, vc, tables = _random_step(query_lens, seq_lens, bs, hkv, group, dim, seed=2)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    g = torch.Generator().manual_seed(3)
+    b, rows = len(seq_lens), len(seq_lens) + padding
+    k = torch.randn(hkv, rows, dim, generator=g).to(dtype).transpose(0, 1)  # strided, as given
+    v = torch.randn(rows, hkv, dim, generator=g).to(dtype)
+    qp = torch.cat([q, torch.randn(padding, hkv * group, dim, generator=g).to(dtype)])
+    slots = torch.tensor([tables[i][(s - 1) // bs] * bs + (s - 1) % bs
+                          for i, s in enumerate(seq_lens)])  # fmt: skip
+    slots[2] = -1  # not stored: the reference's write skips it too
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    torch_paged.write_kv_cache(k[:b], v[:b], kc_ref, vc_ref, slots)
+    plan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
+    ref = torch_paged.paged_attention(q.float(), kc_ref.float(), vc_ref.float(), plan, 0.1)
+    cplan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs)
+    out = cpu_paged.write_and_decode(qp, k, v, kc, vc, slots, cplan, 0.1)
+    assert out is not None and out.shape == qp.shape and out.dtype == dtype
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:b].float(), ref, rtol=tol, atol=tol)
+    assert not out[b:].any()
+
+
+def test_write_and_decode_leaves_mixed_steps_to_write_then_attend():
+    q, kc, vc, tables = _random_step([1, 4], [9, 4], 16, 3, 3, 64)
+    plan = cpu_paged.CpuPagedPlan.build([1, 4], [9, 4], tables, 16)
+    k = torch.randn(5, 3, 64)
+    assert cpu_paged.write_and_decode(q, k, k, kc, vc, torch.arange(5), plan, 0.1) is None
+
+
 def test_decode_kernel_splits_heads_when_sequences_are_fewer_than_threads():
     # One work item per KV head instead of per sequence (the W3 shape with 2 threads).
     threads = torch.get_num_threads()

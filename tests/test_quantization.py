@@ -146,8 +146,8 @@ def test_int4_dequant_kernel_matches_reference(n, k, gs, dtype):
     (q - 8) * scale + zero computed by torch in float32 from the original codes (rounded once
     to bfloat16): this also checks the layout the kernel assumes."""
     layer, ref = _int4_layer(n, k, gs, dtype)
-    got = int4_dequant.dequantize_t(layer.packed, layer.scales_and_zeros, gs, k, n)
-    assert got.shape == (k, n) and got.dtype == dtype
+    got = torch.empty(k, n, dtype=dtype)
+    int4_dequant.EXTENSION.load().int4_dequant_t(layer.packed, layer.scales_and_zeros, gs, got)
     assert torch.equal(got, ref.T.to(dtype))
 
 
@@ -172,28 +172,20 @@ def test_int4_dequant_kernel_checks_its_inputs():
 @pytest.mark.parametrize("rows", [1, ql.INT4_KERNEL_MAX_ROWS, ql.INT4_KERNEL_MAX_ROWS + 1, 40])
 def test_int4_linear_few_and_many_rows(rows):
     """Up to INT4_KERNEL_MAX_ROWS rows run torch's int4 kernel, more the dequantize-then-GEMM
-    path; both agree with a matmul on the dequantized weight within bfloat16 rounding, and a
-    second call reuses the scratch weight."""
+    path; both agree with a matmul on the dequantized weight within bfloat16 rounding, a
+    second call too (it reuses the scratch weight)."""
     layer, ref_w = _int4_layer(128, 64, 32)
     x = torch.randn(rows, 64)
-    before = ql.PATH_CALLS.copy()
+    before = ql.path_calls()
     with torch.inference_mode():
         got = layer(x)
         again = layer(x * 2)
     path = "int4" if rows <= ql.INT4_KERNEL_MAX_ROWS else "dequant"
-    assert ql.PATH_CALLS[path] - before[path] == 2
+    assert ql.path_calls()[path] - before[path] == 2
     ref = x.bfloat16().float() @ ref_w.bfloat16().float().T
     assert got.dtype == torch.float32 and got.shape == (rows, 128)
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(again, 2 * ref, rtol=2e-2, atol=4e-2)
-    if path == "dequant":
-        buf = int4_dequant.dequantize_t(layer.packed, layer.scales_and_zeros, 32, 64, 128)
-        assert (
-            buf.data_ptr()
-            == int4_dequant.dequantize_t(
-                layer.packed, layer.scales_and_zeros, 32, 64, 128
-            ).data_ptr()
-        )
 
 
 @pytest.mark.parametrize("case", ["out 96", "switched off"])
@@ -205,18 +197,18 @@ def test_int4_linear_falls_back_to_the_int4_kernel(case, monkeypatch):
         monkeypatch.setenv(int4_dequant.ENV_SWITCH, "0")
     layer, ref_w = _int4_layer(n, 64, 32)
     x = torch.randn(3 * ql.INT4_KERNEL_MAX_ROWS, 64)
-    before = ql.PATH_CALLS.copy()
+    before = ql.path_calls()
     with torch.inference_mode():
         got = layer(x)
-    assert ql.PATH_CALLS["int4"] - before["int4"] == 1
-    assert ql.PATH_CALLS["dequant"] == before["dequant"]
+    assert ql.path_calls()["int4"] - before["int4"] == 1
+    assert ql.path_calls()["dequant"] == before["dequant"]
     ref = x.bfloat16().float() @ ref_w.bfloat16().float().T
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
 
 @needs_dequant
 def test_int4_linear_compiles_without_a_row_count_guard():
-    """Under torch.compile the layer is one custom op (asyncllm::int4_linear) that picks the
+    """Under torch.compile the layer is one op (asyncllm_cpu::int4_linear) that picks the
     path inside: a graph compiled with a dynamic row count runs both paths without
     recompiling, and matches eager."""
     from torch._dynamo.testing import CompileCounter
@@ -225,13 +217,13 @@ def test_int4_linear_compiles_without_a_row_count_guard():
     counter = CompileCounter()
     fn = torch.compile(lambda x: layer(x).relu(), backend=counter, dynamic=True)
     torch._dynamo.reset()
-    before = ql.PATH_CALLS.copy()
+    before = ql.path_calls()
     with torch.inference_mode():
         for rows in (2, 3, ql.INT4_KERNEL_MAX_ROWS + 5, 40):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(fn(x), layer(x).relu(), rtol=0, atol=0)
     assert counter.frame_count == 1
-    assert ql.PATH_CALLS["dequant"] - before["dequant"] == 4  # compiled and eager, 2 each
+    assert ql.path_calls()["dequant"] - before["dequant"] == 4  # compiled and eager, 2 each
 
 
 def test_int4_group_size_must_divide_input():
@@ -330,11 +322,11 @@ def test_engine_greedy_matches_dequantized_model(
         async with engine:
             return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
 
-    before = ql.PATH_CALLS.copy()
+    before = ql.path_calls()
     got = asyncio.run(run(quant))
     if mode == "int4" and int4_dequant.EXTENSION.available():
-        assert ql.PATH_CALLS["dequant"] > before["dequant"]
-        assert ql.PATH_CALLS["int4"] > before["int4"]
+        assert ql.path_calls()["dequant"] > before["dequant"]
+        assert ql.path_calls()["int4"] > before["int4"]
     want = asyncio.run(run(ref))
     # a fresh copy: the engine's model runs only through its paged attention
     from transformers import AutoModelForCausalLM

@@ -46,12 +46,16 @@ class AttentionBackend:
         build_plan: ``(query_lens, seq_lens, block_tables, block_size, device) -> plan``.
         write: ``(key, value, key_cache, value_cache, slot_mapping) -> None``.
         attend: ``(query, key_cache, value_cache, plan, scale) -> [num_tokens, H, D]``.
+        write_and_decode: optional fast path for decode-only steps, ``(query, key, value,
+            key_cache, value_cache, slot_mapping, plan, scale) -> [R, H, D]`` with rows past
+            the plan's sequences zero (padding), or None where it does not apply.
     """
 
     name: str
     build_plan: Callable[..., Any]
     write: Callable[..., None]
     attend: Callable[..., torch.Tensor]
+    write_and_decode: Callable[..., torch.Tensor | None] | None = None
 
 
 TORCH_BACKEND = AttentionBackend("torch", PagedAttentionPlan.build, write_kv_cache, paged_attention)
@@ -120,11 +124,25 @@ def _write_and_attend(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
+    num_tokens: int | None = None,
 ) -> torch.Tensor:
-    """``query [T, H, D]``, ``key/value [T, Hkv, D]`` -> ``[T, H, D]``."""
+    """``query [R, H, D]``, ``key/value [R, Hkv, D]`` -> contiguous ``[R, H, D]``; rows from
+    ``num_tokens`` on (default: none) are padding: zero output, no K/V written."""
     k_cache, v_cache = meta.key_caches[layer], meta.value_caches[layer]
-    meta.backend.write(key, value, k_cache, v_cache, meta.slot_mapping)
-    return meta.backend.attend(query, k_cache, v_cache, meta.plan, scale)
+    backend, rows = meta.backend, query.shape[0]
+    n = rows if num_tokens is None else min(num_tokens, rows)
+    if backend.write_and_decode is not None:
+        out = backend.write_and_decode(
+            query, key, value, k_cache, v_cache, meta.slot_mapping, meta.plan, scale
+        )
+        if out is not None:
+            return out
+    if n < rows:
+        out = query.new_zeros(query.shape)
+        out[:n] = _write_and_attend(meta, layer, query[:n], key[:n], value[:n], scale)
+        return out
+    backend.write(key, value, k_cache, v_cache, meta.slot_mapping)
+    return backend.attend(query, k_cache, v_cache, meta.plan, scale).contiguous()
 
 
 _step = threading.local()
@@ -160,14 +178,9 @@ def paged_attention_op(
     dropped.
     """
     meta, n = getattr(_step, "state", None) or (None, 0)
-    rows = query.shape[0]
     if meta is None:
         return query.new_zeros(query.shape)
-    if n >= rows:
-        return _write_and_attend(meta, layer, query, key, value, scale).contiguous()
-    out = query.new_zeros(query.shape)
-    out[:n] = _write_and_attend(meta, layer, query[:n], key[:n], value[:n], scale)
-    return out
+    return _write_and_attend(meta, layer, query, key, value, scale, n)
 
 
 @paged_attention_op.register_fake

@@ -182,6 +182,54 @@ void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
     return dispatch<at::BFloat16>(q, key_cache, value_cache, tables, lens, sc, out);
   return dispatch<float>(q, key_cache, value_cache, tables, lens, sc, out);
 }
+
+// Rows 0..n-1 of x [R, Hkv, D] (any strides) to the flat slots S of cache [N, bs, Hkv, D]
+// (contiguous); a negative slot is skipped.
+template <typename T>
+static void write_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* S, int64_t n) {
+  const int64_t Hkv = x.size(1), D = x.size(2);
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
+  const T* X = x.data_ptr<T>();
+  T* C = cache.data_ptr<T>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (S[i] < 0) continue;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t d = 0; d < D; ++d) C[(S[i] * Hkv + h) * D + d] = X[i * s0 + h * s1 + d * s2];
+  }
+}
+
+// One decode step of a layer: the new K/V rows (k, v [R, Hkv, D]) of the n = lens.size(0)
+// sequences written at their slots [n], then paged_decode of q rows 0..n-1 into out [R, H, D]
+// (contiguous); rows n..R-1 are padding: out rows zero, nothing written.
+void paged_write_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        at::Tensor& key_cache, at::Tensor& value_cache,
+                        const at::Tensor& slots, const at::Tensor& tables,
+                        const at::Tensor& lens, double scale, at::Tensor& out) {
+  const int64_t n = lens.size(0), R = q.size(0);
+  const auto T = key_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == T && k.scalar_type() == T && v.scalar_type() == T &&
+                  value_cache.scalar_type() == T && out.scalar_type() == T &&
+                  (T == at::kFloat || T == at::kBFloat16),
+              "paged_write_decode: q, k, v, caches and out must share float32 or bfloat16");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous() &&
+                  k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
+                  k.size(0) >= n && R >= n && out.sizes() == q.sizes() &&
+                  k.size(1) == key_cache.size(2) && k.size(2) == key_cache.size(3),
+              "paged_write_decode: shapes do not match");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() >= n,
+              "paged_write_decode: slots must be int64 with a slot per sequence");
+  const int64_t* S = slots.data_ptr<int64_t>();
+  at::Tensor o = out.narrow(0, 0, n);
+  if (T == at::kBFloat16) {
+    write_rows<at::BFloat16>(k, key_cache, S, n);
+    write_rows<at::BFloat16>(v, value_cache, S, n);
+  } else {
+    write_rows<float>(k, key_cache, S, n);
+    write_rows<float>(v, value_cache, S, n);
+  }
+  paged_decode(q.narrow(0, 0, n), key_cache, value_cache, tables, lens, scale, o);
+  if (R > n) out.narrow(0, n, R - n).zero_();
+}
 """
 
 NAME = "asyncllm_cpu_paged"
@@ -190,7 +238,12 @@ NAME = "asyncllm_cpu_paged"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 
 EXTENSION = CpuExtension(
-    NAME, _SOURCE, ["paged_decode"], CFLAGS, "CPU attention kernel", ENV_SWITCH
+    NAME,
+    _SOURCE,
+    ["paged_decode", "paged_write_decode"],
+    CFLAGS,
+    "CPU attention kernel",
+    ENV_SWITCH,
 )
 """The kernel's build-once extension (:mod:`asyncllm.worker.cpu_extension`)."""
 
@@ -305,7 +358,46 @@ def paged_attention_cpu(
     return out
 
 
-CPU_BACKEND = AttentionBackend("cpu", CpuPagedPlan.build, write_kv_cache, paged_attention_cpu)
+def write_and_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    plan: CpuPagedPlan,
+    scale: float,
+) -> torch.Tensor | None:
+    """A decode-only step's whole attention layer in one kernel call: the new K/V written at
+    ``slot_mapping`` and every sequence's one query attended, ``query [R, H, D]``,
+    ``key/value [R, Hkv, D]`` -> ``[R, H, D]``, rows past the plan's sequences (padding of
+    a compiled step) zero and not written. None where the step has prefills or the kernel
+    cannot run it (the caller writes and attends separately then)."""
+    d = plan.base.decodes
+    if (
+        plan.base.prefills
+        or d is None
+        or not d.identity
+        or plan.dec_lens is None
+        or not (query.dtype == key.dtype == key_cache.dtype == value_cache.dtype)
+        or key_cache.dtype not in KERNEL_DTYPES
+        or key_cache.device.type != "cpu"
+    ):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    out = torch.empty(query.shape, dtype=query.dtype)
+    mod.paged_write_decode(
+        query, key, value, key_cache, value_cache, slot_mapping, d.block_tables,
+        plan.dec_lens, float(scale), out,
+    )  # fmt: skip
+    return out
+
+
+CPU_BACKEND = AttentionBackend(
+    "cpu", CpuPagedPlan.build, write_kv_cache, paged_attention_cpu, write_and_decode
+)
 """The torch path with decodes through the C++ kernel ("auto" on CPU when it builds)."""
 
 __all__ = [
@@ -317,5 +409,6 @@ __all__ = [
     "failure",
     "load",
     "paged_attention_cpu",
+    "write_and_decode",
     "write_kv_cache",
 ]

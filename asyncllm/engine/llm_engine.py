@@ -26,6 +26,7 @@ from asyncllm.engine.step_output import IDLE_STEP, RequestStart, StepOutput
 from asyncllm.models.loader import LoadedModel, load_model
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_output import GrammarCompiler, GrammarMatchers
+from asyncllm.worker.compiled import ModelSource
 from asyncllm.worker.device import resolve_compile, resolve_device, resolve_dtype, set_cpu_threads
 from asyncllm.worker.kv_cache import KVCache, size_kv_cache
 from asyncllm.worker.model_runner import ModelRunner
@@ -160,6 +161,12 @@ class LLMEngine:
             seed=config.seed,
             attention_backend=config.attention_backend,
             compile=resolve_compile(config.compile, self.device),
+            model_source=ModelSource(
+                str(config.model),
+                str(self.dtype).removeprefix("torch."),
+                config.quantization,
+                config.quantization_group_size,
+            ),
         )
 
     @property
@@ -180,7 +187,11 @@ class LLMEngine:
         return self._compute_thread
 
     def stop_compute_thread(self) -> None:
-        """Join the compute thread (and a step still running on it)."""
+        """Join the compute thread (and a step still running on it); stop a compile still
+        running in a child process."""
+        compiled = getattr(getattr(self, "runner", None), "compiled", None)
+        if compiled is not None:
+            compiled.close()
         if self._compute_thread is not None:
             self._compute_thread.shutdown(wait=True)
             self._compute_thread = None

@@ -1,13 +1,13 @@
-"""The model's forward compiled with ``torch.compile`` (Inductor), built in the background.
+"""The model's forward compiled ahead of time with ``torch.compile`` (Inductor), built off the
+engine's path and loaded from disk.
 
 What is compiled: the transformers ``*ForCausalLM`` call of one step (embedding, every
 decoder layer, the final norm and the LM head on the kept rows). Paged attention with its
-K/V write (``asyncllm::paged_attention``, :mod:`asyncllm.attention.backend_registry`) and the
-oneDNN-packed linears (``asyncllm::packed_linear``, :mod:`asyncllm.worker.cpu_linear`) are
-custom ops, opaque to Dynamo, so the step's plan objects stay out of the graph and Inductor
-fuses what lies between them (RMSNorm, rotary embedding, SiLU-and-multiply, residual adds).
-Other modules (plain ``nn.Linear``, quantized linears calling aten ops) are traced as they
-are.
+K/V write (``asyncllm::paged_attention``, :mod:`asyncllm.attention.backend_registry`), the
+oneDNN-packed linears (``asyncllm::packed_linear``, :mod:`asyncllm.worker.cpu_linear`) and
+the int4 linears (``asyncllm_cpu::int4_linear``, :mod:`asyncllm.worker.int4_dequant`) are
+opaque ops, so the step's plan objects stay out of the graph and Inductor fuses what lies
+between them (RMSNorm, rotary embedding, SiLU-and-multiply, residual adds).
 
 Shapes: the flattened token count ``T`` and the kept-row count ``K`` are dynamic (one graph
 for every batch composition). Dynamo specializes sizes 0 and 1, so the runner pads both to
@@ -15,29 +15,41 @@ at least :data:`MIN_ROWS` (a padded token writes no K/V and attends to nothing; 
 row is dropped): a batch-1 decode computes two rows, which costs next to nothing in its
 weight-bandwidth-bound matmuls, and every step runs the one graph.
 
-Cold start: :meth:`CompiledForward.start` compiles on a background thread, driving the
-compiled function with dry runs (no cache is touched) while the engine keeps serving
-eagerly; the runner switches between two steps, once :attr:`CompiledForward.fn` is set.
-The background thread's Python competes with the compute thread for the GIL and the cores
-while it runs, so eager steps are slower until it ends (one log line when it starts, one
-when it ends). Any failure leaves the engine eager with one warning.
+How it is built (PyTorch's precompilation, ``torch.compile(...).aot_compile``, saved with
+``save_compiled_function`` and read back with ``torch.compiler.load_compiled_function``):
+the compiled forward (Dynamo's bytecode, its few guards and Inductor's code) is an
+*artifact* file under asyncllm's cache directory (``compiled/``), keyed by the model's
+structure (not its weights, which are the graph's inputs), torch, transformers, asyncllm,
+the thread count and the CPU (:func:`artifact_path`). An engine that finds its artifact loads
+it in seconds and runs compiled from its first steps. Otherwise it serves eagerly while a
+child process (:mod:`asyncllm.worker.compile_worker`, at the lowest CPU priority, with one
+compiler thread) loads the same model and compiles it (about a minute on 2 cores); the
+engine then loads the artifact and switches between two steps. Compiling in another
+process keeps Dynamo's tracing (tens of seconds of Python) off the engine's GIL: an
+in-process compile stalled the eager steps for its whole length. A model that no child can
+load (built in memory, e.g. in tests) is compiled on a background thread instead, into the
+same kind of artifact. Any failure leaves the engine eager with one warning.
 
-Inductor keeps its caches (generated code, compiled kernels, FX graphs) on disk under
-``TORCHINDUCTOR_CACHE_DIR``; unless that is set, :func:`inductor_cache_dir` (asyncllm's
-cache directory, ``~/.cache/asyncllm/inductor``). A later process with the same model,
-torch and asyncllm loads the compiled code from there instead of compiling it again (Dynamo
-still traces the model: seconds).
+Inductor keeps its own caches (compiled kernels) under ``TORCHINDUCTOR_CACHE_DIR``; unless
+that is set, :func:`inductor_cache_dir` (``~/.cache/asyncllm/inductor``). The artifact names
+kernels there: with them present a load takes ~3 s, without them (cache deleted) Inductor
+compiles the kernels again from the artifact's source (~15 s).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import pathlib
+import platform
+import subprocess
+import sys
 import threading
 import time
-import types
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
@@ -56,6 +68,29 @@ MAX_ROWS = 1 << 20
 BACKEND: str | Callable[..., Any] = "inductor"
 
 
+def keep_guard(entries: list[Any]) -> list[bool]:
+    """``torch.compile``'s ``guard_filter_fn``: keep only the symbolic-shape guard (the input
+    sizes the graph was compiled for: ``T, K >= MIN_ROWS``). Dropped: the guards on the
+    model (about 7,000 for a 30-layer Llama: every module's hooks, attributes and
+    parameters, 1.4 ms of a 16 ms batch-1 step to check), on global state, which a saved
+    artifact cannot carry, and on the inputs' dtype and device, which the runner fixes. The
+    artifact's key (:func:`artifact_key`) stands for them: it names the model's structure,
+    and an engine never changes its model."""
+    return [not e.is_global and e.guard_type == "SHAPE_ENV" for e in entries]
+
+
+def forward(
+    model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
+    """The function compiled: ``input_ids``, ``position_ids`` [1, T] int64, ``keep`` [K] int64
+    -> logits [K, vocab] (attention reads the step's metadata from ``step_metadata``)."""
+    out = model(
+        input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep
+    )
+    logits: torch.Tensor = out.logits[0]
+    return logits
+
+
 def inductor_cache_dir() -> pathlib.Path:
     """Where Inductor's on-disk caches go: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
     ``inductor/`` in asyncllm's cache directory (:func:`asyncllm.models.loader.cache_dir`)."""
@@ -69,17 +104,117 @@ def inductor_cache_dir() -> pathlib.Path:
     return pathlib.Path(env) if env else cache_dir() / "inductor"
 
 
-def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of the plain function ``fn`` with a code object of its own.
+def _source_digest() -> str:
+    """A hash of asyncllm's own Python source (the ops and modeling code a graph calls)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
-    Dynamo keeps the variants it compiled for a function on that function's code object, at
-    most ``torch._dynamo.config.recompile_limit`` (8) of them; past that it runs the function
-    eagerly, silently. Every engine compiles its own model (its guards name that model), so
-    with one shared code object a process's ninth compiled engine would run eagerly: each
-    :class:`CompiledForward` compiles its own copy instead.
+
+def _cpu_flags() -> str:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+
+
+def artifact_key(model: torch.nn.Module, num_threads: int) -> str:
+    """What a compiled forward depends on, hashed: the model's structure (module tree, config,
+    and every parameter's and buffer's name, shape and dtype; not the weights' values, which
+    are the graph's inputs), the thread count (Inductor's kernels fix it), torch,
+    transformers, Python, asyncllm's source and the CPU's flags (its kernels are built for
+    this CPU)."""
+    import transformers
+
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    parts = [
+        repr(model),
+        config.to_json_string() if config is not None else "",
+        *(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in model.state_dict(keep_vars=True).items()),
+        str(num_threads),
+        torch.__version__,
+        transformers.__version__,
+        sys.version,
+        _source_digest(),
+        _cpu_flags(),
+    ]
+    for part in parts:
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:24]
+
+
+def artifact_path(model: torch.nn.Module, num_threads: int) -> pathlib.Path:
+    """The compiled forward's artifact file for ``model`` run with ``num_threads`` threads."""
+    from asyncllm.models.loader import cache_dir
+
+    return cache_dir() / "compiled" / f"{artifact_key(model, num_threads)}.bin"
+
+
+def _example(t: int, k: int, device: torch.device, dynamic: bool) -> tuple[torch.Tensor, ...]:
+    ids = torch.zeros((1, t), dtype=torch.long, device=device)
+    pos = torch.arange(t, device=device)[None]
+    keep = torch.arange(k, device=device)
+    if dynamic:
+        for x, d in ((ids, 1), (pos, 1), (keep, 0)):
+            torch._dynamo.mark_dynamic(x, d, min=MIN_ROWS, max=MAX_ROWS)
+    return ids, pos, keep
+
+
+def build_artifact(model: torch.nn.Module, path: pathlib.Path) -> None:
+    """Compile :func:`forward` for ``model`` (one graph, dynamic ``T`` and ``K``) and save
+    it to ``path`` (written whole or not at all). Run with the engine's thread count.
+
+    Raises:
+        Exception: whatever Dynamo or Inductor raise (a graph break, a compiler error...).
     """
-    code = fn.__code__.replace()  # equal, but another object: another Dynamo cache
-    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    device = next(model.parameters()).device
+    # Under inference mode, as the runner's steps (the input guards check it); T != K, so
+    # that Dynamo gives them separate symbols. No metadata: a dry run.
+    with torch.inference_mode(), step_metadata(None):
+        compiler = torch.compile(
+            forward,
+            backend=BACKEND,
+            fullgraph=True,
+            dynamic=False,
+            options={"guard_filter_fn": keep_guard},  # torch.compile pops it: a fresh dict
+        )
+        example = (model, *_example(3, MIN_ROWS, device, True))
+        compiled = compiler.aot_compile((example, {}))  # type: ignore[attr-defined]
+    compiled.save_compiled_function(str(path))
+
+
+def load_artifact(path: pathlib.Path) -> Callable[..., torch.Tensor]:
+    """The compiled forward saved at ``path``: ``(model, input_ids, position_ids, keep) ->
+    logits``, checked only on its inputs' dtypes and shapes (a mismatch raises
+    RuntimeError).
+
+    Raises:
+        OSError, RuntimeError, pickle errors: an unreadable or incompatible file.
+    """
+    from asyncllm.worker import int4_dequant
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+    int4_dequant.kernel()  # the graph may call asyncllm_cpu::int4_linear: registered first
+    with path.open("rb") as f:
+        fn: Callable[..., torch.Tensor] = torch.compiler.load_compiled_function(f)
+    return fn
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How a child process loads the engine's model again (:func:`asyncllm.models.loader.
+    load_model`'s arguments), to compile it there."""
+
+    model: str
+    dtype: str
+    quantization: str | None
+    quantization_group_size: int
 
 
 def pad_to(n: int) -> int:
@@ -88,53 +223,49 @@ def pad_to(n: int) -> int:
 
 
 class CompiledForward:
-    """One model's compiled forward, compiled on a background thread.
+    """One model's compiled forward, prepared in the background (loaded, or built then
+    loaded).
 
     Args:
         model: the transformers causal LM (its attention already the paged one).
         device: where the dry runs' inputs live.
+        source: how a child process can load the same model (None: compile on a thread).
+
+    Create it on the engine's compute thread (its torch thread count names the artifact).
 
     Attributes:
-        ready: compiled and warmed up (False before, and after a failure); then calling
-            this object runs ``(input_ids [1, T], position_ids [1, T], keep [K]) -> logits
+        ready: loaded and warmed up (False before, and after a failure); then calling this
+            object runs ``(input_ids [1, T], position_ids [1, T], keep [K]) -> logits
             [K, vocab]``.
-        error: why compiling failed, or None.
-        compile_seconds: how long compiling took, once done.
-        state: "compiling", "ready" or "failed" (:attr:`state`).
+        error: why compiling or loading failed, or None.
+        compile_seconds: how long it took until ready, once done.
+        path: the artifact file.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, source: ModelSource | None = None
+    ) -> None:
         self.model = model
         self.device = device
+        self.source = source
+        self.num_threads = torch.get_num_threads()
+        self.path = artifact_path(model, self.num_threads)
         self.ready = False
         #: Steps run through the compiled forward.
         self.calls = 0
         self.error: str | None = None
         self.compile_seconds: float | None = None
         self._started = time.monotonic()
-        self._fn: Callable[..., torch.Tensor] = self._forward
+        self._fn: Callable[..., torch.Tensor] | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
-
-    def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor
-    ) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep
-        )
-        logits: torch.Tensor = out.logits[0]
-        return logits
+        self._child: subprocess.Popen[bytes] | None = None
+        self._closed = False
 
     def start(self) -> None:
-        """Compile on a background thread (returns at once)."""
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+        """Load or build the artifact on a background thread (returns at once)."""
         self._started = time.monotonic()
-        logger.info(
-            "asyncllm: compiling the model forward in the background (torch.compile, cache "
-            "%s); serving eagerly until it is ready",
-            inductor_cache_dir(),
-        )
-        self._thread = threading.Thread(target=self._compile, name="asyncllm-compile", daemon=True)
+        self._thread = threading.Thread(target=self._prepare, name="asyncllm-compile", daemon=True)
         self._thread.start()
 
     @property
@@ -170,26 +301,58 @@ class CompiledForward:
         logger.warning("asyncllm: compiled forward failed, serving eagerly (%s)", self.error)
         self._done.set()
 
-    def _compile(self) -> None:
+    def close(self) -> None:
+        """Stop a compile still running in a child process (the engine is closing)."""
+        self._closed = True
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.kill()
+
+    def _prepare(self) -> None:
         try:
-            forward = types.MethodType(own_code(CompiledForward._forward), self)
-            fn = torch.compile(forward, backend=BACKEND, dynamic=False)
-            dev = self.device
-            # Dry runs (no metadata: attention writes nothing): T != K at the first call, so
-            # that Dynamo gives them separate symbols; then the shapes the engine meets.
-            # Inputs made under inference mode, as the runner's are (Dynamo guards on it).
-            self._fn = fn
-            for t, k in ((3, MIN_ROWS), (MIN_ROWS, MIN_ROWS), (5, 4), (7, 5)):
-                with torch.inference_mode(), step_metadata(None):
-                    ids = torch.zeros((1, t), dtype=torch.long, device=dev)
-                    self(ids, torch.arange(t, device=dev)[None], torch.arange(k, device=dev))
+            if not self.path.is_file():
+                logger.info(
+                    "asyncllm: compiling the model forward in the background (%s; artifact "
+                    "%s); serving eagerly until it is ready",
+                    "child process" if self.source is not None else "thread",
+                    self.path,
+                )
+                if self.source is not None:
+                    self._build_in_child(self.source)
+                else:
+                    build_artifact(self.model, self.path)
+            fn = load_artifact(self.path)
+            with torch.inference_mode(), step_metadata(None):
+                for t, k in ((MIN_ROWS, MIN_ROWS), (5, 4)):  # a dry run of the loaded code
+                    fn(self.model, *_example(t, k, self.device, False))
         except Exception as e:
-            self.fail(e)
+            if not self._closed:
+                self.fail(e)
             return
+        self._fn = fn
         self.compile_seconds = time.monotonic() - self._started
         self.ready = True
         logger.info("asyncllm: compiled forward ready after %.1f s", self.compile_seconds)
         self._done.set()
+
+    def _build_in_child(self, source: ModelSource) -> None:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir())}
+        args = [sys.executable, "-m", "asyncllm.worker.compile_worker"]
+        spec = json.dumps({**asdict(source), "num_threads": self.num_threads})
+        self._child = subprocess.Popen(
+            [*args, spec, str(self.path)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        _, err = self._child.communicate()
+        if self._child.returncode != 0:
+            lines = err.decode(errors="replace").strip().splitlines()
+            raise RuntimeError(
+                f"the compile process exited with status {self._child.returncode}: "
+                f"{lines[-1] if lines else 'no message'}"
+            )
 
     def __call__(
         self,
@@ -198,7 +361,7 @@ class CompiledForward:
         keep: torch.Tensor,
     ) -> torch.Tensor:
         """Run the compiled forward (padded inputs, ``step_metadata`` set by the caller)."""
-        for x, d in ((input_ids, 1), (position_ids, 1), (keep, 0)):
-            torch._dynamo.mark_dynamic(x, d, min=MIN_ROWS, max=MAX_ROWS)
+        if self._fn is None:
+            raise RuntimeError("the compiled forward is not ready")
         self.calls += 1
-        return self._fn(input_ids, position_ids, keep)
+        return self._fn(self.model, input_ids, position_ids, keep)

@@ -121,21 +121,17 @@ COMPILE_ENV = "ASYNCLLM_COMPILE"
 def resolve_compile(compile: str | bool, device: torch.device) -> bool:
     """``EngineConfig.compile`` -> whether to compile the forward on ``device``.
 
-    True and False are returned as they are. "auto" is off on every device unless
+    True and False are returned as they are. "auto" is on on CPU and off on CUDA, unless
     ``$ASYNCLLM_COMPILE`` says "1" (on) or "0" (off).
 
-    Why off on CPU, where the compiled step is faster: on the 2-core x86 machine (AVX-512
-    BF16; bfloat16 with Q4_1 linears, the defaults; ``benchmarks/profile_step.py --ab
-    compile --threads 2 --context 100``) the compiled decode step took 0.78x the eager one at
-    batch 1 on a quiet machine (25.9 vs 33.0 ms), 0.87-0.89x at load average 2-3 and 0.90x at
-    batch 64 (400 vs 445 ms, load ~2.4); but while the background thread compiles (15-50 s
-    with a warm Inductor cache), the eager steps stall: ``python -m asyncllm generate Hi``
-    took 16.4 s to its first token instead of 8.8 s (TTFT 8.7 s instead of 0.09 s), past the
-    10 s cold-start bound; with a cold cache (61 s of compiling, g++ on both cores) a
-    30-token stream took 79 s. And since the int4 linears became one opaque custom op, the
-    compiled step no longer wins at batch 1 (1.03x and 0.97x the eager step, two runs at
-    load 0.3-1). CUDA: the compiled forward has never run on a GPU. docs/tuning.md has the
-    table.
+    Why on on CPU: on the 2-core x86 machine (AVX-512 BF16; bfloat16 with Q4_1 linears, the
+    defaults; ``benchmarks/profile_step.py --ab compile --threads 2 --context 100``, steps
+    alternating in one process) the compiled decode step took 0.65x the eager one at batch
+    1 (about 13.5 vs 21 ms) and 0.76x at batch 64 (87.9 vs 115.7 ms). It costs nothing at
+    start: the compile runs in a child process at the lowest priority while the engine
+    serves eagerly (about a minute the first time), and later starts load the saved
+    artifact in ~3 s (:mod:`asyncllm.worker.compiled`). CUDA: the compiled forward has
+    never run on a GPU, so "auto" leaves it off there.
 
     Raises:
         ValueError: ``$ASYNCLLM_COMPILE`` set to something other than "0" or "1".
@@ -145,7 +141,9 @@ def resolve_compile(compile: str | bool, device: torch.device) -> bool:
     env = os.environ.get(COMPILE_ENV, "").strip()
     if env not in ("", "0", "1"):
         raise ValueError(f"${COMPILE_ENV} must be '0' or '1', got {env!r}")
-    return env == "1"
+    if env:
+        return env == "1"
+    return device.type == "cpu"
 
 
 def set_cpu_threads(device: torch.device, num_threads: int | None) -> None:

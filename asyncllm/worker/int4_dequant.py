@@ -1,11 +1,15 @@
-"""Dequantize torch's CPU int4-packed weights to a dense ``W^T`` in one streaming pass (C++).
+"""The int4 linear layer in C++: torch's int4 kernel for few rows, dequantize-then-GEMM for many.
 
 torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``) is a matrix-vector kernel: its
 cost grows linearly with the row count, so at a decode batch of 64 it is 4-5x slower than a
 plain bfloat16 matmul on the same weight (docs/tuning.md). For many rows,
 :class:`asyncllm.worker.quant_linear.Int4Linear` therefore dequantizes the packed weight into
 a reused scratch buffer with this kernel and runs one bfloat16 GEMM, keeping only the int4
-weight in memory.
+weight in memory. The extension registers the whole layer as one op,
+``asyncllm_cpu::int4_linear`` (reshape, cast, the row-count choice, kernel, bias): a decode
+step calls it 210 times with the default model, and the same steps in Python cost about
+20 us per call (4 ms of a 23 ms step at batch 1); compiled graphs call it too (its fake
+implementation is registered by :func:`kernel`).
 
 The packed layout (``aten._convert_weight_to_int4pack_for_cpu(q_int32[N, K], 1)``, torch 2.13;
 checked against the codes in tests/test_quantization.py): uint8 ``[N, K/2]`` read as
@@ -27,18 +31,23 @@ Built once per machine by :mod:`asyncllm.worker.cpu_extension`
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
 from asyncllm.worker.cpu_extension import CpuExtension
 
-__all__ = ["EXTENSION", "KERNEL_DTYPES", "dequantize_t", "supported"]
+__all__ = ["EXTENSION", "kernel", "op_available", "path_calls"]
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <tuple>
+#include <vector>
 
 static inline float to_f(float x) { return x; }
 static inline float to_f(at::BFloat16 x) {  // exact: bfloat16 is float32's top half
@@ -131,58 +140,100 @@ void int4_dequant_t(const at::Tensor& packed, const at::Tensor& sz, int64_t grou
   if (out.scalar_type() == at::kBFloat16) return dequant<at::BFloat16>(packed, sz, group, out);
   return dequant<float>(packed, sz, group, out);
 }
+
+// Calls per path of int4_linear: [0] torch's int4 kernel, [1] dequantize then GEMM.
+static std::atomic<int64_t> path_calls[2];
+
+std::vector<int64_t> int4_path_calls() { return {path_calls[0].load(), path_calls[1].load()}; }
+
+// y = x W^T + b in x's shape and dtype (see int4_linear in quant_linear.py: the same steps).
+// Above max_rows rows (and N % 64 == 0, scales bfloat16 or float32) the weight is dequantized
+// into this thread's scratch W^T [K, N] and multiplied with one GEMM; else torch's int4 kernel.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
+                       const c10::optional<at::Tensor>& bias, int64_t group, int64_t in_features,
+                       int64_t out_features, int64_t max_rows) {
+  const at::Tensor rows = x.reshape({-1, in_features}).to(sz.scalar_type());
+  at::Tensor y;
+  const bool dense_ok = out_features % 64 == 0 &&
+      (sz.scalar_type() == at::kBFloat16 || sz.scalar_type() == at::kFloat);
+  if (rows.size(0) > max_rows && dense_ok) {
+    thread_local std::map<std::tuple<int64_t, int64_t, int>, at::Tensor> scratch;
+    at::Tensor& wt = scratch[{in_features, out_features, static_cast<int>(sz.scalar_type())}];
+    if (!wt.defined()) wt = at::empty({in_features, out_features}, sz.options());
+    int4_dequant_t(packed, sz, group, wt);
+    y = at::mm(rows, wt);
+    ++path_calls[1];
+  } else {
+    y = at::_weight_int4pack_mm_for_cpu(rows, packed, group, sz);
+    ++path_calls[0];
+  }
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out_features;
+  y = y.view(shape).to(x.scalar_type());
+  return bias.has_value() ? y + *bias : y;
+}
+
+TORCH_LIBRARY(asyncllm_cpu, m) {
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? bias, "
+        "int group_size, int in_features, int out_features, int max_rows) -> Tensor");
+  m.impl("int4_linear", c10::DispatchKey::CPU, TORCH_FN(int4_linear));
+}
 """
 
 #: -ffp-contract=off: no fused multiply-add, so the values equal torch's float32 arithmetic.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 ENV_SWITCH = "ASYNCLLM_INT4_DEQUANT_KERNEL"
-#: Scale and output dtypes the kernel handles (float16 layers keep the int4 kernel).
-KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 EXTENSION = CpuExtension(
-    "asyncllm_int4_dequant", _SOURCE, ["int4_dequant_t"], CFLAGS, "CPU int4 dequant kernel",
-    ENV_SWITCH,
+    "asyncllm_int4_dequant", _SOURCE, ["int4_dequant_t", "int4_path_calls"], CFLAGS,
+    "CPU int4 kernels", ENV_SWITCH,
 )  # fmt: skip
 """The kernel's build-once extension."""
 
-_scratch = threading.local()
+_fake_registered = False
+_lock = threading.Lock()
 
 
-def supported(packed: torch.Tensor, sz: torch.Tensor, out_features: int) -> bool:
-    """The kernel can dequantize this weight: on CPU, ``out_features`` a multiple of 64 (the
-    packing's row block), scales of a :data:`KERNEL_DTYPES` dtype, and the kernel builds."""
-    return (
-        out_features % 64 == 0
-        and packed.device.type == "cpu"
-        and sz.dtype in KERNEL_DTYPES
-        and EXTENSION.available()
-    )
+def kernel() -> Any:
+    """The built extension, or None where it is switched off or cannot be built; loading it
+    registers the op ``asyncllm_cpu::int4_linear`` (a whole
+    :class:`~asyncllm.worker.quant_linear.Int4Linear` call in C++, the row-count choice
+    inside) and here its fake implementation. Cheap after the first call."""
+    global _fake_registered
+    mod = EXTENSION.load() if EXTENSION.enabled() else None
+    if mod is not None and not _fake_registered:
+        with _lock:
+            if not _fake_registered:
+                torch.library.register_fake("asyncllm_cpu::int4_linear")(_int4_linear_fake)
+                _fake_registered = True
+    return mod
 
 
-def dequantize_t(
-    packed: torch.Tensor, sz: torch.Tensor, group_size: int, in_features: int, out_features: int
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def op_available() -> bool:
+    """``asyncllm_cpu::int4_linear`` can be called (:func:`kernel`); a constant to Dynamo,
+    which evaluates it once while tracing instead of tracing the extension's loading."""
+    return kernel() is not None
+
+
+def _int4_linear_fake(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+    out_features: int,
+    max_rows: int,
 ) -> torch.Tensor:
-    """The dense ``W^T`` [in_features, out_features] in ``sz``'s dtype, written into this
-    thread's scratch buffer for that shape and dtype (allocated once; the next call for the
-    same shape overwrites it, so use the result before that).
+    return x.new_empty((*x.shape[:-1], out_features))
 
-    Args:
-        packed: uint8 [out, in / 2] from ``aten._convert_weight_to_int4pack_for_cpu(q, 1)``.
-        sz: [in / group_size, out, 2] scale and zero point per group, bfloat16 or float32.
-        group_size: input columns per scale and zero point.
 
-    Raises:
-        RuntimeError: the kernel is unavailable (check :func:`supported` first).
-    """
-    mod = EXTENSION.load()
+def path_calls() -> tuple[int, int]:
+    """Calls of ``asyncllm_cpu::int4_linear`` so far, per path: (torch's int4 kernel,
+    dequantize then GEMM); (0, 0) where the extension is not loaded."""
+    mod = EXTENSION.load() if EXTENSION.enabled() else None
     if mod is None:
-        raise RuntimeError(f"the int4 dequant kernel is unavailable: {EXTENSION.failure()}")
-    bufs: dict[tuple[int, int, torch.dtype], torch.Tensor] = _scratch.__dict__.setdefault(
-        "bufs", {}
-    )
-    key = (in_features, out_features, sz.dtype)
-    out = bufs.get(key)
-    if out is None:
-        out = bufs[key] = torch.empty(in_features, out_features, dtype=sz.dtype)
-    mod.int4_dequant_t(packed, sz, group_size, out)
-    return out
+        return 0, 0
+    int4, dense = mod.int4_path_calls()
+    return int(int4), int(dense)

@@ -24,7 +24,7 @@ from asyncllm.attention.backend_registry import (
 )
 from asyncllm.attention.triton_paged import interpreter_enabled
 from asyncllm.core.scheduler import SchedulerOutput
-from asyncllm.worker.compiled import CompiledForward, pad_to
+from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
 from asyncllm.worker.cpu_linear import pack_linears
 from asyncllm.worker.kv_cache import KVCache
 from asyncllm.worker.logprobs import PromptRows, prompt_logprobs
@@ -77,6 +77,8 @@ class ModelRunner:
         attention_backend: "auto", "torch" or "triton" (:func:`select_attention_backend`).
         compile: compile the forward with ``torch.compile`` in the background and switch to
             it between two steps once ready (:mod:`asyncllm.worker.compiled`).
+        model_source: how a child process loads the same model to compile it there (None:
+            compile on a background thread of this process).
 
     Raises:
         ValueError: an attention backend that cannot run on the model's device.
@@ -90,6 +92,7 @@ class ModelRunner:
         seed: int,
         attention_backend: str = "auto",
         compile: bool = False,
+        model_source: ModelSource | None = None,
     ) -> None:
         model.set_attn_implementation(register())  # type: ignore[operator]
         # float32 or bfloat16 on CPU: oneDNN-prepacked linears (docs/benchmarks.md; off with
@@ -107,7 +110,7 @@ class ModelRunner:
         #: The compiled forward (None: eager only); used once ``ready``.
         self.compiled: CompiledForward | None = None
         if compile:
-            self.compiled = CompiledForward(model, self.device)
+            self.compiled = CompiledForward(model, self.device, model_source)
             self.compiled.start()
 
     @torch.inference_mode()

@@ -9,8 +9,10 @@
   matrix-vector kernel (its time grows with the row count): a call with more than
   :data:`INT4_KERNEL_MAX_ROWS` rows instead dequantizes the weight into a reused scratch
   buffer (:mod:`asyncllm.worker.int4_dequant`, C++) and runs one bfloat16 GEMM, 3x faster
-  at 64 rows, with only the int4 weight kept. Both paths are one custom op,
-  ``asyncllm::int4_linear``, under ``torch.compile``.
+  at 64 rows, with only the int4 weight kept. The whole layer is one C++ op,
+  ``asyncllm_cpu::int4_linear`` (the Python around 210 kernel calls per decode step cost
+  4 ms at batch 1, a fifth of the step), in eager steps and compiled graphs alike; where it
+  cannot be built, :func:`int4_linear` (torch's int4 kernel at every row count).
 * :class:`Int8Linear`: int8 codes with one scale per output channel,
   ``aten._weight_int8pack_mm``.
 * :class:`QuantEmbedding`: an embedding table kept as integer codes with per-group scale and
@@ -158,10 +160,14 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (x, self.packed, self.scales_and_zeros, self.bias)
         sizes = (self.group_size, self.in_features, self.out_features)
-        if torch.compiler.is_dynamo_compiling():  # the row-count choice inside one opaque op
-            y: torch.Tensor = int4_linear_op(*args, *sizes)
-            return y
-        return int4_linear(*args, *sizes)
+        y: torch.Tensor
+        if int4_dequant.op_available():  # C++: the whole layer in one op call
+            y = torch.ops.asyncllm_cpu.int4_linear.default(*args, *sizes, INT4_KERNEL_MAX_ROWS)
+        elif torch.compiler.is_dynamo_compiling():  # the row-count choice inside one op
+            y = int4_linear_op(*args, *sizes)
+        else:
+            y = int4_linear(*args, *sizes)
+        return y
 
     def extra_repr(self) -> str:
         return (
@@ -185,9 +191,15 @@ class Int4Linear(nn.Module):
 #: with a second thread, the int4 kernel less so).
 INT4_KERNEL_MAX_ROWS = 16
 
-#: Calls of :func:`int4_linear` per path ("int4": torch's kernel, "dequant": dequantize then
-#: GEMM), for tests and profiles.
-PATH_CALLS: collections.Counter[str] = collections.Counter()
+#: Calls of the Python fallback :func:`int4_linear` (torch's int4 kernel), for tests.
+_PY_CALLS = collections.Counter[str]()
+
+
+def path_calls() -> collections.Counter[str]:
+    """Int4 linear calls so far per path, for tests and profiles: "int4" (torch's int4
+    kernel, in C++ or the Python fallback) and "dequant" (dequantize, then one GEMM)."""
+    int4, dense = int4_dequant.path_calls()
+    return collections.Counter({"int4": int4 + _PY_CALLS["int4"], "dequant": dense})
 
 
 def int4_linear(
@@ -199,23 +211,14 @@ def int4_linear(
     in_features: int,
     out_features: int,
 ) -> torch.Tensor:
-    """``y = x W^T + b`` for an :class:`Int4Linear`'s buffers, in ``x``'s shape and dtype.
-
-    Up to :data:`INT4_KERNEL_MAX_ROWS` rows: ``aten._weight_int4pack_mm_for_cpu``. More:
-    the weight dequantized into a reused scratch ``W^T`` by
-    :func:`asyncllm.worker.int4_dequant.dequantize_t`, then one ``torch.mm`` (oneDNN's
-    bfloat16 GEMM); where that kernel cannot run (``out_features`` not a multiple of 64, no
-    compiler, float16 scales), torch's int4 kernel for every row count.
-    """
+    """``y = x W^T + b`` for an :class:`Int4Linear`'s buffers, in ``x``'s shape and dtype,
+    with ``aten._weight_int4pack_mm_for_cpu`` for every row count: the fallback where the
+    C++ extension (``asyncllm_cpu::int4_linear``, the same steps plus the many-row path of
+    :data:`INT4_KERNEL_MAX_ROWS`) is switched off or cannot be built."""
     sz = scales_and_zeros
     rows = _rows(x, in_features, sz.dtype)
-    if rows.shape[0] > INT4_KERNEL_MAX_ROWS and int4_dequant.supported(packed, sz, out_features):
-        PATH_CALLS["dequant"] += 1
-        wt = int4_dequant.dequantize_t(packed, sz, group_size, in_features, out_features)
-        y = torch.mm(rows, wt)
-    else:
-        PATH_CALLS["int4"] += 1
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, sz)
+    _PY_CALLS["int4"] += 1
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, sz)
     return _finish(y, x, out_features, bias)
 
 
@@ -229,9 +232,8 @@ def int4_linear_op(
     in_features: int,
     out_features: int,
 ) -> torch.Tensor:
-    """:func:`int4_linear` as one op for ``torch.compile`` (:mod:`asyncllm.worker.compiled`):
-    the row-count choice happens inside it, so a compiled graph with a dynamic row count
-    needs no guard on it (and Inductor does not trace the packed int4 weight)."""
+    """:func:`int4_linear` as one op for ``torch.compile`` (:mod:`asyncllm.worker.compiled`)
+    where the C++ op is unavailable: Inductor does not trace the packed int4 weight."""
     return int4_linear(x, packed, scales_and_zeros, bias, group_size, in_features, out_features)
 
 
