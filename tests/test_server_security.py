@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -215,8 +216,36 @@ def test_deep_nesting_answers_400(base: str, depth: int) -> None:
         assert_error(post(f"{base}{path}", body), 400)
 
 
+def test_nesting_limit_does_not_follow_the_recursion_limit(base: str) -> None:
+    """The nesting bound is MAX_NESTING levels whatever Python's recursion limit is
+    (Inductor raises it to 2,000 when it compiles in the process: a 1,000-deep ignored
+    field was then accepted); brackets inside strings do not count, and a large shallow
+    body (decoded on a worker thread) is served."""
+    from asyncllm.server.protocol import MAX_NESTING
+    from asyncllm.server.security import THREAD_DECODE_BYTES
+
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(5000)
+    try:
+        over = b'{"prompt": "x", "ignored": ' + _nested(MAX_NESTING + 1) + b"}"
+        assert_error(post(f"{base}/v1/completions", over), 400)
+        at = b'{"prompt": "x", "max_tokens": 1, "ignored": ' + _nested(MAX_NESTING - 1) + b"}"
+        assert post(f"{base}/v1/completions", at).status_code == 200
+    finally:
+        sys.setrecursionlimit(old)
+    in_string = "[{" * MAX_NESTING
+    body = json.dumps({"prompt": "x", "max_tokens": 1, "ignored": in_string}).encode()
+    assert post(f"{base}/v1/completions", body).status_code == 200
+    wide = [[i] for i in range(THREAD_DECODE_BYTES // 4)]
+    body = json.dumps({"prompt": "x", "max_tokens": 1, "ignored": wide}).encode()
+    assert len(body) > THREAD_DECODE_BYTES
+    assert post(f"{base}/v1/completions", body).status_code == 200
+
+
 def test_malformed_bodies_answer_400(base: str, engine: AsyncEngine) -> None:
-    moderately_deep = _nested(900)  # decodes; must not crash what reads it later
+    from asyncllm.server.protocol import MAX_NESTING
+
+    moderately_deep = _nested(MAX_NESTING - 8)  # decodes; must not crash what reads it later
     cases = [
         b"",
         b"   ",

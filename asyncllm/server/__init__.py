@@ -128,7 +128,7 @@ fixed message).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` for any malformed body (not JSON, invalid UTF-8, empty, not an
-object, nested too deeply, in any field), a field of the wrong type or out of range
+object, nested more than 512 levels deep in any field), a field of the wrong type or out of range
 (``param`` names it), an empty or too long prompt, token ids outside the vocabulary; 401
 without a valid API key; 404 for an unknown model or route (405: wrong method); 413 past
 ``--max-request-bytes``; 415 for a body that is not ``application/json``; 429
