@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -335,14 +336,18 @@ def test_child_compile_failure_leaves_the_engine_eager(
     assert len([r for r in caplog.records if "serving eagerly" in r.getMessage()]) == 1
 
 
-def test_exit_while_compiling_is_quiet(tiny_llama_dir: pathlib.Path) -> None:
-    """A process that ends while its engine still compiles in the background exits at once
-    with status 0 and no traceback (the compile thread is a daemon)."""
+def test_exit_while_compiling_is_quiet(
+    tiny_llama_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """A process that ends while its engine still compiles in the background (in a child
+    process) exits at once with status 0 and no traceback, and the child ends with it
+    (no artifact written)."""
+    artifact = tmp_path / "forward.bin"
     code = (
-        "import time\n"
+        "import pathlib\n"
         "from asyncllm import LLM, SamplingParams\n"
         "from asyncllm.worker import compiled\n"
-        "compiled.BACKEND = lambda gm, inputs: time.sleep(3600)  # compiling when it exits\n"
+        f"compiled.artifact_path = lambda model, threads: pathlib.Path({str(artifact)!r})\n"
         f"llm = LLM({str(tiny_llama_dir)!r}, compile=True, dtype='float32',"
         " kv_cache_bytes=2**22, max_model_len=256)\n"
         "out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))\n"
@@ -353,3 +358,21 @@ def test_exit_while_compiling_is_quiet(tiny_llama_dir: pathlib.Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "generated" in proc.stdout
     assert "Traceback" not in proc.stderr and "Exception" not in proc.stderr, proc.stderr[-3000:]
+    deadline = time.monotonic() + 30
+    while _workers_for(artifact) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _workers_for(artifact), "the compile child outlived its engine's process"
+    assert not artifact.exists()
+
+
+def _workers_for(artifact: pathlib.Path) -> list[str]:
+    """Command lines of live compile children writing ``artifact`` (Linux /proc)."""
+    out = []
+    for d in pathlib.Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "compile_worker" in cmd and str(artifact) in cmd:
+            out.append(cmd)
+    return out

@@ -6,7 +6,8 @@ It loads the model as the engine did (:func:`asyncllm.models.loader.load_model`,
 runner's paged attention and packed linears), compiles it with the engine's thread count
 (Inductor fixes it in its kernels) and writes the artifact. It runs at the lowest CPU
 priority with one compiler thread, so the engine's eager steps keep the cores; it exits 0
-once the artifact is written, else 1 with the error on its last stderr line.
+once the artifact is written, else 1 with the error on its last stderr line, and at once
+when the engine's process ends.
 """
 
 from __future__ import annotations
@@ -15,10 +16,21 @@ import json
 import os
 import pathlib
 import sys
+import threading
+import time
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this process once the engine's process is gone (it was not closed, or died): a
+    compile nobody waits for should not keep a core busy."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def main(argv: list[str]) -> int:
     spec, path = json.loads(argv[0]), pathlib.Path(argv[1])
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     os.nice(19)
     import torch
     import torch._inductor.config as inductor_config
