@@ -53,7 +53,7 @@ def compile_here(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> Non
     instead of a child process, into a fresh artifact under ``tmp_path``."""
 
     def in_thread(self: compiled_mod.CompiledForward, source: Any) -> None:
-        compiled_mod.build_artifact(self.model, self.path)
+        compiled_mod.build_artifact(self.model, self.path, self.num_threads)
 
     monkeypatch.setattr(compiled_mod.CompiledForward, "_build_in_child", in_thread)
     monkeypatch.setattr(
@@ -317,6 +317,35 @@ def test_models_in_one_process_run_their_own_graphs(
             depth = min(depth, 2)
             out = cf(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], torch.tensor([0, 2]))
             assert torch.allclose(out, cf.model.embed.weight[[1, 3]] + depth)
+
+
+@pytest.mark.parametrize("content", [b"", b"not an artifact", "other model"])
+def test_artifact_that_does_not_load_is_compiled_again(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: pathlib.Path,
+    caplog: pytest.LogCaptureFixture,
+    content: bytes | str,
+) -> None:
+    """An artifact file that is empty, garbage or another model's (copied under this name)
+    gives one warning, is compiled again and replaced, and the forward is this model's."""
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path))
+    caplog.set_level(logging.WARNING, "asyncllm")
+    if content == "other model":
+        other = compiled_mod.CompiledForward(_FakeLM(3), torch.device("cpu"))
+        other.start()
+        assert other.wait(600) and other.ready, other.error
+        content = other.path.read_bytes()
+    cf = compiled_mod.CompiledForward(_FakeLM(1), torch.device("cpu"))
+    assert isinstance(content, bytes)
+    cf.path.parent.mkdir(parents=True, exist_ok=True)
+    cf.path.write_bytes(content)
+    cf.start()
+    assert cf.wait(600) and cf.ready, cf.error
+    assert cf.path.read_bytes() != content
+    with torch.inference_mode():
+        out = cf(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], torch.tensor([0, 2]))
+    assert torch.allclose(out, cf.model.embed.weight[[1, 3]] + 1)
+    assert len([r for r in caplog.records if "does not load" in r.getMessage()]) == 1
 
 
 def test_child_compile_failure_leaves_the_engine_eager(

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
         model.set_attn_implementation(register())  # type: ignore[operator]  # as the runner
         pack_linears(model)
         kernel()
-        compiled.build_artifact(model, path)
+        compiled.build_artifact(model, path, int(spec["num_threads"]))
     except Exception as e:
         print(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}", file=sys.stderr)
         return 1

@@ -39,6 +39,7 @@ compiles the kernels again from the artifact's source (~15 s).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -164,9 +166,14 @@ def _example(t: int, k: int, device: torch.device, dynamic: bool) -> tuple[torch
     return ids, pos, keep
 
 
-def build_artifact(model: torch.nn.Module, path: pathlib.Path) -> None:
+#: The first line of an artifact file: this, the key (:func:`artifact_key`), a newline.
+_HEADER = b"asyncllm-compiled-forward "
+
+
+def build_artifact(model: torch.nn.Module, path: pathlib.Path, num_threads: int) -> None:
     """Compile :func:`forward` for ``model`` (one graph, dynamic ``T`` and ``K``) and save
-    it to ``path`` (written whole or not at all). Run with the engine's thread count.
+    it to ``path`` (written whole or not at all), headed by the model's
+    :func:`artifact_key`. Run with ``num_threads`` torch threads (the engine's).
 
     Raises:
         Exception: whatever Dynamo or Inductor raise (a graph break, a compiler error...).
@@ -186,23 +193,32 @@ def build_artifact(model: torch.nn.Module, path: pathlib.Path) -> None:
         )
         example = (model, *_example(3, MIN_ROWS, device, True))
         compiled = compiler.aot_compile((example, {}))  # type: ignore[attr-defined]
-    compiled.save_compiled_function(str(path))
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        raw, whole = pathlib.Path(tmp, "raw"), pathlib.Path(tmp, "whole")
+        compiled.save_compiled_function(str(raw))
+        key = artifact_key(model, num_threads).encode()
+        whole.write_bytes(_HEADER + key + b"\n" + raw.read_bytes())
+        os.replace(whole, path)
 
 
-def load_artifact(path: pathlib.Path) -> Callable[..., torch.Tensor]:
+def load_artifact(path: pathlib.Path, key: str) -> Callable[..., torch.Tensor]:
     """The compiled forward saved at ``path``: ``(model, input_ids, position_ids, keep) ->
-    logits``, checked only on its inputs' dtypes and shapes (a mismatch raises
-    RuntimeError).
+    logits``, checked only on its inputs' shapes (a mismatch raises RuntimeError).
 
     Raises:
+        ValueError: the file is not an artifact of ``key`` (another model's, copied or
+            renamed; truncated).
         OSError, RuntimeError, pickle errors: an unreadable or incompatible file.
     """
     from asyncllm.worker import int4_dequant
 
+    data = path.read_bytes()
+    head, _, body = data.partition(b"\n")
+    if head != _HEADER + key.encode():
+        raise ValueError(f"{path} is not the compiled forward of this model (key {key})")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     int4_dequant.kernel()  # the graph may call asyncllm_cpu::int4_linear: registered first
-    with path.open("rb") as f:
-        fn: Callable[..., torch.Tensor] = torch.compiler.load_compiled_function(f)
+    fn: Callable[..., torch.Tensor] = torch.compiler.load_compiled_function(io.BytesIO(body))
     return fn
 
 
@@ -249,6 +265,7 @@ class CompiledForward:
         self.device = device
         self.source = source
         self.num_threads = torch.get_num_threads()
+        self.key = artifact_key(model, self.num_threads)
         self.path = artifact_path(model, self.num_threads)
         self.ready = False
         #: Steps run through the compiled forward.
@@ -310,21 +327,20 @@ class CompiledForward:
 
     def _prepare(self) -> None:
         try:
+            if self.path.is_file():
+                try:
+                    fn = self._load()
+                except Exception as e:  # truncated, another torch's, not this model's...
+                    logger.warning(
+                        "asyncllm: compiled forward %s does not load (%s: %s); compiling it again",
+                        self.path,
+                        type(e).__name__,
+                        " ".join(str(e).split())[:200],
+                    )
+                    self.path.unlink(missing_ok=True)
             if not self.path.is_file():
-                logger.info(
-                    "asyncllm: compiling the model forward in the background (%s; artifact "
-                    "%s); serving eagerly until it is ready",
-                    "child process" if self.source is not None else "thread",
-                    self.path,
-                )
-                if self.source is not None:
-                    self._build_in_child(self.source)
-                else:
-                    build_artifact(self.model, self.path)
-            fn = load_artifact(self.path)
-            with torch.inference_mode(), step_metadata(None):
-                for t, k in ((MIN_ROWS, MIN_ROWS), (5, 4)):  # a dry run of the loaded code
-                    fn(self.model, *_example(t, k, self.device, False))
+                self._build()
+                fn = self._load()
         except Exception as e:
             if not self._closed:
                 self.fail(e)
@@ -334,6 +350,26 @@ class CompiledForward:
         self.ready = True
         logger.info("asyncllm: compiled forward ready after %.1f s", self.compile_seconds)
         self._done.set()
+
+    def _build(self) -> None:
+        logger.info(
+            "asyncllm: compiling the model forward in the background (%s; artifact %s); "
+            "serving eagerly until it is ready",
+            "child process" if self.source is not None else "thread",
+            self.path,
+        )
+        if self.source is not None:
+            self._build_in_child(self.source)
+        else:
+            build_artifact(self.model, self.path, self.num_threads)
+
+    def _load(self) -> Callable[..., torch.Tensor]:
+        """The artifact loaded and run once (dry runs of two shapes)."""
+        fn = load_artifact(self.path, self.key)
+        with torch.inference_mode(), step_metadata(None):
+            for t, k in ((MIN_ROWS, MIN_ROWS), (5, 4)):
+                fn(self.model, *_example(t, k, self.device, False))
+        return fn
 
     def _build_in_child(self, source: ModelSource) -> None:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir())}
