@@ -24,6 +24,7 @@ import openai  # noqa: E402
 from asyncllm import SamplingParams  # noqa: E402
 from asyncllm.core.block_manager import BlockManager, prompt_block_hashes  # noqa: E402
 from asyncllm.integrations import ray_serve as rs  # noqa: E402
+from asyncllm.worker.device import COMPILE_ENV  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENGINE = {"num_threads": 1, "device": "cpu", "max_model_len": 256, "kv_cache_bytes": 2**21}
@@ -47,7 +48,9 @@ def ray_cluster() -> Iterator[int]:
         object_store_memory=80 * 2**20,
         include_dashboard=False,
         logging_level="warning",
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+        runtime_env={
+            "env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", COMPILE_ENV: "0"}
+        },
     )
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
