@@ -37,7 +37,10 @@ Gauges, from the engine: ``asyncllm:num_requests_running``, ``asyncllm:num_reque
 (preempted requests included; these two count samples, each of which the scheduler runs as a
 sequence), ``asyncllm:kv_cache_usage_perc`` and ``asyncllm:cpu_offload_usage_perc``
 (fractions of blocks in use, 1 = 100%), ``asyncllm:prefix_cache_hit_rate`` (hits / queries
-since start).
+since start), and ``asyncllm:compiled_forward_state{state=...}``: 1 for the compiled
+forward's current state (``off``; ``compiling``, steps eager meanwhile; ``ready``, steps
+compiled; ``failed``, eager for good), 0 for the other three (see tuning.md, "Compiled
+forward").
 """
 
 from __future__ import annotations
