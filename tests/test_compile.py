@@ -405,3 +405,42 @@ def _workers_for(artifact: pathlib.Path) -> list[str]:
         if "compile_worker" in cmd and str(artifact) in cmd:
             out.append(cmd)
     return out
+
+
+@pytest.mark.parametrize("when", ["before start", "as the child starts"])
+def test_close_before_the_child_starts_starts_none(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: pathlib.Path,
+    caplog: pytest.LogCaptureFixture,
+    when: str,
+) -> None:
+    """close() that comes before the compile child is started (the engine closed right
+    after it was built) keeps it from starting: no process compiles for an engine that is
+    gone; the compile ends (wait() returns) "failed", without a warning."""
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path))
+    caplog.set_level(logging.WARNING, "asyncllm")
+    source = compiled_mod.ModelSource(str(tmp_path / "no-such-model"), "float32", None, 32)
+    cf = compiled_mod.CompiledForward(_FakeLM(1), torch.device("cpu"), source)
+    started: list[Any] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: Any, **kw: Any) -> Any:
+        started.append(args)
+        return real_popen(*args, **kw)
+
+    monkeypatch.setattr(compiled_mod.subprocess, "Popen", popen)
+    if when == "before start":
+        cf.close()
+    else:  # the race: close() lands between the decision to compile and the child's start
+        real_dir = compiled_mod.inductor_cache_dir
+
+        def closing_dir() -> pathlib.Path:
+            cf.close()
+            return real_dir()
+
+        monkeypatch.setattr(compiled_mod, "inductor_cache_dir", closing_dir)
+    cf.start()
+    assert cf.wait(60), "the compile never ended after close()"
+    assert started == [] and cf._child is None
+    assert cf.state == "failed" and not cf.path.exists()
+    assert not [r for r in caplog.records if "serving eagerly" in r.getMessage()]

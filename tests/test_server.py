@@ -19,11 +19,13 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import openai
+import prometheus_client
 import pytest
 
 from asyncllm import AsyncEngine
@@ -503,6 +505,34 @@ def test_metrics(served: tuple[str, AsyncEngine], client: openai.OpenAI) -> None
     assert metric(base, "asyncllm:prefix_cache_queries_total") > 0
     assert metric(base, "asyncllm:request_success_total", finished_reason="length") >= 1
     assert 0.0 <= metric(base, "asyncllm:kv_cache_usage_perc") <= 1.0
+    # The test suite's engines are eager (conftest): the compiled forward's state is "off".
+    assert families["asyncllm:compiled_forward_state"].type == "gauge"
+    for state in ("off", "compiling", "ready", "failed"):
+        value = metric(base, "asyncllm:compiled_forward_state", state=state)
+        assert value == (1.0 if state == "off" else 0.0), state
+
+
+@pytest.mark.parametrize("state", ["compiling", "ready", "failed"])
+def test_metrics_compiled_forward_state(served: tuple[str, AsyncEngine], state: str) -> None:
+    """/metrics says where the compiled forward stands (``stats()["compile"]``): an
+    operator sees whether steps run compiled yet, or a compile failed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from asyncllm.server.metrics import _EngineCollector
+
+    _, engine = served
+    stats = {**engine.stats(), "compile": state}
+    collector = _EngineCollector(types.SimpleNamespace(stats=lambda: stats), MODEL)
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(collector)
+    text = prometheus_client.generate_latest(registry).decode()
+    (family,) = [
+        f
+        for f in text_string_to_metric_families(text)
+        if f.name == "asyncllm:compiled_forward_state"
+    ]
+    values = {s.labels["state"]: s.value for s in family.samples}
+    assert values == {n: float(n == state) for n in ("off", "compiling", "ready", "failed")}
 
 
 def test_engine_failure_answers_503(tiny_llama_dir: Any) -> None:

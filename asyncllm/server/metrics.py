@@ -37,7 +37,10 @@ Gauges, from the engine: ``asyncllm:num_requests_running``, ``asyncllm:num_reque
 (preempted requests included; these two count samples, each of which the scheduler runs as a
 sequence), ``asyncllm:kv_cache_usage_perc`` and ``asyncllm:cpu_offload_usage_perc``
 (fractions of blocks in use, 1 = 100%), ``asyncllm:prefix_cache_hit_rate`` (hits / queries
-since start).
+since start), and ``asyncllm:compiled_forward_state{state=...}``: 1 for the compiled
+forward's current state (``off``; ``compiling``, steps eager meanwhile; ``ready``, steps
+compiled; ``failed``, eager for good), 0 for the other three (see tuning.md, "Compiled
+forward").
 """
 
 from __future__ import annotations
@@ -94,6 +97,10 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str | Callable[[Mapping[str, Any]], 
 
 _FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
+#: ``stats()["compile"]``'s values (:attr:`asyncllm.worker.compiled.CompiledForward.state`,
+#: or "off"): one series each, 1 for the current one (Prometheus' state-set pattern).
+_COMPILE_STATES = ("off", "compiling", "ready", "failed")
+
 
 class _EngineCollector(Collector):
     """Yields :data:`_ENGINE_METRICS` from one ``stats()`` call per scrape."""
@@ -108,6 +115,17 @@ class _EngineCollector(Collector):
             family = _FAMILIES[kind](f"asyncllm:{name}", doc, labels=["model_name"])
             family.add_metric([self._model], s[source] if isinstance(source, str) else source(s))
             yield family
+        # Whether steps run the compiled forward yet: it builds for about a minute after a
+        # first start, and a failed one leaves the engine eager with only a log warning.
+        state = GaugeMetricFamily(
+            "asyncllm:compiled_forward_state",
+            "The compiled forward (EngineConfig.compile): 1 for its state (off; compiling, "
+            "steps eager meanwhile; ready, steps compiled; failed, eager for good), else 0.",
+            labels=["model_name", "state"],
+        )
+        for name in _COMPILE_STATES:
+            state.add_metric([self._model, name], float(s["compile"] == name))
+        yield state
 
 
 #: The histograms the server observes: (attribute of :class:`ServerMetrics`, name without

@@ -278,6 +278,9 @@ class CompiledForward:
         self._thread: threading.Thread | None = None
         self._child: subprocess.Popen[bytes] | None = None
         self._closed = False
+        # Orders close() against the child's start: a child started after close() would
+        # compile for a minute for an engine that is gone.
+        self._child_lock = threading.Lock()
 
     def start(self) -> None:
         """Load or build the artifact on a background thread (returns at once)."""
@@ -319,9 +322,11 @@ class CompiledForward:
         self._done.set()
 
     def close(self) -> None:
-        """Stop a compile still running in a child process (the engine is closing)."""
-        self._closed = True
-        child = self._child
+        """Stop a compile still running in a child process, or keep one from starting (the
+        engine is closing). A compile not ready by then ends "failed" without a warning."""
+        with self._child_lock:
+            self._closed = True
+            child = self._child
         if child is not None and child.poll() is None:
             child.kill()
 
@@ -342,7 +347,11 @@ class CompiledForward:
                 self._build()
                 fn = self._load()
         except Exception as e:
-            if not self._closed:
+            if self._closed:  # killed by close(): no warning, but done (wait() returns)
+                self.error = "closed before the compiled forward was ready"
+                self.compile_seconds = time.monotonic() - self._started
+                self._done.set()
+            else:
                 self.fail(e)
             return
         self._fn = fn
@@ -375,18 +384,21 @@ class CompiledForward:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir())}
         args = [sys.executable, "-m", "asyncllm.worker.compile_worker"]
         spec = json.dumps({**asdict(source), "num_threads": self.num_threads})
-        self._child = subprocess.Popen(
-            [*args, spec, str(self.path)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        _, err = self._child.communicate()
-        if self._child.returncode != 0:
+        with self._child_lock:
+            if self._closed:
+                raise RuntimeError("the engine closed before its compile process started")
+            child = self._child = subprocess.Popen(
+                [*args, spec, str(self.path)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        _, err = child.communicate()
+        if child.returncode != 0:
             lines = err.decode(errors="replace").strip().splitlines()
             raise RuntimeError(
-                f"the compile process exited with status {self._child.returncode}: "
+                f"the compile process exited with status {child.returncode}: "
                 f"{lines[-1] if lines else 'no message'}"
             )
 
