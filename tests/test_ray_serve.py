@@ -419,6 +419,8 @@ def _use_cli_server(base: str) -> dict[str, Any]:
                 break
             time.sleep(0.025)
         seen["queries"] = _metric(page, "prefix_cache_queries_total")
+        prefix = "asyncllm:compiled_forward_state{"  # replicas per state: the one is off
+        seen["compile_off"] = [ln for ln in page.splitlines() if ln.startswith(prefix)]
         llm = serve.get_deployment_handle("LLMServer", app_name=rs.CLI_APP_NAME)
         seen["stats"] = llm.stats.remote(replica=0).result()
     return seen
@@ -470,5 +472,8 @@ def test_cli_replicas_serves_and_stops_on_sigterm(
     assert seen["running"] == 1
     assert seen["stats"]["num_running"] == 0
     assert seen["queries"] == seen["stats"]["prefix_cache_queries"] > 0
+    states = {ln.split('state="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1])
+              for ln in seen["compile_off"]}  # fmt: skip
+    assert states == {"off": 1.0, "compiling": 0.0, "ready": 0.0, "failed": 0.0}
     apps = serve.status().applications
     assert rs.CLI_APP_NAME not in apps and prefix_app in apps and ray.is_initialized()

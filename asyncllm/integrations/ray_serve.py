@@ -320,7 +320,7 @@ class EngineClient:
             "num_swapped_in_blocks": 0, "swap_bytes": 0, "num_recomputed_tokens": 0,
             "num_free_cpu_blocks": 0, "num_total_cpu_blocks": 0, "prefix_cache_queries": 0,
             "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0, "num_steps": 0,
-            "num_generated_tokens": 0,
+            "num_generated_tokens": 0, "compile": {},
         }  # fmt: skip
 
     async def refresh_stats(self) -> None:
@@ -344,7 +344,8 @@ class EngineClient:
         total["kv_cache_usage"] = 1 - total["num_free_blocks"] / blocks if blocks else 0.0
         q = total["prefix_cache_queries"]
         total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / q if q else 0.0
-        self._stats = dict(total)
+        states = collections.Counter(str(s.get("compile", "off")) for s in per_replica)
+        self._stats = {**total, "compile": dict(states)}
 
     async def _read_replicas(self) -> list[dict[str, Any]]:
         seen: dict[str, dict[str, Any]] = {}

@@ -98,7 +98,8 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str | Callable[[Mapping[str, Any]], 
 _FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
 #: ``stats()["compile"]``'s values (:attr:`asyncllm.worker.compiled.CompiledForward.state`,
-#: or "off"): one series each, 1 for the current one (Prometheus' state-set pattern).
+#: or "off"): one series each, 1 for the current one (Prometheus' state-set pattern; over
+#: Ray Serve replicas, the number in each).
 _COMPILE_STATES = ("off", "compiling", "ready", "failed")
 
 
@@ -117,14 +118,18 @@ class _EngineCollector(Collector):
             yield family
         # Whether steps run the compiled forward yet: it builds for about a minute after a
         # first start, and a failed one leaves the engine eager with only a log warning.
+        # One engine's stats name its state; a Ray Serve ingress's count its replicas' states.
+        compile_state = s.get("compile", "off")
+        counts = compile_state if isinstance(compile_state, dict) else {compile_state: 1}
         state = GaugeMetricFamily(
             "asyncllm:compiled_forward_state",
-            "The compiled forward (EngineConfig.compile): 1 for its state (off; compiling, "
-            "steps eager meanwhile; ready, steps compiled; failed, eager for good), else 0.",
+            "The compiled forward (EngineConfig.compile): engines in each state (off; "
+            "compiling, steps eager meanwhile; ready, steps compiled; failed, eager for "
+            "good): 1 or 0 for one engine, a count over Ray Serve replicas.",
             labels=["model_name", "state"],
         )
         for name in _COMPILE_STATES:
-            state.add_metric([self._model, name], float(s["compile"] == name))
+            state.add_metric([self._model, name], float(counts.get(name, 0)))
         yield state
 
 
