@@ -37,7 +37,7 @@ import torch
 
 from asyncllm.worker.cpu_extension import CpuExtension
 
-__all__ = ["EXTENSION", "kernel", "op_available", "path_calls"]
+__all__ = ["EXTENSION", "int4_linear_fake", "kernel", "op_available", "path_calls"]
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -204,7 +204,7 @@ def kernel() -> Any:
     if mod is not None and not _fake_registered:
         with _lock:
             if not _fake_registered:
-                torch.library.register_fake("asyncllm_cpu::int4_linear")(_int4_linear_fake)
+                torch.library.register_fake("asyncllm_cpu::int4_linear")(int4_linear_fake)
                 _fake_registered = True
     return mod
 
@@ -216,7 +216,7 @@ def op_available() -> bool:
     return kernel() is not None
 
 
-def _int4_linear_fake(
+def int4_linear_fake(
     x: torch.Tensor,
     packed: torch.Tensor,
     scales_and_zeros: torch.Tensor,
@@ -226,6 +226,9 @@ def _int4_linear_fake(
     out_features: int,
     max_rows: int,
 ) -> torch.Tensor:
+    """The int4 linear ops' shape function for Dynamo (``asyncllm_cpu::int4_linear`` and its
+    Python fallback ``asyncllm::int4_linear``, which share the signature): ``x [..., in]`` ->
+    an empty ``[..., out_features]`` of ``x``'s dtype."""
     return x.new_empty((*x.shape[:-1], out_features))
 
 

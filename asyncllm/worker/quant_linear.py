@@ -163,8 +163,8 @@ class Int4Linear(nn.Module):
         y: torch.Tensor
         if int4_dequant.op_available():  # C++: the whole layer in one op call
             y = torch.ops.asyncllm_cpu.int4_linear.default(*args, *sizes, INT4_KERNEL_MAX_ROWS)
-        elif torch.compiler.is_dynamo_compiling():  # the row-count choice inside one op
-            y = int4_linear_op(*args, *sizes)
+        elif torch.compiler.is_dynamo_compiling():  # one opaque op in the graph
+            y = int4_linear_op(*args, *sizes, INT4_KERNEL_MAX_ROWS)
         else:
             y = int4_linear(*args, *sizes)
         return y
@@ -231,23 +231,16 @@ def int4_linear_op(
     group_size: int,
     in_features: int,
     out_features: int,
+    max_rows: int,
 ) -> torch.Tensor:
     """:func:`int4_linear` as one op for ``torch.compile`` (:mod:`asyncllm.worker.compiled`)
-    where the C++ op is unavailable: Inductor does not trace the packed int4 weight."""
+    where the C++ op is unavailable: Inductor does not trace the packed int4 weight. Its
+    signature is the C++ op's (one fake implementation for both); ``max_rows`` is unused
+    (the fallback has no many-row path)."""
     return int4_linear(x, packed, scales_and_zeros, bias, group_size, in_features, out_features)
 
 
-@int4_linear_op.register_fake
-def _(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scales_and_zeros: torch.Tensor,
-    bias: torch.Tensor | None,
-    group_size: int,
-    in_features: int,
-    out_features: int,
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
+int4_linear_op.register_fake(int4_dequant.int4_linear_fake)
 
 
 class Int8Linear(nn.Module):
