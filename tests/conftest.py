@@ -289,3 +289,11 @@ async def gather(*aws: Awaitable[Any]) -> list[Any]:
     except BaseExceptionGroup as group:
         raise group.exceptions[0] from group
     return results
+
+
+@pytest.fixture
+def quant_cache(tmp_path, monkeypatch):
+    """Quantized weights cached in a temporary directory (``ASYNCLLM_CACHE``; kernels already
+    loaded in this process stay loaded)."""
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"

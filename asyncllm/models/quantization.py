@@ -10,21 +10,24 @@ Settings:
   (``Int4Linear``; 32 by default, 64 or 128).
 * ``"gguf"``: a GGUF file's own blocks kept: ``Q4_0``/``Q4_1`` -> ``Int4Linear`` with group 32
   (the codes as they are; the float16 scales rounded to bfloat16, the kernel's fast dtype),
-  ``Q8_0`` -> the dense weight (see :data:`Q8_0_LINEAR`); the ``Q8_0``/``Q4_*`` token
-  embedding table, unless tied to the LM head -> :class:`QuantEmbedding` (lossless).
+  ``Q8_0`` -> the dense weight (see :data:`Q8_0_LINEAR`), but a ``Q8_0`` LM head ->
+  ``Q8Linear`` (below); the ``Q8_0``/``Q4_*`` token embedding table -> :class:`QuantEmbedding`
+  (lossless; a table tied to a ``Q8Linear`` head shares its codes).
 
 The quantized layers compute in bfloat16 (:data:`asyncllm.worker.quant_linear.COMPUTE_DTYPE`)
 and hand float32 back to a float32 model.
 
 What is quantized (docs/tuning.md has the measurements): every ``nn.Linear`` of the decoder
-layers. The LM head stays in the model's dtype, and so does a tied embedding table (it is
-the same tensor). The head is a fifth of SmolLM2-135M's weights and at one row the int4
-kernel runs its 49152 x 576 shape 2.2x faster than oneDNN's packed bfloat16 (1.1 against
-2.5 ms, 2 threads), but its rounding moves every logit: an int4 (group 32) copy of the
-default model's head, used for every row, raised the perplexity of the bfloat16 "gguf"
+layers. For int4/int8 the LM head stays in the model's dtype, and so does a tied embedding
+table (it is the same tensor): the head is a fifth of SmolLM2-135M's weights, and an int4
+(group 32) copy of the default model's head raised the perplexity of the bfloat16 "gguf"
 model on tests/data/public_domain.txt from 18.90 to 19.88 (+5.2%; float32 18.77), past the
-1% the quality test allows (``benchmarks/head_precision.py``). At 8 or more rows bfloat16
-is faster anyway.
+1% the quality test allows (``benchmarks/head_precision.py``). Under "gguf", a head the file
+ships as ``Q8_0`` (llama.cpp's usual choice, and the default model's) keeps the file's own
+precision where its kernel has an AVX-512 path: :class:`~asyncllm.worker.q8_linear.Q8Linear`
+(codes and scales exact; a decode row reads 31 instead of 57 MB, many rows go through a
+packed dense copy), and a table tied to it reads the same codes
+(:class:`~asyncllm.worker.quant_linear.QuantEmbedding`, no second copy).
 
 The converted modules are saved under ``cache_dir()/quant/`` keyed by the model's weight
 files, the setting, the dtype and the torch version, so a second start only loads them. A
@@ -48,6 +51,7 @@ import torch
 from torch import nn
 
 from asyncllm.worker import quant_linear as ql
+from asyncllm.worker.q8_linear import Q8Linear
 
 __all__ = [
     "MODES",
@@ -65,7 +69,7 @@ MODES = ("auto", "int8", "int4", "gguf")
 Mode = Literal["auto", "int8", "int4", "gguf"] | None
 #: GGUF block size (the group of a Q4_* weight run by Int4Linear).
 GGUF_GROUP = 32
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 
 
 class QuantInfo:
@@ -156,7 +160,8 @@ def resolve_quantization(
     gs = GGUF_GROUP if resolved == "gguf" else group_size
     ql.check_kernel("int8" if resolved == "int8" else "int4", device, ql.COMPUTE_DTYPE)
     dtype_name = str(dtype).removeprefix("torch.")
-    key = _cache_key(model_dir, f"{resolved}-g{gs}-{dtype_name}")
+    q8 = "-q8head" if resolved == "gguf" and _q8_head_ok(device) else ""
+    key = _cache_key(model_dir, f"{resolved}-g{gs}-{dtype_name}{q8}")
     path = cache_root / "quant" / f"{model_dir.name}-{key}.pt"
     return QuantSetting(resolved, gs, dtype, device, path, tensors)
 
@@ -241,6 +246,8 @@ def _cache_misfit(lm: nn.Module, setting: QuantSetting, modules: dict[str, nn.Mo
     if setting.mode == "gguf":
         if emb is not None:
             layers[emb[0]] = emb[1]
+        if head is not None:  # a Q8_0 head (Q8Linear)
+            layers[head] = lm.get_submodule(head)
         extra = sorted(modules.keys() - layers.keys())
         if extra or not modules:
             return f"no such layers {extra[:3]}" if extra else "no modules"
@@ -400,7 +407,18 @@ def _from_gguf(
             blocks.q, blocks.scale, blocks.offset, GGUF_GROUP, lin.bias, ql.COMPUTE_DTYPE
         )
         kinds.setdefault(f"{t.kind} int4", set()).add(name)
-    if emb is not None and not (tied and head not in out):
+    if head is not None and _q8_head_ok(next(lm.parameters()).device):
+        t, idx = find(head, lm.get_submodule(head).weight)
+        if t.kind == "Q8_0":
+            blocks = unpack(t.kind, t.raw, t.shape).take_rows(idx)
+            lin = lm.get_submodule(head)
+            out[head] = Q8Linear(blocks.q, blocks.scale, lin.bias, dtype)
+            kinds.setdefault("Q8_0 head", set()).add(head)
+    if emb is not None and tied and isinstance(out.get(head or ""), Q8Linear):
+        # The table is the head's weight: its lookups read the head's codes (shared).
+        h = out[head or ""]
+        out[emb[0]] = ql.QuantEmbedding(h.q, h.scale, None, dtype, emb[1].padding_idx)
+    elif emb is not None and not (tied and head not in out):
         name, table = emb
         t, idx = find(name, table.weight)
         if t.kind in ("Q4_0", "Q4_1", "Q8_0"):
@@ -411,6 +429,14 @@ def _from_gguf(
             kinds.setdefault(f"{t.kind} embedding", set()).add(name)
     parts = ", ".join(f"{k} x{len(v)}" for k, v in sorted(kinds.items()))
     return out, f"gguf ({parts})"
+
+
+def _q8_head_ok(device: torch.device) -> bool:
+    """A GGUF ``Q8_0`` LM head is kept as codes (:class:`~asyncllm.worker.q8_linear.Q8Linear`)
+    on CPUs where its kernel has the AVX-512 path; elsewhere it stays dense."""
+    from asyncllm.worker import q8_linear
+
+    return device.type == "cpu" and q8_linear.fast()
 
 
 #: What a Q8_0 linear weight becomes: "dense" (dequantized to the model's dtype, exact in

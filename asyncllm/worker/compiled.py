@@ -210,7 +210,7 @@ def load_artifact(path: pathlib.Path, key: str) -> Callable[..., torch.Tensor]:
             renamed; truncated).
         OSError, RuntimeError, pickle errors: an unreadable or incompatible file.
     """
-    from asyncllm.worker import int4_dequant
+    from asyncllm.worker import int4_dequant, q8_linear
 
     data = path.read_bytes()
     head, _, body = data.partition(b"\n")
@@ -218,6 +218,7 @@ def load_artifact(path: pathlib.Path, key: str) -> Callable[..., torch.Tensor]:
         raise ValueError(f"{path} is not the compiled forward of this model (key {key})")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     int4_dequant.kernel()  # the graph may call asyncllm_cpu::int4_linear: registered first
+    q8_linear.kernel()  # and asyncllm::q8_0_linear (registered on import) calls its kernel
     fn: Callable[..., torch.Tensor] = torch.compiler.load_compiled_function(io.BytesIO(body))
     return fn
 

@@ -181,11 +181,15 @@ def packing_supported(model: nn.Module) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`; returns how many.
+    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, and give each
+    :class:`~asyncllm.worker.q8_linear.Q8Linear` its packed copy for many rows; returns how
+    many layers were packed.
 
     A linear whose weight is tied to the input embeddings keeps it (shared). Does nothing,
     and returns 0, where :func:`packing_supported` is False or oneDNN refuses the reorder.
     """
+    from asyncllm.worker.q8_linear import Q8Linear
+
     if not packing_supported(model):
         return 0
     get_emb = getattr(model, "get_input_embeddings", None)
@@ -195,13 +199,16 @@ def pack_linears(model: nn.Module) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
+        if type(child) is nn.Linear or isinstance(child, Q8Linear)
     ]
     n = 0
     try:
         for parent, name, child in targets:
-            keep = tied is not None and child.weight is tied
-            setattr(parent, name, PackedLinear(child, keep_weight=keep))
+            if isinstance(child, Q8Linear):
+                child.pack()
+            else:
+                keep = tied is not None and child.weight is tied
+                setattr(parent, name, PackedLinear(child, keep_weight=keep))
             n += 1
     except RuntimeError as e:  # a torch build whose oneDNN cannot reorder: leave the rest
         logger.warning("oneDNN weight packing failed after %d layers: %s", n, e)

@@ -278,20 +278,22 @@ class QuantEmbedding(nn.Module):
     """An embedding table as codes plus per-group scale and offset; rows dequantized on lookup.
 
     Args:
-        q: int [vocab, dim] (int8 range). scale, offset: float32 [vocab, dim / group].
+        q: int [vocab, dim] (int8 range). scale, offset: float32 [vocab, dim / group];
+            offset None: zero (GGUF's ``Q8_0``). An int8 ``q`` and float32 ``scale`` are
+            kept as they are (shared with a tied ``Q8Linear`` head).
         dtype: the output dtype.
         padding_idx: kept for transformers code that reads it.
     """
 
     q: torch.Tensor
     scale: torch.Tensor
-    offset: torch.Tensor
+    offset: torch.Tensor | None
 
     def __init__(
         self,
         q: torch.Tensor,
         scale: torch.Tensor,
-        offset: torch.Tensor,
+        offset: torch.Tensor | None,
         dtype: torch.dtype,
         padding_idx: int | None = None,
     ) -> None:
@@ -302,20 +304,20 @@ class QuantEmbedding(nn.Module):
         self.out_dtype = dtype
         self.register_buffer("q", q.to(torch.int8).contiguous())
         self.register_buffer("scale", scale.float().contiguous())
-        self.register_buffer("offset", offset.float().contiguous())
+        self.register_buffer("offset", None if offset is None else offset.float().contiguous())
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized table (a dense copy: for inspection, not for the hot path)."""
         return self._dequantize(self.q, self.scale, self.offset)
 
-    def _dequantize(self, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        s = s.repeat_interleave(self.group, -1)
-        o = o.repeat_interleave(self.group, -1)
-        return (s * q.float() + o).to(self.out_dtype)
+    def _dequantize(self, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor | None) -> torch.Tensor:
+        w = s.repeat_interleave(self.group, -1) * q.float()
+        return (w if o is None else w + o.repeat_interleave(self.group, -1)).to(self.out_dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._dequantize(self.q[ids], self.scale[ids], self.offset[ids])
+        o = None if self.offset is None else self.offset[ids]
+        return self._dequantize(self.q[ids], self.scale[ids], o)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 codes g{self.group}"
@@ -379,8 +381,10 @@ def module_from_state(state: dict[str, object]) -> nn.Module:
     Raises:
         ValueError: an unknown class name (a cache written by another version).
     """
+    from asyncllm.worker.q8_linear import Q8Linear
+
     classes: dict[str, type[nn.Module]] = {
-        c.__name__: c for c in (Int4Linear, Int8Linear, QuantEmbedding)
+        c.__name__: c for c in (Int4Linear, Int8Linear, QuantEmbedding, Q8Linear)
     }
     cls = classes.get(str(state["cls"]))
     if cls is None:
@@ -410,6 +414,7 @@ _BUFFERS = {
     "Int4Linear": ("packed", "scales_and_zeros", "bias"),
     "Int8Linear": ("q", "scale", "bias"),
     "QuantEmbedding": ("q", "scale", "offset"),
+    "Q8Linear": ("q", "scale", "bias"),
 }
 
 

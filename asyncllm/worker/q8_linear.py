@@ -1,0 +1,264 @@
+"""GGUF's ``Q8_0`` linear layer: int8 codes with one scale per 32 input columns.
+
+GGUF files of llama.cpp ship the LM head (or the token embedding table it is tied to) as
+``Q8_0`` (ggml's ``block_q8_0``: a float16 ``d`` and 32 signed bytes, ``w = d * q``); no torch
+kernel takes int8 codes with a scale per 32 columns (``aten._weight_int8pack_mm`` has one per
+output channel). :class:`Q8Linear` keeps the codes (SmolLM2-135M's 49152 x 576 head: 31 MB
+instead of 57 MB of bfloat16) and computes ``y = x W^T (+ b)`` as one op,
+``asyncllm::q8_0_linear``:
+
+* up to :data:`MAX_ROWS` rows (decode of a few sequences, the last prompt token of a
+  prefill): this module's C++ matrix-vector kernel over the codes, float32 arithmetic from
+  the exact weights (a float16 ``d`` times a code is exact in float32), one rounding to the
+  output dtype. At one row it reads half the bytes of the bfloat16 head;
+* more rows: oneDNN's GEMM on a packed copy of the weight in the model's dtype (the values
+  the model held before: ``d * q`` rounded once), made by :meth:`Q8Linear.pack`
+  (:func:`asyncllm.worker.cpu_linear.pack_linears` calls it), as fast as the dense head was;
+  without that copy (no oneDNN), the weight dequantized per call.
+
+The kernel is built once per machine by :mod:`asyncllm.worker.cpu_extension`
+(``ASYNCLLM_Q8_KERNEL=0`` turns it off). :mod:`asyncllm.models.quantization` uses this layer
+only where the kernel has its AVX-512 path (:func:`fast`); elsewhere the head stays dense.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncllm.worker.cpu_extension import CpuExtension
+
+__all__ = ["EXTENSION", "MAX_ROWS", "Q8Linear", "fast", "kernel"]
+
+#: Q8_0's block: input columns per scale.
+BLOCK = 32
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+constexpr int64_t BLOCK = 32;
+constexpr int64_t PREFETCH = 8;  // rows ahead (4.5 KiB of SmolLM2's head)
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define Q8_FAST 1
+#else
+#define Q8_FAST 0
+#endif
+
+// Y[r, n] for rows r < R of X [R, K] float32 and outputs n0 <= n < n1:
+// sum over blocks b of S[n, b] * sum_j Q[n, 32b + j] X[r, 32b + j], in float32.
+template <int R>
+static void gemv_rows(const float* X, int64_t K, const int8_t* Q, const float* S, int64_t n0,
+                      int64_t n1, float* Y, int64_t N) {
+  const int64_t NB = K / BLOCK;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = Q + n * K;
+    const float* s = S + n * NB;
+#if Q8_FAST
+    // One core alone cannot keep enough cache misses in flight to reach the memory
+    // bandwidth with the hardware prefetcher only: ask for rows a few ahead.
+    if (n + PREFETCH < n1) {
+      for (int64_t l = 0; l < K; l += 64)
+        _mm_prefetch((const char*)(q + PREFETCH * K + l), _MM_HINT_T0);
+      _mm_prefetch((const char*)(s + PREFETCH * NB), _MM_HINT_T0);
+    }
+    __m512 tot[R];
+    for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < NB; ++b) {
+      const __m512 w0 = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + b * BLOCK))));
+      const __m512 w1 = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + b * BLOCK + 16))));
+      const __m512 sb = _mm512_set1_ps(s[b]);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = X + r * K + b * BLOCK;
+        __m512 p = _mm512_mul_ps(w0, _mm512_loadu_ps(xb));
+        p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), p);
+        tot[r] = _mm512_fmadd_ps(p, sb, tot[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) Y[r * N + n] = _mm512_reduce_add_ps(tot[r]);
+#else
+    for (int r = 0; r < R; ++r) {
+      const float* x = X + r * K;
+      float t = 0.f;
+      for (int64_t b = 0; b < NB; ++b) {
+        float p = 0.f;
+        for (int j = 0; j < BLOCK; ++j)
+          p += static_cast<float>(q[b * BLOCK + j]) * x[b * BLOCK + j];
+        t += s[b] * p;
+      }
+      Y[r * N + n] = t;
+    }
+#endif
+  }
+}
+
+// y [M, N] float32 = xf [M, K] float32 (contiguous) W^T, W = q [N, K] int8 * s [N, K / 32].
+void q8_gemv(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s, at::Tensor& y) {
+  TORCH_CHECK(xf.scalar_type() == at::kFloat && xf.dim() == 2 && xf.is_contiguous() &&
+                  q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() &&
+                  q.size(1) == xf.size(1) && q.size(1) % BLOCK == 0 &&
+                  s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 &&
+                  s.size(0) == q.size(0) && s.size(1) == q.size(1) / BLOCK &&
+                  y.scalar_type() == at::kFloat && y.is_contiguous() &&
+                  y.size(0) == xf.size(0) && y.size(1) == q.size(0),
+              "q8_gemv: x float32 [M, K], q int8 [N, K], scales float32 [N, K / 32], "
+              "y float32 [M, N], all contiguous, K % 32 == 0");
+  const int64_t M = xf.size(0), K = xf.size(1), N = q.size(0);
+  const float* X = xf.data_ptr<float>();
+  const int8_t* Q = q.data_ptr<int8_t>();
+  const float* S = s.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m += 4) {
+      const float* x = X + m * K;
+      float* o = Y + m * N;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: gemv_rows<1>(x, K, Q, S, n0, n1, o, N); break;
+        case 2: gemv_rows<2>(x, K, Q, S, n0, n1, o, N); break;
+        case 3: gemv_rows<3>(x, K, Q, S, n0, n1, o, N); break;
+        default: gemv_rows<4>(x, K, Q, S, n0, n1, o, N); break;
+      }
+    }
+  });
+}
+
+// Whether this build has the AVX-512 kernel (the fast path; else portable scalar code).
+bool q8_fast() { return Q8_FAST; }
+"""
+
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+ENV_SWITCH = "ASYNCLLM_Q8_KERNEL"
+
+EXTENSION = CpuExtension(
+    "asyncllm_q8_linear", _SOURCE, ["q8_gemv", "q8_fast"], CFLAGS, "CPU Q8_0 kernel", ENV_SWITCH
+)
+"""The kernel's build-once extension."""
+
+#: Calls with more rows than this use the packed dense copy (oneDNN's GEMM); up to this
+#: many, the matrix-vector kernel, whose time grows with the rows (docs/tuning.md).
+MAX_ROWS = 8
+
+
+def kernel() -> Any:
+    """The built extension, or None where it is switched off or cannot be built."""
+    return EXTENSION.load() if EXTENSION.enabled() else None
+
+
+def fast() -> bool:
+    """The kernel builds here with its AVX-512 path (the one worth using)."""
+    mod = kernel()
+    return mod is not None and bool(mod.q8_fast())
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``scale * q`` per block of 32 columns: float32 [out, in] (exact)."""
+    out, cols = q.shape
+    return (q.view(out, -1, BLOCK).float() * scale[..., None]).view(out, cols)
+
+
+@torch.library.custom_op("asyncllm::q8_0_linear", mutates_args=())
+def q8_0_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    max_rows: int,
+) -> torch.Tensor:
+    """``x [..., in]`` -> ``[..., out]`` in ``x``'s dtype: :class:`Q8Linear`'s forward (one op
+    for eager steps and compiled graphs alike; see the module docstring for the paths)."""
+    from asyncllm.worker.cpu_linear import packed_linear_op
+
+    out, cols = q.shape
+    rows = x.reshape(-1, cols)
+    mod = kernel()
+    if packed is not None and (rows.shape[0] > max_rows or mod is None):
+        dense: torch.Tensor = packed_linear_op(x, packed, bias, cols, out)
+        return dense
+    if mod is None:
+        w = dequantize(q, scale).to(x.dtype)
+        return nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+    y = torch.empty((rows.shape[0], out), dtype=torch.float32)
+    mod.q8_gemv(rows.float().contiguous(), q, scale, y)
+    y = y.view(*x.shape[:-1], out).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+@q8_0_linear.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, *rest: object) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], q.shape[0]))
+
+
+class Q8Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` as GGUF ``Q8_0``: int8 codes and a float scale per 32 input
+    columns (``w = scale * q``), run by ``asyncllm::q8_0_linear``.
+
+    Args:
+        q: int8-range codes [out, in], ``in`` a multiple of 32.
+        scale: float [out, in / 32] (GGUF's float16 ``d``, kept exact in float32).
+        bias: [out] or None (added in the output's dtype).
+        dtype: the model's dtype: the packed copy's (:meth:`pack`) and the output's.
+
+    Raises:
+        ValueError: ``in`` not a multiple of 32, or ``scale`` not [out, in / 32].
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    #: The oneDNN-packed dense copy (:meth:`pack`), or None.
+    packed: torch.Tensor | None = None
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        if self.in_features % BLOCK or tuple(scale.shape) != (q.shape[0], q.shape[1] // BLOCK):
+            raise ValueError(
+                f"Q8_0 weight [{self.out_features}, {self.in_features}] needs an input width "
+                f"that is a multiple of {BLOCK} and scales [out, in / {BLOCK}], got "
+                f"{list(scale.shape)}"
+            )
+        self.out_dtype = dtype
+        self.register_buffer("q", q.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight in the model's dtype (a dense copy: not the hot path)."""
+        return dequantize(self.q, self.scale).to(self.out_dtype)
+
+    def pack(self) -> None:
+        """Make the oneDNN-packed dense copy that calls of more than :data:`MAX_ROWS` rows
+        use (in the model's dtype; idempotent).
+
+        Raises:
+            RuntimeError: oneDNN refuses the reorder.
+        """
+        from asyncllm.worker.cpu_linear import PACK_HINT_ROWS
+
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_HINT_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = q8_0_linear(x, self.q, self.scale, self.packed, self.bias, MAX_ROWS)
+        return y
+
+    def extra_repr(self) -> str:
+        packed = ", packed copy" if self.packed is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0{packed}"

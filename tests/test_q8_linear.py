@@ -1,0 +1,124 @@
+"""GGUF Q8_0 layers: the matrix-vector kernel (fast and portable builds) and the packed
+many-row path against a dequantize-then-matmul reference, and the default model's Q8_0 head
+kept as codes, shared with its tied embedding table, through the quantization cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize, quantize
+
+from asyncllm.models.gguf_quant import read_tensors, unpack
+from asyncllm.models.loader import _default_gguf_path, load_model
+from asyncllm.worker import q8_linear
+from asyncllm.worker.cpu_extension import CpuExtension
+
+needs_kernel = pytest.mark.skipif(q8_linear.kernel() is None, reason="no C++ compiler")
+
+
+def _codes(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return q, torch.rand(n, k // 32, generator=g) * 0.02
+
+
+def _reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None):
+    y = x.double() @ q8_linear.dequantize(q, s).double().T
+    return y if bias is None else y + bias.double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_q8_linear_matches_reference(rows, dtype, packed):
+    """Few rows (the kernel, float32 from the exact weights) and many (the packed dense copy,
+    or the kernel where none was made), with a bias and a width not a multiple of 64."""
+    n, k = 100, 96
+    q, s = _codes(n, k)
+    bias = torch.randn(n).to(dtype)
+    layer = q8_linear.Q8Linear(q, s, bias, dtype)
+    if packed:
+        layer.pack()
+    x = torch.randn(2, rows, k).to(dtype)
+    with torch.inference_mode():
+        y = layer(x)
+    assert y.shape == (2, rows, n) and y.dtype == dtype
+    ref = _reference(x.reshape(-1, k), q, s, bias).view(2, rows, n)
+    kernel = rows <= q8_linear.MAX_ROWS or not packed
+    # float32 sums of exact weights; bfloat16: the output's rounding (and, on the packed
+    # path, the weight's: d * q rounded to bfloat16 once).
+    tol = 1e-5 if dtype == torch.float32 and kernel else 2e-2
+    assert torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_q8_linear_refuses_bad_shapes():
+    q, s = _codes(8, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_linear.Q8Linear(q[:, :40], s[:, :1], None)
+    with pytest.raises(ValueError, match="scales"):
+        q8_linear.Q8Linear(q, s[:, :1], None)
+
+
+@needs_kernel
+def test_q8_gemv_checks_its_inputs():
+    q, s = _codes(8, 64)
+    y = torch.empty(1, 8)
+    with pytest.raises(RuntimeError, match="q8_gemv"):
+        q8_linear.kernel().q8_gemv(torch.randn(1, 64).bfloat16(), q, s, y)
+    with pytest.raises(RuntimeError, match="q8_gemv"):
+        q8_linear.kernel().q8_gemv(torch.randn(1, 32), q, s, y)
+
+
+def test_q8_gemv_portable_build_matches_the_fast_one():
+    """The source built without -march=native (the path of CPUs without AVX-512) gives the
+    same values as this machine's build, up to float32 summation order."""
+    portable = CpuExtension(
+        "asyncllm_q8_portable", q8_linear._SOURCE, ["q8_gemv", "q8_fast"], ("-O2", "-fopenmp"),
+        "portable Q8_0 kernel", "ASYNCLLM_Q8_PORTABLE",
+    )  # fmt: skip
+    mod = portable.load()
+    if mod is None:
+        pytest.skip(f"no C++ compiler: {portable.failure()}")
+    assert not mod.q8_fast()
+    q, s = _codes(70, 128, seed=3)
+    x = torch.randn(6, 128)
+    y = torch.empty(6, 70)
+    mod.q8_gemv(x, q, s, y)
+    ref = _reference(x, q, s, None)
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_q8_0_blocks_are_exact():
+    """A Q8_0 tensor made by gguf-py: the layer's dequantized weight is gguf-py's own."""
+    w = np.random.default_rng(1).standard_normal((40, 64)).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType.Q8_0)
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).reshape(40, 64))
+    blocks = unpack("Q8_0", raw, (40, 64))
+    layer = q8_linear.Q8Linear(blocks.q, blocks.scale, None, torch.float32)
+    assert torch.equal(q8_linear.dequantize(layer.q, layer.scale), ref)
+
+
+@needs_kernel
+def test_default_model_head_is_its_q8_0_codes_shared_with_the_embedding(
+    default_model_dir, quant_cache
+):
+    """The default model's tied head and embedding: one set of Q8_0 codes (the GGUF file's,
+    exact), the same after a start from the quantization cache."""
+    if not q8_linear.fast():
+        pytest.skip("the Q8_0 head is kept as codes only where the AVX-512 kernel builds")
+    (t,) = [t for t in read_tensors(_default_gguf_path()) if t.name == "token_embd.weight"]
+    assert t.kind == "Q8_0"
+    ref = t.dequantize()
+    for _ in range(2):  # converted, then from the cache
+        lm = load_model(default_model_dir, dtype=torch.bfloat16, device=torch.device("cpu"),
+                        quantization="gguf").model  # fmt: skip
+        head, emb = lm.get_output_embeddings(), lm.get_input_embeddings()
+        assert isinstance(head, q8_linear.Q8Linear)
+        assert head.q.data_ptr() == emb.q.data_ptr()
+        assert head.scale.data_ptr() == emb.scale.data_ptr()
+        # llama.cpp stores token_embd unpermuted: rows in the model's order
+        assert torch.equal(q8_linear.dequantize(head.q, head.scale), ref)
+        ids = torch.tensor([[0, 17, 49151]])
+        assert torch.equal(emb(ids), ref[ids].to(torch.bfloat16))
