@@ -35,8 +35,11 @@ def _random_step(query_lens, seq_lens, bs, hkv, group, dim, seed=0):
 
 @pytest.mark.parametrize(
     ("hkv", "group", "dim", "bs"),
-    [(3, 3, 64, 16), (2, 4, 16, 16), (4, 1, 80, 32), (1, 8, 128, 16)],
-)
+    # G=1, G > 4 (two register groups), head sizes with and without the AVX-512 code, blocks
+    # of two tiles (32) and of half a tile (8).
+    [(3, 3, 64, 16), (2, 4, 16, 16), (4, 1, 80, 32), (1, 8, 128, 16), (2, 5, 64, 32),
+     (2, 3, 128, 8), (1, 1, 64, 16), (2, 2, 24, 16)],
+)  # fmt: skip
 def test_decode_kernel_matches_torch(hkv, group, dim, bs):
     seq_lens = [1, 15, 16, 17, 100, 3 * bs, 250]
     query_lens = [1] * len(seq_lens)
@@ -79,6 +82,32 @@ def test_write_and_decode_matches_write_then_attend(dtype, padding):
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[:b].float(), ref, rtol=tol, atol=tol)
     assert not out[b:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_build_matches_torch(dtype):
+    """The kernel built without ``-march=native`` (no AVX-512 intrinsics on this machine
+    either: the portable C++ a CPU without AVX-512 runs) against the float32 reference."""
+    from asyncllm.worker.cpu_extension import CpuExtension
+
+    flags = [f for f in cpu_paged.CFLAGS if f != "-march=native"]
+    ext = CpuExtension("asyncllm_cpu_paged_portable", cpu_paged._SOURCE, ["paged_decode"],
+                       flags, "portable CPU attention kernel", cpu_paged.ENV_SWITCH)  # fmt: skip
+    mod = ext.load()
+    assert mod is not None, ext.failure()
+    seq_lens = [1, 15, 16, 17, 100, 250]
+    query_lens = [1] * len(seq_lens)
+    for hkv, group, dim, bs in [(3, 3, 64, 16), (1, 5, 128, 32), (2, 1, 80, 8)]:
+        q, kc, vc, tables = _random_step(query_lens, seq_lens, bs, hkv, group, dim, seed=4)
+        q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+        tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
+        ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
+        d = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs).base.decodes
+        assert d is not None
+        out = torch.empty(q.shape, dtype=dtype)
+        mod.paged_decode(q, kc, vc, d.block_tables, torch.tensor(seq_lens), 0.1, out)
+        tol = 2e-5 if dtype == torch.float32 else 2**-8
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
 
 
 def test_write_and_decode_leaves_mixed_steps_to_write_then_attend():

@@ -5,14 +5,19 @@ and V blocks into new tensors, then runs ``scaled_dot_product_attention`` on the
 layer writes and reads the whole context twice more than attention needs. At W1's batch of
 64 that is most of the attention time; at W2's 570-token contexts it rivals the weights.
 This module's kernel reads K and V in place through the block tables instead, once, with an
-online softmax over one block (16 positions) at a time, for the ``G`` query heads that share
-a KV head together (vLLM's CPU backend does the same in its own C++). Chunks of more than
-one token (prefill) still go through the torch path.
+online softmax over a tile of up to 16 positions of a block at a time, for the ``G`` query
+heads that share a KV head together (vLLM's CPU backend does the same in its own C++).
+Chunks of more than one token (prefill) still go through the torch path.
 
 Caches and queries are float32 or bfloat16 (the engine's dtype); all the arithmetic is in
-float32 either way (a bfloat16 element widens exactly to float32 with a shift, which GCC
-vectorizes), and the output is rounded to the query's dtype, as the torch path's
-``scaled_dot_product_attention`` does. A bfloat16 cache is half the bytes to read.
+float32 either way (a bfloat16 element widens exactly to float32 with a shift), and the
+output is rounded to the query's dtype, as the torch path's ``scaled_dot_product_attention``
+does. A bfloat16 cache is half the bytes to read. Each K and V row is widened once for the
+``G`` query heads that read it; where the compiler targets AVX-512 and the head size is 64,
+80 or 128, intrinsics reduce a tile's 16 dot products per head into one vector and keep the
+heads' output accumulators in registers over the tile (elsewhere portable, auto-vectorized
+C++ computes the same, up to summation order). ``benchmarks/attention_kernel.py`` times it
+against an earlier revision.
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (g++ and
 ninja; 30-60 s, once per machine: :mod:`asyncllm.worker.cpu_extension` keeps the build
@@ -46,7 +51,11 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // An element of the cache or query as float: bfloat16 is the top half of a float32, so the
 // conversion is a shift the compiler vectorizes (vpmovzxwd + vpslld), no rounding involved.
@@ -61,11 +70,209 @@ static inline float to_f(at::BFloat16 x) {
 template <typename T>
 static inline T from_f(float x) { return static_cast<T>(x); }
 
+// Positions per tile: a tile's scores are computed (one vector of 16) before its softmax.
+constexpr int64_t TILE = 16;
+
+// The online softmax of one query head over its next n scores sg[0..n): sg becomes the
+// weights exp(s - max); returns the factor the head's earlier accumulator is scaled by.
+static inline float softmax_update(float* __restrict sg, int64_t n, float& m, float& l) {
+  float mx = m;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+  const float c = std::exp(m - mx);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    sg[t] = std::exp(sg[t] - mx);  // vectorized (libmvec) under -ffast-math
+    sum += sg[t];
+  }
+  l = l * c + sum;
+  m = mx;
+  return c;
+}
+
+// Prefetch n rows of D elements (row stride `stride`) at x, unless x is null: the next
+// block's, whose address is data-dependent (the block table), so the hardware prefetcher
+// cannot run ahead of a block boundary.
+template <typename T>
+static inline void prefetch_rows(const T* x, int64_t stride, int64_t n, int64_t D) {
+  constexpr int64_t LINE = 64 / sizeof(T);  // elements per 64-byte cache line
+  if (x != nullptr)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t e = 0; e < D; e += LINE) __builtin_prefetch(x + t * stride + e);
+}
+
+// n <= TILE rows of D elements (row stride `stride`) as float: the rows themselves for a
+// float cache, else widened once into buf [n, D] (not once per query head); *rs: row stride.
+template <typename T>
+static inline const float* rows_f(const T* x, int64_t stride, int64_t n, int64_t D,
+                                  float* __restrict buf, int64_t* rs) {
+  if constexpr (std::is_same<T, float>::value) {
+    *rs = stride;
+    return x;
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < D; ++d) buf[t * D + d] = to_f(x[t * stride + d]);
+    *rs = D;
+    return buf;
+  }
+}
+
+// One tile of one KV head for its G query heads: n <= TILE positions whose K and V rows
+// start at k and v (row stride `stride`); qv [G, D] the scaled queries, acc [G, D], m [G],
+// l [G] the heads' running state; buf [TILE, D], s [G, TILE], c [G] scratch. Portable C++
+// (auto-vectorized); tile_avx512 below is the same with the G heads' accumulators in
+// registers.
+template <typename T, int64_t DC>
+static void tile_portable(const float* __restrict qv, const T* k, const T* v, const T* kn,
+                          const T* vn, int64_t stride,
+                          int64_t n, int64_t G, int64_t D_, float* __restrict buf,
+                          float* __restrict s, float* __restrict c, float* __restrict acc,
+                          float* __restrict m, float* __restrict l) {
+  const int64_t D = DC > 0 ? DC : D_;
+  int64_t ks, vs;
+  prefetch_rows(kn, stride, n, D);
+  const float* kr = rows_f(k, stride, n, D, buf, &ks);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t t = 0; t < n; ++t) {
+      const float* qg = qv + g * D;
+      const float* kt = kr + t * ks;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
+      s[g * TILE + t] = dot;
+    }
+  for (int64_t g = 0; g < G; ++g) {
+    c[g] = softmax_update(s + g * TILE, n, m[g], l[g]);
+    float* ag = acc + g * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ag[d] *= c[g];
+  }
+  prefetch_rows(vn, stride, n, D);
+  const float* vr = rows_f(v, stride, n, D, buf, &vs);  // K's rows are no longer needed
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const float e = s[g * TILE + t];
+      const float* vt = vr + t * vs;
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += e * vt[d];
+    }
+}
+
+#if defined(__AVX512F__)
+// 16 elements as float (a bfloat16 widens exactly: zero-extend, shift left 16).
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 unpack_add_pd(__m512 a, __m512 b) {
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+static inline __m512 lanes_add(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+// r[t] = the sum of p[t]'s 16 elements, for t < 16: a transposing reduction tree (30
+// shuffles, 15 adds) instead of 16 horizontal sums.
+static inline __m512 sum16(const __m512* p) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                         _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) y[i] = unpack_add_pd(x[2 * i], x[2 * i + 1]);  // lane sums
+  return lanes_add(lanes_add(y[0], y[1]), lanes_add(y[2], y[3]));  // across the 4 lanes
+}
+
+// acc [GN, D] = acc * c + p . V for GN query heads (p [GN, TILE] their weights), the
+// accumulators in registers for the tile, each V row widened once for the GN heads.
+template <int GN, int NC, typename T>
+static inline void accumulate(const T* v, int64_t stride, int64_t n, const float* p,
+                              const float* c, float* acc) {
+  constexpr int64_t D = 16 * NC;
+  __m512 a[GN][NC];
+  for (int g = 0; g < GN; ++g) {
+    const __m512 cg = _mm512_set1_ps(c[g]);
+    for (int i = 0; i < NC; ++i) a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), cg);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 e[GN];
+    for (int g = 0; g < GN; ++g) e[g] = _mm512_set1_ps(p[g * TILE + t]);
+    for (int i = 0; i < NC; ++i) {
+      const __m512 x = load16(v + t * stride + 16 * i);
+      for (int g = 0; g < GN; ++g) a[g][i] = _mm512_fmadd_ps(e[g], x, a[g][i]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int i = 0; i < NC; ++i) _mm512_storeu_ps(acc + g * D + 16 * i, a[g][i]);
+}
+
+// tile_portable with AVX-512 intrinsics, D = 16 * NC: the scores of the tile's 16
+// positions reduced into one vector per query head (sum16), the V accumulation of up to GG
+// query heads at once in registers.
+template <typename T, int NC>
+static void tile_avx512(const float* __restrict qv, const T* k, const T* v, const T* kn,
+                        const T* vn, int64_t stride,
+                        int64_t n, int64_t G, float* __restrict buf, float* __restrict s,
+                        float* __restrict c, float* __restrict acc, float* __restrict m,
+                        float* __restrict l) {
+  constexpr int64_t D = 16 * NC;
+  constexpr int GG = NC <= 4 ? 4 : (NC <= 8 ? 16 / NC : 1);  // GG * NC accumulators <= 16
+  const float* kr;
+  int64_t ks;
+  constexpr int64_t LINE = 64 / sizeof(T);
+  if constexpr (std::is_same<T, float>::value) {
+    prefetch_rows(kn, stride, n, D);
+    kr = k;
+    ks = stride;
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      if (kn != nullptr)
+        for (int64_t e = 0; e < D; e += LINE) __builtin_prefetch(kn + t * stride + e);
+      for (int i = 0; i < NC; ++i)
+        _mm512_storeu_ps(buf + t * D + 16 * i, load16(k + t * stride + 16 * i));
+    }
+    kr = buf;
+    ks = D;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 qg[NC], P[TILE];
+    for (int i = 0; i < NC; ++i) qg[i] = _mm512_loadu_ps(qv + g * D + 16 * i);
+    for (int64_t t = 0; t < TILE; ++t) {
+      if (t < n) {
+        __m512 x = _mm512_mul_ps(qg[0], _mm512_loadu_ps(kr + t * ks));
+        for (int i = 1; i < NC; ++i)
+          x = _mm512_fmadd_ps(qg[i], _mm512_loadu_ps(kr + t * ks + 16 * i), x);
+        P[t] = x;
+      } else {
+        P[t] = _mm512_setzero_ps();
+      }
+    }
+    _mm512_storeu_ps(s + g * TILE, sum16(P));
+    c[g] = softmax_update(s + g * TILE, n, m[g], l[g]);
+  }
+  prefetch_rows(vn, stride, n, D);
+  for (int64_t g0 = 0; g0 < G; g0 += GG) {
+    const float *p = s + g0 * TILE, *cg = c + g0;
+    float* ag = acc + g0 * D;
+    switch (std::min<int64_t>(GG, G - g0)) {
+      case 1: accumulate<1, NC>(v, stride, n, p, cg, ag); break;
+      case 2: if constexpr (GG >= 2) accumulate<2, NC>(v, stride, n, p, cg, ag); break;
+      case 3: if constexpr (GG >= 3) accumulate<3, NC>(v, stride, n, p, cg, ag); break;
+      default: if constexpr (GG >= 4) accumulate<4, NC>(v, stride, n, p, cg, ag); break;
+    }
+  }
+}
+#endif
+
 // out[b, hq, :] = softmax(q[b, hq] . K^T * scale) V over positions [0, lens[b]) of sequence b,
 // read through its block table; KV head hq / G serves query head hq. q: [B, H, D] (rows may be
 // strided), caches [N, bs, Hkv, D] contiguous, tables [B, M] int64, lens [B] int64,
 // out [B, H, D] contiguous; q, caches and out all of type T (float or bfloat16), all the
-// arithmetic in float32. DC > 0 fixes D at compile time (unrolled loops); 0 reads it.
+// arithmetic in float32. DC > 0 fixes D at compile time (unrolled loops, and the AVX-512
+// tiles where DC is a multiple of 16 and the compiler targets AVX-512); 0 reads it.
 template <typename T, int64_t DC>
 static void decode(const at::Tensor& q, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& tables,
@@ -81,15 +288,15 @@ static void decode(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t* L = lens.data_ptr<int64_t>();
   T* O = out.data_ptr<T>();
   const int64_t tok = Hkv * D, blk = bs * tok;
-  constexpr int64_t LINE = 64 / sizeof(T);  // elements per 64-byte cache line
   // A work item is a sequence with all its KV heads (each block's rows are read whole and
   // in order) or, with fewer sequences than threads, one KV head of one sequence.
   const int64_t per = B >= at::get_num_threads() ? Hkv : 1;
   at::parallel_for(0, B * (Hkv / per), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv_(H * D), acc_(H * D), s_(H * bs), m(H), l(H);
+    std::vector<float> qv_(H * D), acc_(H * D), buf_(TILE * D), s_(G * TILE), c_(G), m_(H),
+        l_(H);
     float* __restrict qv = qv_.data();
     float* __restrict acc = acc_.data();
-    float* __restrict s = s_.data();
+    float *m = m_.data(), *l = l_.data();
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / (Hkv / per), h0 = (i % (Hkv / per)) * per, h1 = h0 + per;
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
@@ -104,55 +311,25 @@ static void decode(const at::Tensor& q, const at::Tensor& key_cache,
         const int64_t n = std::min(bs, len - j * bs);
         const T* kb = K + BT[b * M + j] * blk;
         const T* vb = V + BT[b * M + j] * blk;
-        // Prefetch the next block one row per row computed: its address is data-dependent
-        // (the block table), so the hardware prefetcher cannot run ahead of a block boundary.
         const bool more = (j + 1) * bs < len;
-        const T* kn = more ? K + BT[b * M + j + 1] * blk : kb;
-        const T* vn = more ? V + BT[b * M + j + 1] * blk : vb;
-        for (int64_t t = 0; t < n; ++t) {
-          if (more)
-            for (int64_t x = h0 * D; x < h1 * D; x += LINE) __builtin_prefetch(kn + t * tok + x);
-          for (int64_t h = h0; h < h1; ++h) {
-            const T* k = kb + t * tok + h * D;
-            for (int64_t g = 0; g < G; ++g) {
-              const float* qg = qv + (h * G + g) * D;
-              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_f(k[d]);
-              s[(h * G + g) * bs + t] = dot;
-            }
+        const T* kn = more ? K + BT[b * M + j + 1] * blk : nullptr;
+        const T* vn = more ? V + BT[b * M + j + 1] * blk : nullptr;
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+            const int64_t off = t0 * tok + h * D, nt = std::min(TILE, n - t0);
+            // The next block's rows t0.. of this head (as many as this tile has, or none).
+            const T* kp = kn != nullptr && t0 < len - (j + 1) * bs ? kn + off : nullptr;
+            const T* vp = vn != nullptr && t0 < len - (j + 1) * bs ? vn + off : nullptr;
+            float *a = acc + h * G * D, *mh = m + h * G, *lh = l + h * G;
+#if defined(__AVX512F__)
+            if constexpr (DC > 0 && DC % 16 == 0)
+              tile_avx512<T, DC / 16>(qv + h * G * D, kb + off, vb + off, kp, vp, tok, nt, G,
+                                      buf_.data(), s_.data(), c_.data(), a, mh, lh);
+            else
+#endif
+              tile_portable<T, DC>(qv + h * G * D, kb + off, vb + off, kp, vp, tok, nt, G, D,
+                                   buf_.data(), s_.data(), c_.data(), a, mh, lh);
           }
-        }
-        for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
-          float* sg = s + hq * bs;
-          float mx = m[hq];
-          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-          const float c = std::exp(m[hq] - mx);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = std::exp(sg[t] - mx);  // vectorized (libmvec) under -ffast-math
-            sum += sg[t];
-          }
-          l[hq] = l[hq] * c + sum;
-          m[hq] = mx;
-          float* ag = acc + hq * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] *= c;
-        }
-        for (int64_t t = 0; t < n; ++t) {
-          if (more)
-            for (int64_t x = h0 * D; x < h1 * D; x += LINE) __builtin_prefetch(vn + t * tok + x);
-          for (int64_t h = h0; h < h1; ++h) {
-            const T* v = vb + t * tok + h * D;
-            for (int64_t g = 0; g < G; ++g) {
-              const float e = s[(h * G + g) * bs + t];
-              float* ag = acc + (h * G + g) * D;
-#pragma omp simd
-              for (int64_t d = 0; d < D; ++d) ag[d] += e * to_f(v[d]);
-            }
-          }
-        }
       }
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
         T* dst = O + (b * H + hq) * D;
@@ -169,6 +346,7 @@ static void dispatch(const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& lens, float sc, at::Tensor& out) {
   switch (q.size(2)) {
     case 64: return decode<T, 64>(q, key_cache, value_cache, tables, lens, sc, out);
+    case 80: return decode<T, 80>(q, key_cache, value_cache, tables, lens, sc, out);
     case 128: return decode<T, 128>(q, key_cache, value_cache, tables, lens, sc, out);
     default: return decode<T, 0>(q, key_cache, value_cache, tables, lens, sc, out);
   }

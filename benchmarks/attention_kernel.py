@@ -1,0 +1,121 @@
+"""Microbenchmark of the C++ paged decode attention kernel: an old source against the new.
+
+Builds the kernel source of ``asyncllm/attention/cpu_paged.py`` at a git revision (``--old``,
+default ``main``) and the working tree's, each as its own extension (cached like the real
+one, under asyncllm's cache directory), then alternates calls of both in this one process
+(a shared, noisy VM: compare the ratios of one run, medians over the repeats) at the
+default model's shapes (H=9 query heads, Hkv=3 KV heads, D=64, block size 16) over a cache
+of ~2900 blocks with scattered block tables. Also prints the largest difference between
+the two outputs on the same random inputs (same computation up to summation order).
+
+Run from the repository root::
+
+    PYTHONPATH=. python benchmarks/attention_kernel.py [--old main] [--threads 2]
+        [--repeats 7] [--isa native|avx2]
+
+``--isa avx2`` builds both sources with ``-mavx2 -mfma`` instead of ``-march=native`` (the
+portable path of a machine without AVX-512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import statistics
+import subprocess
+import time
+from typing import Any
+
+import torch
+
+from asyncllm.attention import cpu_paged
+from asyncllm.worker.cpu_extension import CpuExtension
+
+CASES = [(1, 100), (64, 100), (64, 256), (32, 570)]  # (batch, context tokens)
+H, HKV, D, BS, BLOCKS = 9, 3, 64, 16, 2900
+
+
+def source_at(rev: str) -> str:
+    """The kernel's C++ source (``_SOURCE``) of cpu_paged.py at git revision ``rev``."""
+    text = subprocess.run(
+        ["git", "show", f"{rev}:asyncllm/attention/cpu_paged.py"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "_SOURCE":
+            return str(ast.literal_eval(node.value))
+    raise ValueError(f"no _SOURCE in cpu_paged.py at {rev}")
+
+
+def build(name: str, source: str, isa: str) -> Any:
+    flags = list(cpu_paged.CFLAGS)
+    if isa == "avx2":
+        flags = [f for f in flags if f != "-march=native"] + ["-mavx2", "-mfma"]
+    ext = CpuExtension(name, source, ["paged_decode"], flags, name, "ASYNCLLM_BENCH_KERNEL")
+    mod = ext.load()
+    if mod is None:
+        raise RuntimeError(f"{name} does not build: {ext.failure()}")
+    return mod
+
+
+def inputs(batch: int, ctx: int, dtype: torch.dtype, seed: int = 0) -> tuple[Any, ...]:
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.randint(ctx - 10, ctx + 11, (batch,), generator=g).tolist()
+    lens = [ctx] if batch == 1 else spread
+    need = [-(-n // BS) for n in lens]
+    perm = torch.randperm(BLOCKS, generator=g)  # scattered, not contiguous
+    m = max(need)
+    tables = torch.zeros(batch, m, dtype=torch.long)
+    k = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[k : k + n]
+        k += n
+    kc = torch.randn(BLOCKS, BS, HKV, D, generator=g).to(dtype)
+    vc = torch.randn(BLOCKS, BS, HKV, D, generator=g).to(dtype)
+    # The model hands the query rows over as a transposed view of [1, H, T, D].
+    q = torch.randn(H, batch, D, generator=g).to(dtype).transpose(0, 1)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.long)
+
+
+def per_call_us(mod: Any, args: tuple[Any, ...], out: torch.Tensor, iters: int) -> float:
+    t0 = time.perf_counter_ns()
+    for _ in range(iters):
+        mod.paged_decode(*args, 0.125, out)
+    return (time.perf_counter_ns() - t0) / iters / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", default="main", help="git revision of the old kernel")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    old = build(f"asyncllm_bench_old_{a.isa}", source_at(a.old), a.isa)
+    new = build(f"asyncllm_bench_new_{a.isa}", cpu_paged._SOURCE, a.isa)
+    print(f"old={a.old} new=worktree threads={a.threads} isa={a.isa} repeats={a.repeats}")
+    head = ("dtype", "B", "ctx", "old us", "new us", "ratio", "max|diff|")
+    print("{:9} {:>3} {:>4} {:>9} {:>9} {:>6} {:>10}".format(*head))
+    for dtype in (torch.bfloat16, torch.float32):
+        for batch, ctx in CASES:
+            q, kc, vc, tables, lens = inputs(batch, ctx, dtype)
+            args = (q, kc, vc, tables, lens)
+            o_old, o_new = torch.empty(q.shape, dtype=dtype), torch.empty(q.shape, dtype=dtype)
+            old.paged_decode(*args, 0.125, o_old)
+            new.paged_decode(*args, 0.125, o_new)
+            diff = (o_old.float() - o_new.float()).abs().max().item()
+            one = per_call_us(old, args, o_old, 3)
+            iters = max(5, int(20_000 / max(one, 1.0)))  # ~20 ms per measurement
+            t_old, t_new = [], []
+            for r in range(a.repeats):  # alternate, and alternate who goes first
+                pair = [(old, o_old, t_old), (new, o_new, t_new)]
+                for mod, out, ts in pair if r % 2 == 0 else pair[::-1]:
+                    ts.append(per_call_us(mod, args, out, iters))
+            mo, mn = statistics.median(t_old), statistics.median(t_new)
+            name = str(dtype).removeprefix("torch.")
+            print(f"{name:9} {batch:3d} {ctx:4d} {mo:9.1f} {mn:9.1f} {mo / mn:6.2f} {diff:10.2e}")
+
+
+if __name__ == "__main__":
+    main()
