@@ -192,6 +192,73 @@ def test_int4_linear_few_and_many_rows(rows):
     torch.testing.assert_close(again, 2 * ref, rtol=2e-2, atol=4e-2)
 
 
+def _close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """got = x w^T (bfloat16 or float32) within one rounding of the float64 product (the
+    GEMM accumulates in float32; bfloat16 output rounds once: half an ulp, 2^-8 relative)."""
+    ref = x.double() @ w.double().T
+    tol = (2.0**-8 if got.dtype == torch.bfloat16 else 1e-6) * ref.abs() + 1e-4
+    assert ((got.double() - ref).abs() <= tol).all()
+
+
+@needs_dequant
+@pytest.mark.parametrize(
+    "n, k, gs, rows, m_tile",
+    [
+        (64, 64, 32, 17, 64),  # one column block
+        (192, 576, 32, 17, 64),  # 3 blocks for 2 threads: the rows split further
+        (192, 576, 32, 64, 16),  # several row tiles per block
+        (128, 96, 32, 513, 64),  # K not a multiple of 64; a row tail of 1
+        (576, 128, 64, 513, 100),  # a row tile that is no multiple of 16
+        (320, 256, 128, 40, 64),  # 5 blocks: an odd block count
+    ],
+)
+def test_int4_many_row_path_tiles(n, k, gs, rows, m_tile):
+    """The many-row path block by block (``int4_mm``; the fused path where oneDNN's brgemm
+    has AMX, else the whole weight and one GEMM) equals the product with the dequantized
+    weight within the output rounding, at any tiling, and matches the whole-weight path."""
+    layer, ref_w = _int4_layer(n, k, gs)
+    x = torch.randn(rows, k).bfloat16()
+    mod = int4_dequant.EXTENSION.load()
+    got = mod.int4_mm(x, layer.packed, layer.scales_and_zeros, gs, n, m_tile)
+    whole = mod.int4_mm(x, layer.packed, layer.scales_and_zeros, gs, n, 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    _close_to_exact(got, x, ref_w.bfloat16())
+    _close_to_exact(whole, x, ref_w.bfloat16())
+
+
+@needs_dequant
+@pytest.mark.parametrize("rows", [17, 513])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_linear_many_rows_with_bias(rows, dtype):
+    """The layer's many-row path (bfloat16 scales: fused; float32 ones: the whole weight)
+    adds the bias and keeps x's shape and dtype."""
+    layer, ref_w = _int4_layer(192, 96, 32, dtype)
+    layer.bias = torch.randn(192)
+    x = torch.randn(1, rows, 96)
+    before = ql.path_calls()
+    with torch.inference_mode():
+        got = layer(x)
+    assert ql.path_calls()["dequant"] - before["dequant"] == 1
+    assert got.dtype == torch.float32 and got.shape == (1, rows, 192)
+    rounded = (x.to(dtype) @ ref_w.to(dtype).T).to(dtype).float()  # the kernel's precision
+    torch.testing.assert_close(got - layer.bias, rounded, rtol=2**-6, atol=1e-3)
+
+
+@needs_dequant
+def test_int4_mm_checks_its_inputs():
+    """int4_mm refuses rows of another dtype than the scales, a negative row tile, or a
+    weight of another size than the rows' K."""
+    mod = int4_dequant.EXTENSION.load()
+    layer, _ = _int4_layer(64, 64, 32)
+    args = (layer.packed, layer.scales_and_zeros, 32, 64)
+    with pytest.raises(RuntimeError, match="rows must be"):
+        mod.int4_mm(torch.zeros(3, 64), *args, 64)
+    with pytest.raises(RuntimeError, match="m_tile"):
+        mod.int4_mm(torch.zeros(3, 64, dtype=torch.bfloat16), *args, -1)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        mod.int4_mm(torch.zeros(3, 128, dtype=torch.bfloat16), *args, 64)
+
+
 @pytest.mark.parametrize("case", ["out 96", "switched off"])
 def test_int4_linear_falls_back_to_the_int4_kernel(case, monkeypatch):
     """out_features not a multiple of 64 (the packing's row block), or the kernel switched

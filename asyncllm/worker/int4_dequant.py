@@ -1,15 +1,25 @@
-"""The int4 linear layer in C++: torch's int4 kernel for few rows, dequantize-then-GEMM for many.
+"""The int4 linear layer in C++: torch's int4 kernel for few rows, dequantize-and-GEMM for many.
 
 torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``) is a matrix-vector kernel: its
 cost grows linearly with the row count, so at a decode batch of 64 it is 4-5x slower than a
 plain bfloat16 matmul on the same weight (docs/tuning.md). For many rows,
-:class:`asyncllm.worker.quant_linear.Int4Linear` therefore dequantizes the packed weight into
-a reused scratch buffer with this kernel and runs one bfloat16 GEMM, keeping only the int4
-weight in memory. The extension registers the whole layer as one op,
-``asyncllm_cpu::int4_linear`` (reshape, cast, the row-count choice, kernel, bias): a decode
-step calls it 210 times with the default model, and the same steps in Python cost about
-20 us per call (4 ms of a 23 ms step at batch 1); compiled graphs call it too (its fake
+:class:`asyncllm.worker.quant_linear.Int4Linear` therefore multiplies with the dequantized
+weight, keeping only the int4 weight in memory. The extension registers the whole layer as
+one op, ``asyncllm_cpu::int4_linear`` (reshape, cast, the row-count choice, kernel, bias): a
+decode step calls it 210 times with the default model, and the same steps in Python cost
+about 20 us per call (4 ms of a 23 ms step at batch 1); compiled graphs call it too (its fake
 implementation is registered by :func:`kernel`).
+
+The many-row path (``int4_mm`` in the source) never writes the whole bfloat16 weight: a work
+item is one 64-column block of ``W^T`` (the packing's row block) times up to 64 rows, and
+items run block-major, so each thread dequantizes a block once into its own scratch
+``[K, 64]`` (72 KiB at K = 576, 192 KiB at K = 1536: it stays in the core's L2), in the packed
+("VNNI") layout of oneDNN's brgemm micro-kernel (``at::native::cpublas::brgemm``, AMX), and
+multiplies it with the rows on the calling thread; with few blocks (N = 192) the rows are
+split further so that both threads work. Dequantizing the whole weight and then calling one
+``at::mm`` (the former path) wrote 2 bytes per weight to memory and read them back (about
+212 MB per decode step); it remains where brgemm lacks AMX (``could_pack``) or the scales are
+float32.
 
 The packed layout (``aten._convert_weight_to_int4pack_for_cpu(q_int32[N, K], 1)``, torch 2.13;
 checked against the codes in tests/test_quantization.py): uint8 ``[N, K/2]`` read as
@@ -21,7 +31,9 @@ own formula. Every 32-byte run of codes thus gives 64 consecutive entries of one
 
 Arithmetic: float32 (a bfloat16 scale widens exactly), the multiply and add rounded
 separately (``-ffp-contract=off``: the same values as torch's float32 ``(q - 8) * s + z``),
-then rounded once to the output dtype (bfloat16: to nearest even, as torch's ``.to()``).
+then rounded once to the output dtype (bfloat16: to nearest even, as torch's ``.to()``): the
+dequantized values are the same in both many-row paths. The GEMMs accumulate in float32 over
+all of K and round once to bfloat16 (to nearest even); only their summation order differs.
 
 Built once per machine by :mod:`asyncllm.worker.cpu_extension`
 (``ASYNCLLM_INT4_DEQUANT_KERNEL=0`` turns it off); where it cannot be built,
@@ -45,9 +57,14 @@ _SOURCE = r"""
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <ATen/native/CPUBlas.h>
+#include <algorithm>
 #include <map>
 #include <tuple>
 #include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 static inline float to_f(float x) { return x; }
 static inline float to_f(at::BFloat16 x) {  // exact: bfloat16 is float32's top half
@@ -77,7 +94,6 @@ static inline void row64(const uint8_t* p, const float* s, const float* z, T* o)
   }
 }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
 // The same with AVX-512: vcvtne2ps2bf16 rounds to nearest even, as put() does.
 template <>
 inline void row64<at::BFloat16>(const uint8_t* p, const float* s, const float* z,
@@ -125,21 +141,149 @@ static void dequant(const at::Tensor& packed, const at::Tensor& sz, int64_t grou
   });
 }
 
+static void check_dequant_args(const at::Tensor& packed, const at::Tensor& sz, int64_t group,
+                               int64_t K, int64_t N, const char* who) {
+  TORCH_CHECK(N % 64 == 0 && group > 0 && K % group == 0, who,
+              ": out must be a contiguous [K, N] with N % 64 == 0, K % group == 0");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() * 2 == N * K,
+              who, ": packed must be contiguous uint8 with N * K / 2 bytes");
+  TORCH_CHECK((sz.scalar_type() == at::kBFloat16 || sz.scalar_type() == at::kFloat) &&
+                  sz.is_contiguous() && sz.dim() == 3 && sz.size(0) == K / group &&
+                  sz.size(1) == N && sz.size(2) == 2,
+              who, ": sz must be a contiguous [K / group, N, 2] of bfloat16 or float32");
+}
+
 void int4_dequant_t(const at::Tensor& packed, const at::Tensor& sz, int64_t group,
                     at::Tensor& out) {
   const int64_t K = out.size(0), N = out.size(1);
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && N % 64 == 0 && group > 0 &&
-                  K % group == 0,
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(),
               "int4_dequant_t: out must be a contiguous [K, N] with N % 64 == 0, K % group == 0");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() * 2 == N * K,
-              "int4_dequant_t: packed must be contiguous uint8 with N * K / 2 bytes");
-  TORCH_CHECK(sz.scalar_type() == out.scalar_type() && sz.is_contiguous() && sz.dim() == 3 &&
-                  sz.size(0) == K / group && sz.size(1) == N && sz.size(2) == 2,
+  check_dequant_args(packed, sz, group, K, N, "int4_dequant_t");
+  TORCH_CHECK(sz.scalar_type() == out.scalar_type(),
               "int4_dequant_t: sz must be a contiguous [K / group, N, 2] of out's dtype");
   if (out.scalar_type() == at::kBFloat16) return dequant<at::BFloat16>(packed, sz, group, out);
   return dequant<float>(packed, sz, group, out);
 }
+
+// W^T's 64-column block b [K, 64] as brgemm's packed B (oneDNN's "pack32" (VNNI) layout
+// for bfloat16: [K / 2][64][2], rows 2i and 2i + 1 interleaved), from the same row64 values.
+static void dequant_block_vnni(const uint8_t* P, const at::BFloat16* S, int64_t K, int64_t N,
+                               int64_t group, int64_t b, at::BFloat16* out) {
+  alignas(64) float s[64], z[64];
+  alignas(64) at::BFloat16 r[2][64];
+  for (int64_t g = 0; g < K / group; ++g) {
+    const at::BFloat16* src = S + (g * N + b * 64) * 2;
+    for (int j = 0; j < 64; ++j) {
+      s[j] = to_f(src[2 * j]);
+      z[j] = to_f(src[2 * j + 1]);
+    }
+    for (int64_t k = g * group; k < (g + 1) * group; k += 2) {  // group is even
+      row64<at::BFloat16>(P + (b * K + k) * 32, s, z, r[0]);
+      row64<at::BFloat16>(P + (b * K + k + 1) * 32, s, z, r[1]);
+      at::BFloat16* o = out + k * 64;
+#if defined(__AVX512BW__)
+      alignas(64) static const uint16_t idx[2][32] = {
+          {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+           8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+          {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+           24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+      const __m512i lo = _mm512_load_si512(idx[0]), hi = _mm512_load_si512(idx[1]);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i u = _mm512_load_si512(r[0] + 32 * h), v = _mm512_load_si512(r[1] + 32 * h);
+        _mm512_storeu_si512(o + 64 * h, _mm512_permutex2var_epi16(u, lo, v));
+        _mm512_storeu_si512(o + 64 * h + 32, _mm512_permutex2var_epi16(u, hi, v));
+      }
+#else
+      for (int j = 0; j < 64; ++j) {
+        o[2 * j] = r[0][j];
+        o[2 * j + 1] = r[1][j];
+      }
+#endif
+    }
+  }
+}
+
+// 64 float32 accumulators to bfloat16, rounded to nearest even (as oneDNN's GEMM output).
+static inline void store64(const float* c, at::BFloat16* o) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  for (int h = 0; h < 2; ++h)
+    _mm512_storeu_si512(o + 32 * h, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(c + 32 * h + 16),
+                                                                 _mm512_loadu_ps(c + 32 * h)));
+#else
+  for (int j = 0; j < 64; ++j) o[j] = at::BFloat16(c[j]);
+#endif
+}
+
+// The fused many-row path is there: bfloat16 brgemm on a packed B (AMX), as oneDNN reports.
+static bool fused_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// y [M, N] = rows [M, K] W^T (bfloat16), block by block without the whole W^T: a work item is
+// one 64-column block of W^T times m_tile rows; items run block-major, so a thread's
+// consecutive items share a block, dequantized once into the thread's scratch [K, 64] (72 or
+// 192 KiB: stays in its L2) in brgemm's packed layout, then multiplied on the calling thread
+// by oneDNN's brgemm micro-kernel (float32 accumulation over all of K, one bfloat16 rounding).
+static void fused(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
+                  int64_t group, int64_t m_tile, at::Tensor& y) {
+  const int64_t M = rows.size(0), K = rows.size(1), N = y.size(1), NB = N / 64;
+  int64_t MT = (M + m_tile - 1) / m_tile;
+  // Few blocks (N = 192: 3) for the threads: split the rows further so that each thread
+  // gets about the same work (a block then is dequantized by up to two threads).
+  const int64_t want = 2 * at::get_num_threads();
+  if (NB * MT < want) MT = std::min((want + NB - 1) / NB, (M + 15) / 16);
+  const int64_t mt = (M + MT - 1) / MT;
+  MT = (M + mt - 1) / mt;
+  const uint8_t* P = packed.data_ptr<uint8_t>();
+  const at::BFloat16* S = sz.data_ptr<at::BFloat16>();
+  const at::BFloat16* A = rows.data_ptr<at::BFloat16>();
+  at::BFloat16* Y = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, NB * MT, 1, [&](int64_t begin, int64_t end) {
+    thread_local at::Tensor wbuf, cbuf;  // grow to the largest K and row tile seen
+    if (!wbuf.defined() || wbuf.numel() < K * 64) wbuf = at::empty({K * 64}, sz.options());
+    if (!cbuf.defined() || cbuf.numel() < mt * 64) cbuf = at::empty({mt * 64}, at::kFloat);
+    at::BFloat16* W = wbuf.data_ptr<at::BFloat16>();
+    float* C = cbuf.data_ptr<float>();
+    int64_t have = -1;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / MT, m0 = (i % MT) * mt, mr = std::min(mt, M - m0);
+      if (b != have) {
+        dequant_block_vnni(P, S, K, N, group, b, W);
+        have = b;
+      }
+      at::native::cpublas::brgemm(mr, 64, K, K, 64, 64, false, A + m0 * K, W, C, true);
+      for (int64_t r = 0; r < mr; ++r) store64(C + r * 64, Y + (m0 + r) * N + b * 64);
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+// The many-row path on its own (also for tests and benchmarks): rows [M, K] of the scales'
+// dtype times the dequantized weight -> [M, N]. bfloat16 where brgemm has AMX: `fused` with
+// m_tile rows per item; else (or with m_tile 0) the whole W^T into this thread's scratch and
+// one at::mm.
+at::Tensor int4_mm(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
+                   int64_t group, int64_t out_features, int64_t m_tile) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == sz.scalar_type(),
+              "int4_mm: rows must be [M, K] of the scales' dtype");
+  TORCH_CHECK(m_tile >= 0, "int4_mm: m_tile must be >= 0");
+  check_dequant_args(packed, sz, group, rows.size(1), out_features, "int4_mm");
+  const at::Tensor r = rows.contiguous();
+  if (m_tile > 0 && group % 2 == 0 && sz.scalar_type() == at::kBFloat16 && fused_available()) {
+    at::Tensor y = at::empty({r.size(0), out_features}, r.options());
+    if (r.size(0) > 0) fused(r, packed, sz, group, m_tile, y);
+    return y;
+  }
+  thread_local std::map<std::tuple<int64_t, int64_t, int>, at::Tensor> scratch;
+  at::Tensor& wt = scratch[{r.size(1), out_features, static_cast<int>(sz.scalar_type())}];
+  if (!wt.defined()) wt = at::empty({r.size(1), out_features}, sz.options());
+  int4_dequant_t(packed, sz, group, wt);
+  return at::mm(r, wt);
+}
+
+bool int4_fused_available() { return fused_available(); }
+
+// Rows per work item of the fused many-row path.
+static constexpr int64_t M_TILE = 64;
 
 // Calls per path of int4_linear: [0] torch's int4 kernel, [1] dequantize then GEMM.
 static std::atomic<int64_t> path_calls[2];
@@ -157,11 +301,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const bool dense_ok = out_features % 64 == 0 &&
       (sz.scalar_type() == at::kBFloat16 || sz.scalar_type() == at::kFloat);
   if (rows.size(0) > max_rows && dense_ok) {
-    thread_local std::map<std::tuple<int64_t, int64_t, int>, at::Tensor> scratch;
-    at::Tensor& wt = scratch[{in_features, out_features, static_cast<int>(sz.scalar_type())}];
-    if (!wt.defined()) wt = at::empty({in_features, out_features}, sz.options());
-    int4_dequant_t(packed, sz, group, wt);
-    y = at::mm(rows, wt);
+    y = int4_mm(rows, packed, sz, group, out_features, M_TILE);
     ++path_calls[1];
   } else {
     y = at::_weight_int4pack_mm_for_cpu(rows, packed, group, sz);
@@ -184,10 +324,10 @@ TORCH_LIBRARY(asyncllm_cpu, m) {
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 ENV_SWITCH = "ASYNCLLM_INT4_DEQUANT_KERNEL"
 
+_FUNCTIONS = ["int4_dequant_t", "int4_mm", "int4_fused_available", "int4_path_calls"]
 EXTENSION = CpuExtension(
-    "asyncllm_int4_dequant", _SOURCE, ["int4_dequant_t", "int4_path_calls"], CFLAGS,
-    "CPU int4 kernels", ENV_SWITCH,
-)  # fmt: skip
+    "asyncllm_int4_dequant", _SOURCE, _FUNCTIONS, CFLAGS, "CPU int4 kernels", ENV_SWITCH
+)
 """The kernel's build-once extension."""
 
 _fake_registered = False

@@ -7,9 +7,9 @@
   (``d * q + m``: scale ``d``, zero ``m + 8 d``) and ``Q4_0`` (``d * (q - 8)``: zero 0) map
   onto it without loss when the scales are float32 (a float32 model). That kernel is a
   matrix-vector kernel (its time grows with the row count): a call with more than
-  :data:`INT4_KERNEL_MAX_ROWS` rows instead dequantizes the weight into a reused scratch
-  buffer (:mod:`asyncllm.worker.int4_dequant`, C++) and runs one bfloat16 GEMM, 3x faster
-  at 64 rows, with only the int4 weight kept. The whole layer is one C++ op,
+  :data:`INT4_KERNEL_MAX_ROWS` rows instead multiplies with the weight dequantized block by
+  block into a small per-thread scratch (:mod:`asyncllm.worker.int4_dequant`, C++; bfloat16
+  GEMM), 4-6x faster at 64 rows, with only the int4 weight kept. The whole layer is one C++ op,
   ``asyncllm_cpu::int4_linear`` (the Python around 210 kernel calls per decode step cost
   4 ms at batch 1, a fifth of the step), in eager steps and compiled graphs alike; where it
   cannot be built, :func:`int4_linear` (torch's int4 kernel at every row count).
@@ -176,20 +176,21 @@ class Int4Linear(nn.Module):
         )
 
 
-#: Calls with more rows than this dequantize the int4 weight (:mod:`.int4_dequant`) and run
-#: one dense GEMM; up to this many go through torch's int4 kernel, whose cost grows with the
-#: row count (a matrix-vector kernel). Measured with ``benchmarks/quant_kernels.py``
-#: (bfloat16, 2 threads, median us per call, weights out of cache, int4 kernel / dequantize
-#: then ``torch.mm``; the dequantization alone: 12, 55 and 59 us; docs/tuning.md)::
+#: Calls with more rows than this multiply with the dequantized int4 weight
+#: (:mod:`.int4_dequant`: block by block into a per-thread L2 scratch, oneDNN's brgemm
+#: micro-kernel); up to this many go through torch's int4 kernel, whose cost grows with the
+#: row count (a matrix-vector kernel). Measured with ``benchmarks/int4_many_rows.py --rows 2
+#: 4 8 16 32 64 --candidates old new int4`` (bfloat16, 2 threads, weights out of cache, us
+#: per call, fastest of 5 interleaved repeats on a shared machine; int4 kernel / fused path)::
 #:
-#:     rows         1         8        12        16        24        64
-#:     192x576   11 / 55   31 / 60   33 / 59   54 / 59   53 / 63  115 /  69
-#:     1536x576  39 / 220 119 / 215 173 / 242 224 / 222 349 / 257 857 / 264
-#:     576x1536  41 / 199 115 / 203 175 / 218 223 / 219 325 / 210 854 / 256
+#:     rows         2         4         8        16        32        64
+#:     192x576   15 /  21  20 /  22  25 /  26  44 /  25  79 /  26 127 /  32
+#:     1536x576  67 / 144  90 / 149 149 / 147 262 / 110 529 / 167 951 / 151
+#:     576x1536  77 / 171  81 / 141 141 / 135 263 / 137 475 / 152 945 / 174
 #:
-#: The crossover is at 16 rows with 2 threads (12 with 1 thread: the dequantization halves
-#: with a second thread, the int4 kernel less so).
-INT4_KERNEL_MAX_ROWS = 16
+#: The crossover is at 8 rows (it was 16 when the many-row path dequantized the whole weight
+#: to memory and then ran one ``torch.mm``: about 2x slower than the fused path).
+INT4_KERNEL_MAX_ROWS = 8
 
 #: Calls of the Python fallback :func:`int4_linear` (torch's int4 kernel), for tests.
 _PY_CALLS = collections.Counter[str]()

@@ -1,0 +1,148 @@
+"""The int4 layer's many-row path, old against new, in one process: ``Int4Linear`` at M rows.
+
+Candidates (``--candidates``), each one ``y = x W^T`` of the default model's projection shapes
+(out x in: 576x576, 192x576, 1536x576, 576x1536; group 32, bfloat16 activations and scales):
+
+* ``old``: ``asyncllm_cpu::int4_linear`` as built from ``--ref`` (default ``main``; its C++
+  source is read with ``git show`` and built under another extension and op namespace), its
+  many-row path forced (``max_rows=0``): the whole weight dequantized, then one GEMM;
+* ``new``: this checkout's op, many-row path forced (``max_rows=0``);
+* ``int4``: torch's int4 kernel (this checkout's op with ``max_rows`` above any M), for the
+  crossover :data:`asyncllm.worker.quant_linear.INT4_KERNEL_MAX_ROWS`;
+* ``m<rows>``: the new many-row path with work items of that many rows, through the
+  extension's ``int4_mm`` (``m0``: the old way in the new build: the whole weight
+  dequantized, then one ``at::mm``), to pick the row tile.
+
+Each candidate cycles through enough distinct weights (>= ``--mib`` MiB of int4 codes per
+shape, default 48) that they do not stay in cache, as in a decode step that reads all layers.
+Candidates run in a shuffled order inside each repeat (the machine is shared and noisy:
+compare ratios within one run); the table gives median microseconds per call and each
+candidate's ratio to the first one; a second table the fastest repeat (less sensitive to
+other load).
+
+Run (about 10 minutes on 2 cores)::
+
+    PYTHONPATH=. python benchmarks/int4_many_rows.py --threads 2 --repeats 7
+    PYTHONPATH=. python benchmarks/int4_many_rows.py --rows 64 512 --candidates old m16 m64 m0
+    PYTHONPATH=. python benchmarks/int4_many_rows.py --rows 2 4 8 16 32 --candidates int4 new old
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+
+from asyncllm.worker import int4_dequant
+from asyncllm.worker.cpu_extension import CpuExtension
+
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+GROUP = 32
+
+
+def old_op(ref: str) -> Callable[..., torch.Tensor]:
+    """``asyncllm_cpu::int4_linear`` as ``ref`` has it, built as ``asyncllm_cpu_old``."""
+    text = subprocess.run(
+        ["git", "show", f"{ref}:asyncllm/worker/int4_dequant.py"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    scope: dict[str, object] = {"__name__": "int4_dequant_old"}
+    exec(compile(text, "int4_dequant_old.py", "exec"), scope)  # our own source, at a ref
+    lib = "TORCH_LIBRARY(asyncllm_cpu,"
+    source = str(scope["_SOURCE"]).replace(lib, "TORCH_LIBRARY(asyncllm_cpu_old,")
+    ext = CpuExtension(
+        "asyncllm_int4_old", source, ["int4_dequant_t"], list(int4_dequant.CFLAGS), "old int4", "X"
+    )
+    if ext.load() is None:
+        raise RuntimeError(f"the {ref} kernel did not build: {ext.failure()}")
+    return torch.ops.asyncllm_cpu_old.int4_linear.default  # type: ignore[no-any-return]
+
+
+def pack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random int4 weight [n, k] in the layer's layout: (packed, scales and zeros)."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scale = torch.rand(k // GROUP, n) * 0.01 + 1e-3
+    sz = torch.stack([scale, torch.randn(k // GROUP, n) * 0.01], -1).bfloat16().contiguous()
+    return packed, sz
+
+
+def candidate(name: str, n: int, k: int, old: Callable[..., torch.Tensor] | None):  # type: ignore[no-untyped-def]
+    """x, packed, sz -> y for candidate ``name``."""
+    new = torch.ops.asyncllm_cpu.int4_linear.default
+    if name == "old":
+        assert old is not None
+        return lambda x, p, sz: old(x, p, sz, None, GROUP, k, n, 0)
+    if name == "new":
+        return lambda x, p, sz: new(x, p, sz, None, GROUP, k, n, 0)
+    if name == "int4":
+        return lambda x, p, sz: new(x, p, sz, None, GROUP, k, n, 1 << 30)
+    if name.startswith("m"):
+        mm, mt = int4_dequant.kernel().int4_mm, int(name[1:])
+        return lambda x, p, sz: mm(x, p, sz, GROUP, n, mt)
+    raise ValueError(name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 512])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--mib", type=int, default=48, help="MiB of int4 codes per shape")
+    ap.add_argument("--ref", default="main", help="the git ref whose kernel is 'old'")
+    ap.add_argument("--candidates", nargs="+", default=["old", "new"])
+    ap.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if int4_dequant.kernel() is None:
+        raise SystemExit("this checkout's int4 kernel is unavailable")
+    old = old_op(args.ref) if "old" in args.candidates else None
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    med: dict[tuple[tuple[int, ...], int, str], float] = {}
+    best: dict[tuple[tuple[int, ...], int, str], float] = {}
+    for n, k in shapes:
+        weights = [pack(n, k) for _ in range(max(2, (args.mib << 20) // (n * k // 2)))]
+        fns = {c: candidate(c, n, k, old) for c in args.candidates}
+        for m in args.rows:
+            x = torch.randn(m, k).bfloat16()
+            times: dict[str, list[float]] = {c: [] for c in fns}
+            for f in fns.values():  # warm-up: oneDNN primitives, page faults, scratch
+                for p, sz in weights:
+                    f(x, p, sz)
+            for _ in range(args.repeats):
+                order = list(fns)
+                random.shuffle(order)
+                for c in order:
+                    t0 = time.perf_counter()
+                    for p, sz in weights:
+                        fns[c](x, p, sz)
+                    times[c].append((time.perf_counter() - t0) / len(weights) * 1e6)
+            for c in fns:
+                med[((n, k), m, c)] = statistics.median(times[c])
+                best[((n, k), m, c)] = min(times[c])
+            print(_row(med, (n, k), m, args.candidates), flush=True)
+        del weights
+    for stat, table in (("median", med), ("fastest", best)):
+        print(f"\ntorch {torch.__version__}, {args.threads} threads, {stat} us per call over "
+              f"{args.repeats} interleaved repeats (ratio to {args.candidates[0]})\n")  # fmt: skip
+        print("| out x in | rows | " + " | ".join(args.candidates) + " |")
+        print("|" + "---|" * (2 + len(args.candidates)))
+        for n, k in shapes:
+            for m in args.rows:
+                print(_row(table, (n, k), m, args.candidates))
+
+
+def _row(med, shape, m, candidates):  # type: ignore[no-untyped-def]
+    base = med[(shape, m, candidates[0])]
+    cells = [f"{med[(shape, m, c)]:.0f} ({med[(shape, m, c)] / base:.2f})" for c in candidates]
+    return f"| {shape[0]}x{shape[1]} | {m} | " + " | ".join(cells) + " |"
+
+
+if __name__ == "__main__":
+    main()
