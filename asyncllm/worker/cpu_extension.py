@@ -63,11 +63,12 @@ class CpuExtension:
         return flag not in ("0", "false", "no", "off")
 
     def build_dir(self) -> pathlib.Path:
-        """Where the kernel is built: asyncllm's cache, keyed by the source, the flags, torch,
-        Python and the machine (a change of any rebuilds it)."""
+        """Where the kernel is built: asyncllm's cache, keyed by the source, the bound
+        functions, the flags, torch, Python and the machine (a change of any rebuilds it)."""
         from asyncllm.models.loader import cache_dir
 
-        parts = [self.source, *self.cflags, torch.__version__, sys.version, platform.machine()]
+        parts = [self.source, *self.functions, *self.cflags, torch.__version__, sys.version]
+        parts.append(platform.machine())
         key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
         return cache_dir() / "kernels" / f"{self.name.removeprefix('asyncllm_')}-{key}"
 
