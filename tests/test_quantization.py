@@ -173,23 +173,41 @@ def test_int4_dequant_kernel_checks_its_inputs():
 
 
 @needs_dequant
-@pytest.mark.parametrize("rows", [1, ql.INT4_KERNEL_MAX_ROWS, ql.INT4_KERNEL_MAX_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, "max", "max + 1", 40])
 def test_int4_linear_few_and_many_rows(rows):
-    """Up to INT4_KERNEL_MAX_ROWS rows run torch's int4 kernel, more the dequantize-then-GEMM
+    """Up to int4_max_rows() rows run torch's int4 kernel, more the dequantize-then-GEMM
     path; both agree with a matmul on the dequantized weight within bfloat16 rounding, a
     second call too (it reuses the scratch weight)."""
+    rows = {"max": ql.int4_max_rows(), "max + 1": ql.int4_max_rows() + 1}.get(rows, rows)
     layer, ref_w = _int4_layer(128, 64, 32)
     x = torch.randn(rows, 64)
     before = ql.path_calls()
     with torch.inference_mode():
         got = layer(x)
         again = layer(x * 2)
-    path = "int4" if rows <= ql.INT4_KERNEL_MAX_ROWS else "dequant"
+    path = "int4" if rows <= ql.int4_max_rows() else "dequant"
     assert ql.path_calls()[path] - before[path] == 2
     ref = x.bfloat16().float() @ ref_w.bfloat16().float().T
     assert got.dtype == torch.float32 and got.shape == (rows, 128)
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(again, 2 * ref, rtol=2e-2, atol=4e-2)
+
+
+@needs_dequant
+@pytest.mark.parametrize("fused", [True, False])
+def test_int4_row_threshold_follows_the_many_row_path(fused, monkeypatch):
+    """12 rows: the fused many-row path where it runs (crossover 8), torch's int4 kernel
+    where only the whole-weight form does (crossover 16)."""
+    if fused and not int4_dequant.fused_available():
+        pytest.skip("no AMX brgemm here")
+    monkeypatch.setattr(int4_dequant, "fused_available", lambda: fused)
+    assert ql.int4_max_rows() == (8 if fused else 16)
+    layer, _ = _int4_layer(128, 64, 32)
+    before = ql.path_calls()
+    with torch.inference_mode():
+        layer(torch.randn(12, 64))
+    path = "dequant" if fused else "int4"
+    assert ql.path_calls()[path] - before[path] == 1
 
 
 def _close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -267,7 +285,7 @@ def test_int4_linear_falls_back_to_the_int4_kernel(case, monkeypatch):
     if case == "switched off":
         monkeypatch.setenv(int4_dequant.ENV_SWITCH, "0")
     layer, ref_w = _int4_layer(n, 64, 32)
-    x = torch.randn(3 * ql.INT4_KERNEL_MAX_ROWS, 64)
+    x = torch.randn(3 * ql.int4_max_rows(), 64)
     before = ql.path_calls()
     with torch.inference_mode():
         got = layer(x)
@@ -290,7 +308,7 @@ def test_int4_linear_compiles_without_a_row_count_guard():
     torch._dynamo.reset()
     before = ql.path_calls()
     with torch.inference_mode():
-        for rows in (2, 3, ql.INT4_KERNEL_MAX_ROWS + 5, 40):
+        for rows in (2, 3, ql.int4_max_rows() + 5, 40):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(fn(x), layer(x).relu(), rtol=0, atol=0)
     assert counter.frame_count == 1
@@ -376,10 +394,10 @@ def test_engine_greedy_matches_dequantized_model(
                         kv_cache_bytes=8 * 2**20, dtype="float32")  # fmt: skip
     assert again.stats()["weight_bytes"] == stats["weight_bytes"]
     assert cached.stat().st_mtime_ns == mtime  # read, not written again
-    # more sequences than INT4_KERNEL_MAX_ROWS: decode steps take the dequantize-then-GEMM
+    # more sequences than int4_max_rows(): decode steps take the dequantize-then-GEMM
     # path too (and the tiny model's 32-wide k/v projections the int4 kernel at every size)
     prompts = [[1, 5, 9, 200, 7], [3, 3, 3], [100, 2000, 30000, 4, 4, 4, 4, 4]]
-    prompts += [[17 * i + 3, 400 + i, 9] for i in range(ql.INT4_KERNEL_MAX_ROWS)]
+    prompts += [[17 * i + 3, 400 + i, 9] for i in range(ql.int4_max_rows())]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
     async def run(engine):  # type: ignore[no-untyped-def]

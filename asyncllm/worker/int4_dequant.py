@@ -49,7 +49,14 @@ import torch
 
 from asyncllm.worker.cpu_extension import CpuExtension
 
-__all__ = ["EXTENSION", "int4_linear_fake", "kernel", "op_available", "path_calls"]
+__all__ = [
+    "EXTENSION",
+    "fused_available",
+    "int4_linear_fake",
+    "kernel",
+    "op_available",
+    "path_calls",
+]
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -354,6 +361,14 @@ def op_available() -> bool:
     """``asyncllm_cpu::int4_linear`` can be called (:func:`kernel`); a constant to Dynamo,
     which evaluates it once while tracing instead of tracing the extension's loading."""
     return kernel() is not None
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def fused_available() -> bool:
+    """The fused many-row path can run here (the extension built, brgemm with AMX); a
+    constant to Dynamo."""
+    mod = kernel()
+    return mod is not None and bool(mod.int4_fused_available())
 
 
 def int4_linear_fake(

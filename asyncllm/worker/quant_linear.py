@@ -162,9 +162,9 @@ class Int4Linear(nn.Module):
         sizes = (self.group_size, self.in_features, self.out_features)
         y: torch.Tensor
         if int4_dequant.op_available():  # C++: the whole layer in one op call
-            y = torch.ops.asyncllm_cpu.int4_linear.default(*args, *sizes, INT4_KERNEL_MAX_ROWS)
+            y = torch.ops.asyncllm_cpu.int4_linear.default(*args, *sizes, int4_max_rows())
         elif torch.compiler.is_dynamo_compiling():  # one opaque op in the graph
-            y = int4_linear_op(*args, *sizes, INT4_KERNEL_MAX_ROWS)
+            y = int4_linear_op(*args, *sizes, int4_max_rows())
         else:
             y = int4_linear(*args, *sizes)
         return y
@@ -191,6 +191,21 @@ class Int4Linear(nn.Module):
 #: The crossover is at 8 rows (it was 16 when the many-row path dequantized the whole weight
 #: to memory and then ran one ``torch.mm``: about 2x slower than the fused path).
 INT4_KERNEL_MAX_ROWS = 8
+
+#: The crossover where the fused path cannot run (brgemm without AMX): the whole weight is
+#: dequantized to memory, then one ``torch.mm``; measured at 16 rows (2 threads) when that
+#: was the only form.
+INT4_KERNEL_MAX_ROWS_UNFUSED = 16
+
+
+def int4_max_rows() -> int:
+    """The most rows an int4 call sends through torch's int4 kernel on this machine:
+    :data:`INT4_KERNEL_MAX_ROWS` where the fused many-row path runs, else
+    :data:`INT4_KERNEL_MAX_ROWS_UNFUSED` (read per call: tests and profiles change them)."""
+    if int4_dequant.fused_available():
+        return INT4_KERNEL_MAX_ROWS
+    return max(INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS_UNFUSED)
+
 
 #: Calls of the Python fallback :func:`int4_linear` (torch's int4 kernel), for tests.
 _PY_CALLS = collections.Counter[str]()
