@@ -8,6 +8,7 @@ import asyncio
 import logging
 import math
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -612,3 +613,26 @@ def test_cache_that_does_not_fit_is_converted_again(
     for k in want:
         assert torch.equal(want[k], got[k]), k
     assert own.read_bytes() == good  # converted again and cached again
+
+
+def test_gguf_tensor_kinds_are_cached(tmp_path, monkeypatch):
+    """An engine start needs only the GGUF tensors' types: the first read (gguf-py parses
+    every metadata field) is kept, later starts read the small file; a changed GGUF file
+    (another modification time) is read again."""
+    from asyncllm.models import gguf_quant
+
+    src = _default_gguf_path()
+    want = [(t.name, t.kind) for t in read_tensors(src)]
+    first = gguf_quant.tensor_kinds(src, tmp_path)
+    assert [(t.name, t.kind) for t in first] == want
+    assert len(list(tmp_path.glob("gguf-kinds-*.json"))) == 1
+
+    def refuse(path):  # type: ignore[no-untyped-def]
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(gguf_quant, "read_tensors", refuse)
+    assert gguf_quant.tensor_kinds(src, tmp_path) == first
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(src, copy)  # another file (path, time): its own entry
+    with pytest.raises(AssertionError, match="parsed again"):
+        gguf_quant.tensor_kinds(copy, tmp_path)

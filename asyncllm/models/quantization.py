@@ -105,7 +105,8 @@ class QuantSetting:
         dtype: the model's dtype.
         device: where the model runs.
         cache_path: the converted modules' cache file (None when ``mode`` is None).
-        tensors: the GGUF file's tensors (None for a model that is not a GGUF file).
+        gguf_file: the GGUF file the model came from (None for a model that is not one);
+            its tensors are read only when the model is converted.
     """
 
     mode: str | None
@@ -113,7 +114,7 @@ class QuantSetting:
     dtype: torch.dtype
     device: torch.device
     cache_path: pathlib.Path | None
-    tensors: list | None
+    gguf_file: pathlib.Path | None
 
 
 def resolve_quantization(
@@ -143,11 +144,14 @@ def resolve_quantization(
     """
     if mode not in (None, *MODES):
         raise ValueError(f"EngineConfig.quantization must be one of {(None, *MODES)}, got {mode!r}")
-    tensors = _gguf_tensors(gguf_file) if gguf_file is not None else None
-    resolved = _auto_mode(tensors, gguf_file, device, dtype) if mode == "auto" else mode
+    if mode == "auto":
+        kinds = _gguf_kinds_of(gguf_file, cache_root) if gguf_file is not None else None
+        resolved = _auto_mode(kinds, gguf_file, device, dtype)
+    else:
+        resolved = mode
     if resolved is None:
-        return QuantSetting(None, group_size, dtype, device, None, tensors)
-    if resolved == "gguf" and tensors is None:
+        return QuantSetting(None, group_size, dtype, device, None, gguf_file)
+    if resolved == "gguf" and gguf_file is None:
         raise ValueError(
             f"quantization='gguf' needs a .gguf model; {model_dir} is not one (use 'int4' "
             "or 'int8' to quantize it)"
@@ -163,7 +167,7 @@ def resolve_quantization(
     q8 = "-q8head" if resolved == "gguf" and _q8_head_ok(device) else ""
     key = _cache_key(model_dir, f"{resolved}-g{gs}-{dtype_name}{q8}")
     path = cache_root / "quant" / f"{model_dir.name}-{key}.pt"
-    return QuantSetting(resolved, gs, dtype, device, path, tensors)
+    return QuantSetting(resolved, gs, dtype, device, path, gguf_file)
 
 
 def load_cached(setting: QuantSetting) -> dict | None:
@@ -196,8 +200,8 @@ def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = N
         return info
 
     if setting.mode == "gguf":
-        assert setting.tensors is not None
-        modules, precision = _from_gguf(lm, setting.tensors, setting.dtype)
+        assert setting.gguf_file is not None
+        modules, precision = _from_gguf(lm, _gguf_tensors(setting.gguf_file), setting.dtype)
     else:
         modules, precision = _from_float(lm, setting.mode, setting.group_size, setting.dtype)
     for name, module in modules.items():
@@ -307,6 +311,12 @@ def _is_embedding_name(name: str) -> bool:
     """llama.cpp's embedding table and LM head: kept dense (or as exact embedding codes)
     whatever their type (often Q6_K), so they do not decide "auto"."""
     return name.startswith(("token_embd.", "output."))
+
+
+def _gguf_kinds_of(path: pathlib.Path, cache_root: pathlib.Path) -> list:
+    from asyncllm.models.gguf_quant import tensor_kinds
+
+    return tensor_kinds(path, cache_root / "quant")
 
 
 def _gguf_tensors(path: pathlib.Path) -> list:
