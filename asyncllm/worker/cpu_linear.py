@@ -194,7 +194,8 @@ def pack_linears(model: nn.Module) -> int:
         return 0
     get_emb = getattr(model, "get_input_embeddings", None)
     emb = get_emb() if callable(get_emb) else None
-    tied = emb.weight if emb is not None and hasattr(emb, "weight") else None
+    # Only a plain table's weight can be tied (a quantized table's is a dequantized copy).
+    tied = emb.weight if isinstance(emb, nn.Embedding) else None
     targets = [
         (parent, name, child)
         for parent in model.modules()
