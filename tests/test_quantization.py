@@ -246,6 +246,21 @@ def test_int4_many_row_path_tiles(n, k, gs, rows, m_tile):
 
 
 @needs_dequant
+@pytest.mark.parametrize("n, k, gs", [(64, 64, 32), (192, 576, 32), (128, 256, 128)])
+def test_int4_many_row_path_dequantizes_exactly(n, k, gs):
+    """The many-row path's weight values are the reference's bit for bit (the fused path
+    computes ``(q - 8) * s + z`` with one fused multiply-add, which rounds as torch's mul
+    then add because the product is exact): multiplied by the identity, every output is one
+    product with 1 and is rounded once more to bfloat16, which keeps it."""
+    layer, ref_w = _int4_layer(n, k, gs)
+    mod = int4_dequant.EXTENSION.load()
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    for m_tile in (64, 0):
+        got = mod.int4_mm(eye, layer.packed, layer.scales_and_zeros, gs, n, m_tile)
+        assert torch.equal(got, ref_w.T.bfloat16())
+
+
+@needs_dequant
 @pytest.mark.parametrize("rows", [17, 513])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int4_linear_many_rows_with_bias(rows, dtype):

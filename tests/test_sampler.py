@@ -349,10 +349,12 @@ def test_grammar_checks_every_greedy_pick_at_every_step(monkeypatch):
     ties=st.integers(0, 3),
     specials=st.lists(st.sampled_from(["nan", "inf", "-inf"]), max_size=3),
     seed=st.integers(0, 2**16),
+    bf16=st.booleans(),
 )
-def test_row_argmax_equals_torch_argmax(rows, vocab, ties, specials, seed):
+def test_row_argmax_equals_torch_argmax(rows, vocab, ties, specials, seed, bf16):
     """Chunked argmax gives torch's indices: the first maximum, the first NaN, ties across
-    and within chunks, rows of -inf."""
+    and within chunks, rows of -inf; on bfloat16 logits (the greedy sampler's raw logits)
+    the same indices as on their float32 copy."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, vocab, generator=g).round(decimals=1)  # coarse values: many ties
     for _ in range(ties):
@@ -365,4 +367,7 @@ def test_row_argmax_equals_torch_argmax(rows, vocab, ties, specials, seed):
         x[k % rows, (k * 977) % vocab] = float(v)
     if rows > 1 and seed % 5 == 0:
         x[1] = float("-inf")
+    if bf16:
+        x = x.bfloat16()
+        assert torch.equal(row_argmax(x), x.float().argmax(dim=-1))
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))

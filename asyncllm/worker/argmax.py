@@ -25,14 +25,15 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     torch's CPU argmax reduces element by element with the running index; ``amax`` is
     vectorized. So: the max of each of ``V / c`` chunks (``c`` a divisor of ``V`` near 1024),
     the first chunk holding the row's max, then argmax over that chunk only. 64 rows of
-    49,152 float32 logits, 1 thread (2-core AVX-512 machine, shared): 15-34 ms -> 0.9-1.3 ms.
+    49,152 float32 logits, 1 thread (2-core AVX-512 machine, shared): 15-34 ms -> 0.9-1.3 ms;
+    one row of bfloat16 logits 250 -> 68 us (float32 115 -> 45 us).
 
     Returns:
         ``[B]`` int64 indices.
     """
     rows, vocab = x.shape
     c = _argmax_chunk(vocab)
-    if rows < 2 or c == 0 or not x.is_contiguous():
+    if c == 0 or not x.is_contiguous():
         return x.argmax(dim=-1)
     starts = x.view(rows, vocab // c, c).amax(dim=-1).argmax(dim=-1) * c
     offsets = torch.arange(c, device=x.device)

@@ -101,22 +101,28 @@ static inline void row64(const uint8_t* p, const float* s, const float* z, T* o)
   }
 }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// The same with AVX-512: vcvtne2ps2bf16 rounds to nearest even, as put() does.
+// AVX-512: the 16 codes bytes p's low nibbles times s_lo plus z_lo, and their high nibbles
+// times s_hi plus z_hi, in float32. q - 8 is looked up by vpermps (which reads only a lane's
+// low 4 bits: the low nibble needs no mask), then one fused multiply-add: (q - 8) * s is
+// exact in float32 (4 by 8 significant bits), so it rounds once where mul + add would, to
+// the same value.
+static inline void nibbles16(const uint8_t* p, __m512 s_lo, __m512 z_lo, __m512 s_hi,
+                             __m512 z_hi, __m512& lo, __m512& hi) {
+  const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f,
+                                      0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(c, table), s_lo, z_lo);
+  hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table), s_hi, z_hi);
+}
+
+// row64 with AVX-512: vcvtne2ps2bf16 rounds to nearest even, as put() does.
 template <>
 inline void row64<at::BFloat16>(const uint8_t* p, const float* s, const float* z,
                                 at::BFloat16* o) {
-  const __m512i mask = _mm512_set1_epi32(15);
-  const __m512 eight = _mm512_set1_ps(8.f);
   __m512 v[4];
-  for (int h = 0; h < 2; ++h) {  // bytes 16h .. 16h + 15: rows 16h.. (lo), 32 + 16h.. (hi)
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
-    const __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, mask)), eight);
-    const __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), eight);
-    v[h] = _mm512_add_ps(_mm512_mul_ps(lo, _mm512_load_ps(s + 16 * h)),
-                         _mm512_load_ps(z + 16 * h));
-    v[2 + h] = _mm512_add_ps(_mm512_mul_ps(hi, _mm512_load_ps(s + 32 + 16 * h)),
-                             _mm512_load_ps(z + 32 + 16 * h));
-  }
+  for (int h = 0; h < 2; ++h)  // bytes 16h .. 16h + 15: rows 16h.. (lo), 32 + 16h.. (hi)
+    nibbles16(p + 16 * h, _mm512_load_ps(s + 16 * h), _mm512_load_ps(z + 16 * h),
+              _mm512_load_ps(s + 32 + 16 * h), _mm512_load_ps(z + 32 + 16 * h), v[h], v[2 + h]);
   _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
   _mm512_storeu_si512(o + 32, (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]));
 }
@@ -174,9 +180,49 @@ void int4_dequant_t(const at::Tensor& packed, const at::Tensor& sz, int64_t grou
 }
 
 // W^T's 64-column block b [K, 64] as brgemm's packed B (oneDNN's "pack32" (VNNI) layout
-// for bfloat16: [K / 2][64][2], rows 2i and 2i + 1 interleaved), from the same row64 values.
+// for bfloat16: [K / 2][64][2], rows 2i and 2i + 1 interleaved), from the same values as row64.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// AVX-512: rows k and k + 1 are rounded together and interleaved in registers, straight into
+// the layout; the thread's next block (`next`, or -1) is prefetched into L2 meanwhile (one
+// core alone keeps too few misses in flight to stream the codes at the memory's speed).
 static void dequant_block_vnni(const uint8_t* P, const at::BFloat16* S, int64_t K, int64_t N,
-                               int64_t group, int64_t b, at::BFloat16* out) {
+                               int64_t group, int64_t b, int64_t next, at::BFloat16* out) {
+  alignas(64) static const uint16_t interleave[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pair = _mm512_load_si512(interleave);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t g = 0; g < K / group; ++g) {
+    // 64 (scale, zero) bfloat16 pairs: lane j of vector i holds column 16i + j's pair.
+    const at::BFloat16* src = S + (g * N + b * 64) * 2;
+    __m512 s[4], z[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(src + 32 * i);
+      s[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      z[i] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+    if (next >= 0)
+      for (int i = 0; i < 4; ++i)
+        _mm_prefetch((const char*)(S + (g * N + next * 64) * 2 + 32 * i), _MM_HINT_T1);
+    for (int64_t k = g * group; k < (g + 1) * group; k += 2) {  // group is even
+      const uint8_t* p = P + (b * K + k) * 32;  // rows k and k + 1: 32 code bytes each
+      if (next >= 0) _mm_prefetch((const char*)(P + (next * K + k) * 32), _MM_HINT_T1);
+      at::BFloat16* o = out + k * 64;
+      for (int h = 0; h < 2; ++h) {  // bytes 16h..: columns 16h.. (low), 32 + 16h.. (high)
+        __m512 l0, h0, l1, h1;
+        nibbles16(p + 16 * h, s[h], z[h], s[2 + h], z[2 + h], l0, h0);
+        nibbles16(p + 32 + 16 * h, s[h], z[h], s[2 + h], z[2 + h], l1, h1);
+        _mm512_storeu_si512(o + 32 * h, _mm512_permutexvar_epi16(
+                                            pair, (__m512i)_mm512_cvtne2ps_pbh(l1, l0)));
+        _mm512_storeu_si512(o + 64 + 32 * h, _mm512_permutexvar_epi16(
+                                                 pair, (__m512i)_mm512_cvtne2ps_pbh(h1, h0)));
+      }
+    }
+  }
+}
+#else
+static void dequant_block_vnni(const uint8_t* P, const at::BFloat16* S, int64_t K, int64_t N,
+                               int64_t group, int64_t b, int64_t /*next*/, at::BFloat16* out) {
   alignas(64) float s[64], z[64];
   alignas(64) at::BFloat16 r[2][64];
   for (int64_t g = 0; g < K / group; ++g) {
@@ -189,27 +235,14 @@ static void dequant_block_vnni(const uint8_t* P, const at::BFloat16* S, int64_t 
       row64<at::BFloat16>(P + (b * K + k) * 32, s, z, r[0]);
       row64<at::BFloat16>(P + (b * K + k + 1) * 32, s, z, r[1]);
       at::BFloat16* o = out + k * 64;
-#if defined(__AVX512BW__)
-      alignas(64) static const uint16_t idx[2][32] = {
-          {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-           8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-          {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-           24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
-      const __m512i lo = _mm512_load_si512(idx[0]), hi = _mm512_load_si512(idx[1]);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i u = _mm512_load_si512(r[0] + 32 * h), v = _mm512_load_si512(r[1] + 32 * h);
-        _mm512_storeu_si512(o + 64 * h, _mm512_permutex2var_epi16(u, lo, v));
-        _mm512_storeu_si512(o + 64 * h + 32, _mm512_permutex2var_epi16(u, hi, v));
-      }
-#else
       for (int j = 0; j < 64; ++j) {
         o[2 * j] = r[0][j];
         o[2 * j + 1] = r[1][j];
       }
-#endif
     }
   }
 }
+#endif
 
 // 64 float32 accumulators to bfloat16, rounded to nearest even (as oneDNN's GEMM output).
 static inline void store64(const float* c, at::BFloat16* o) {
@@ -254,7 +287,9 @@ static void fused(const at::Tensor& rows, const at::Tensor& packed, const at::Te
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / MT, m0 = (i % MT) * mt, mr = std::min(mt, M - m0);
       if (b != have) {
-        dequant_block_vnni(P, S, K, N, group, b, W);
+        // The thread's next block (items are block-major) is prefetched meanwhile.
+        const int64_t nb = std::min(end - 1, (b + 1) * MT) / MT;
+        dequant_block_vnni(P, S, K, N, group, b, nb > b ? nb : -1, W);
         have = b;
       }
       at::native::cpublas::brgemm(mr, 64, K, K, 64, 64, false, A + m0 * K, W, C, true);
