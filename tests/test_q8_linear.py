@@ -1,5 +1,6 @@
-"""GGUF Q8_0 layers: the matrix-vector kernel (fast and portable builds) and the packed
-many-row path against a dequantize-then-matmul reference, and the default model's Q8_0 head
+"""GGUF Q8_0 layers: the matrix-vector kernel (fast and portable builds) and the many-row
+paths (AMX brgemm on the codes; a packed dense copy) against a dequantize-then-matmul
+reference, and the default model's Q8_0 head
 kept as codes, shared with its tied embedding table, through the quantization cache."""
 
 from __future__ import annotations
@@ -51,6 +52,42 @@ def test_q8_linear_matches_reference(rows, dtype, packed):
     # path, the weight's: d * q rounded to bfloat16 once).
     tol = 1e-5 if dtype == torch.float32 and kernel else 2e-2
     assert torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+needs_mm = pytest.mark.skipif(
+    q8_linear.kernel() is None or not q8_linear.mm_available(), reason="no AMX brgemm here"
+)
+
+
+@needs_mm
+@pytest.mark.parametrize("n, k, rows", [(100, 96, 9), (128, 64, 64), (70, 576, 130), (64, 32, 1)])
+def test_q8_mm_uses_the_exact_weights(n, k, rows):
+    """The many-row kernel (per 64 outputs: dequantize, AMX brgemm, transposed store) multiplies
+    by the weight the dense copy held (``d * q`` rounded once to bfloat16) bit for bit (times
+    the identity, every output is one product with 1), and any rows within bfloat16's
+    rounding of the float64 reference: output blocks of fewer than 64, row tiles past 64."""
+    q, s = _codes(n, k, seed=n + rows)
+    mod = q8_linear.kernel()
+    dense = q8_linear.dequantize(q, s).bfloat16()
+    assert torch.equal(mod.q8_mm(torch.eye(k, dtype=torch.bfloat16), q, s), dense.T)
+    x = torch.randn(rows, k).bfloat16()
+    y = mod.q8_mm(x, q, s)
+    ref = x.double() @ dense.double().T
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    assert torch.allclose(y.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    with pytest.raises(RuntimeError, match="q8_mm"):
+        mod.q8_mm(x.float(), q, s)
+
+
+@needs_mm
+def test_q8_linear_packs_a_dense_copy_only_for_float32():
+    """bfloat16 models run many rows through ``q8_mm`` on the codes (no 57 MB dense copy of
+    the default model's head); float32 ones through oneDNN on a packed float32 copy."""
+    q, s = _codes(64, 64)
+    bf16, f32 = (q8_linear.Q8Linear(q, s, None, dt) for dt in (torch.bfloat16, torch.float32))
+    bf16.pack()
+    f32.pack()
+    assert bf16.packed is None and f32.packed is not None
 
 
 def test_q8_linear_refuses_bad_shapes():

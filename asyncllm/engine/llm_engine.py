@@ -27,7 +27,13 @@ from asyncllm.models.loader import LoadedModel, load_model
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_output import GrammarCompiler, GrammarMatchers
 from asyncllm.worker.compiled import ModelSource
-from asyncllm.worker.device import resolve_compile, resolve_device, resolve_dtype, set_cpu_threads
+from asyncllm.worker.device import (
+    resolve_compile,
+    resolve_device,
+    resolve_dtype,
+    set_cpu_threads,
+    trim_host_memory,
+)
 from asyncllm.worker.kv_cache import KVCache, size_kv_cache
 from asyncllm.worker.model_runner import ModelRunner
 from asyncllm.worker.offload import CPUOffloadPool
@@ -117,6 +123,7 @@ class LLMEngine:
         self.grammar_matchers = GrammarMatchers(self.vocab_size, config.max_num_seqs)
         self.num_steps = 0
         self.num_generated_tokens = 0
+        trim_host_memory()  # what loading and packing freed
 
     def _build_core(self, config: EngineConfig, loaded: LoadedModel) -> None:
         """The KV cache (sized by :func:`~asyncllm.worker.kv_cache.size_kv_cache`), the

@@ -57,6 +57,7 @@ from typing import Any, Literal
 import torch
 
 from asyncllm.attention.backend_registry import step_metadata
+from asyncllm.worker.device import trim_host_memory
 
 logger = logging.getLogger("asyncllm")
 
@@ -356,6 +357,7 @@ class CompiledForward:
                 self.fail(e)
             return
         self._fn = fn
+        trim_host_memory()  # what loading (or compiling) the artifact freed
         self.compile_seconds = time.monotonic() - self._started
         self.ready = True
         logger.info("asyncllm: compiled forward ready after %.1f s", self.compile_seconds)
