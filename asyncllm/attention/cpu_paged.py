@@ -48,6 +48,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -73,18 +74,21 @@ static inline T from_f(float x) { return static_cast<T>(x); }
 // Positions per tile: a tile's scores are computed (one vector of 16) before its softmax.
 constexpr int64_t TILE = 16;
 
-// The online softmax of one query head over its next n scores sg[0..n): sg becomes the
-// weights exp(s - max); returns the factor the head's earlier accumulator is scaled by.
-static inline float softmax_update(float* __restrict sg, int64_t n, float& m, float& l) {
+// The online softmax of one query row over its next n scores sg[0..n), of which the first
+// nv are visible (causal mask: the rest get weight 0): sg becomes the weights
+// exp(s - max); returns the factor the row's earlier accumulator is scaled by.
+static inline float softmax_update(float* __restrict sg, int64_t n, int64_t nv, float& m,
+                                   float& l) {
   float mx = m;
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+  for (int64_t t = 0; t < nv; ++t) mx = std::max(mx, sg[t]);
   const float c = std::exp(m - mx);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = 0; t < nv; ++t) {
     sg[t] = std::exp(sg[t] - mx);  // vectorized (libmvec) under -ffast-math
     sum += sg[t];
   }
+  for (int64_t t = nv; t < n; ++t) sg[t] = 0.f;
   l = l * c + sum;
   m = mx;
   return c;
@@ -117,15 +121,17 @@ static inline const float* rows_f(const T* x, int64_t stride, int64_t n, int64_t
   }
 }
 
-// One tile of one KV head for its G query heads: n <= TILE positions whose K and V rows
-// start at k and v (row stride `stride`); qv [G, D] the scaled queries, acc [G, D], m [G],
-// l [G] the heads' running state; buf [TILE, D], s [G, TILE], c [G] scratch. Portable C++
+// One tile of one KV head for its G query rows (the query heads that share the KV head, or
+// in a prefill those of several query tokens): n <= TILE positions whose K and V rows
+// start at k and v (row stride `stride`), of which row g sees the first nv[g] (all n where
+// nv is null); qv [G, D] the scaled queries, acc [G, D], m [G], l [G] the rows' running
+// state; buf [TILE, D], s [G, TILE], c [G] scratch. Portable C++
 // (auto-vectorized); tile_avx512 below is the same with the G heads' accumulators in
 // registers.
 template <typename T, int64_t DC>
 static void tile_portable(const float* __restrict qv, const T* k, const T* v, const T* kn,
-                          const T* vn, int64_t stride,
-                          int64_t n, int64_t G, int64_t D_, float* __restrict buf,
+                          const T* vn, int64_t stride, int64_t n, const int64_t* nv,
+                          int64_t G, int64_t D_, float* __restrict buf,
                           float* __restrict s, float* __restrict c, float* __restrict acc,
                           float* __restrict m, float* __restrict l) {
   const int64_t D = DC > 0 ? DC : D_;
@@ -142,7 +148,7 @@ static void tile_portable(const float* __restrict qv, const T* k, const T* v, co
       s[g * TILE + t] = dot;
     }
   for (int64_t g = 0; g < G; ++g) {
-    c[g] = softmax_update(s + g * TILE, n, m[g], l[g]);
+    c[g] = softmax_update(s + g * TILE, n, nv ? nv[g] : n, m[g], l[g]);
     float* ag = acc + g * D;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) ag[d] *= c[g];
@@ -214,8 +220,8 @@ static inline void accumulate(const T* v, int64_t stride, int64_t n, const float
 // query heads at once in registers.
 template <typename T, int NC>
 static void tile_avx512(const float* __restrict qv, const T* k, const T* v, const T* kn,
-                        const T* vn, int64_t stride,
-                        int64_t n, int64_t G, float* __restrict buf, float* __restrict s,
+                        const T* vn, int64_t stride, int64_t n, const int64_t* nv,
+                        int64_t G, float* __restrict buf, float* __restrict s,
                         float* __restrict c, float* __restrict acc, float* __restrict m,
                         float* __restrict l) {
   constexpr int64_t D = 16 * NC;
@@ -251,7 +257,7 @@ static void tile_avx512(const float* __restrict qv, const T* k, const T* v, cons
       }
     }
     _mm512_storeu_ps(s + g * TILE, sum16(P));
-    c[g] = softmax_update(s + g * TILE, n, m[g], l[g]);
+    c[g] = softmax_update(s + g * TILE, n, nv ? nv[g] : n, m[g], l[g]);
   }
   prefetch_rows(vn, stride, n, D);
   for (int64_t g0 = 0; g0 < G; g0 += GG) {
@@ -266,6 +272,46 @@ static void tile_avx512(const float* __restrict qv, const T* k, const T* v, cons
   }
 }
 #endif
+
+// One tile (see tile_portable): the AVX-512 one where it is compiled for D = DC.
+template <typename T, int64_t DC>
+static inline void run_tile(const float* qv, const T* k, const T* v, const T* kp, const T* vp,
+                            int64_t stride, int64_t n, const int64_t* nv, int64_t G, int64_t D,
+                            float* buf, float* s, float* c, float* acc, float* m, float* l) {
+#if defined(__AVX512F__)
+  if constexpr (DC > 0 && DC % 16 == 0)
+    return tile_avx512<T, DC / 16>(qv, k, v, kp, vp, stride, n, nv, G, buf, s, c, acc, m, l);
+#endif
+  tile_portable<T, DC>(qv, k, v, kp, vp, stride, n, nv, G, D, buf, s, c, acc, m, l);
+}
+
+// The KV tiles of KV heads h0 .. h1 - 1 over positions [0, len) of one sequence (its block
+// table row bt; caches [N, bs, Hkv, D], tok = Hkv * D), block by block (a block's rows read
+// whole and in order) with the next block's rows prefetched: f(h, k, v, kp, vp, n, p0) for
+// a tile of n <= TILE positions from p0 whose rows of head h start at k and v (kp, vp: the
+// next block's, or null).
+template <typename T, typename F>
+static inline void for_each_tile(const T* K, const T* V, const int64_t* bt, int64_t len,
+                                 int64_t bs, int64_t tok, int64_t D, int64_t h0, int64_t h1,
+                                 F&& f) {
+  const int64_t blk = bs * tok;
+  for (int64_t j = 0; j * bs < len; ++j) {
+    const int64_t n = std::min(bs, len - j * bs);
+    const T* kb = K + bt[j] * blk;
+    const T* vb = V + bt[j] * blk;
+    const bool more = (j + 1) * bs < len;
+    const T* kn = more ? K + bt[j + 1] * blk : nullptr;
+    const T* vn = more ? V + bt[j + 1] * blk : nullptr;
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        const int64_t off = t0 * tok + h * D;
+        // The next block's rows t0.. of this head (as many as this tile has, or none).
+        const T* kp = kn != nullptr && t0 < len - (j + 1) * bs ? kn + off : nullptr;
+        const T* vp = vn != nullptr && t0 < len - (j + 1) * bs ? vn + off : nullptr;
+        f(h, kb + off, vb + off, kp, vp, std::min(TILE, n - t0), j * bs + t0);
+      }
+  }
+}
 
 // out[b, hq, :] = softmax(q[b, hq] . K^T * scale) V over positions [0, lens[b]) of sequence b,
 // read through its block table; KV head hq / G serves query head hq. q: [B, H, D] (rows may be
@@ -287,7 +333,7 @@ static void decode(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t* BT = tables.data_ptr<int64_t>();
   const int64_t* L = lens.data_ptr<int64_t>();
   T* O = out.data_ptr<T>();
-  const int64_t tok = Hkv * D, blk = bs * tok;
+  const int64_t tok = Hkv * D;
   // A work item is a sequence with all its KV heads (each block's rows are read whole and
   // in order) or, with fewer sequences than threads, one KV head of one sequence.
   const int64_t per = B >= at::get_num_threads() ? Hkv : 1;
@@ -306,31 +352,13 @@ static void decode(const at::Tensor& q, const at::Tensor& key_cache,
         m[hq] = -1e30f;  // finite: exp(m - max) is 0 on the first block
         l[hq] = 0.f;
       }
-      const int64_t len = L[b];
-      for (int64_t j = 0; j * bs < len; ++j) {
-        const int64_t n = std::min(bs, len - j * bs);
-        const T* kb = K + BT[b * M + j] * blk;
-        const T* vb = V + BT[b * M + j] * blk;
-        const bool more = (j + 1) * bs < len;
-        const T* kn = more ? K + BT[b * M + j + 1] * blk : nullptr;
-        const T* vn = more ? V + BT[b * M + j + 1] * blk : nullptr;
-        for (int64_t h = h0; h < h1; ++h)
-          for (int64_t t0 = 0; t0 < n; t0 += TILE) {
-            const int64_t off = t0 * tok + h * D, nt = std::min(TILE, n - t0);
-            // The next block's rows t0.. of this head (as many as this tile has, or none).
-            const T* kp = kn != nullptr && t0 < len - (j + 1) * bs ? kn + off : nullptr;
-            const T* vp = vn != nullptr && t0 < len - (j + 1) * bs ? vn + off : nullptr;
-            float *a = acc + h * G * D, *mh = m + h * G, *lh = l + h * G;
-#if defined(__AVX512F__)
-            if constexpr (DC > 0 && DC % 16 == 0)
-              tile_avx512<T, DC / 16>(qv + h * G * D, kb + off, vb + off, kp, vp, tok, nt, G,
-                                      buf_.data(), s_.data(), c_.data(), a, mh, lh);
-            else
-#endif
-              tile_portable<T, DC>(qv + h * G * D, kb + off, vb + off, kp, vp, tok, nt, G, D,
-                                   buf_.data(), s_.data(), c_.data(), a, mh, lh);
-          }
-      }
+      for_each_tile(K, V, BT + b * M, L[b], bs, tok, D, h0, h1,
+                    [&](int64_t h, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
+                        int64_t) {
+                      run_tile<T, DC>(qv + h * G * D, k, v, kp, vp, tok, n, nullptr, G, D,
+                                      buf_.data(), s_.data(), c_.data(), acc + h * G * D,
+                                      m + h * G, l + h * G);
+                    });
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
         T* dst = O + (b * H + hq) * D;
         const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
@@ -359,6 +387,138 @@ void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   if (key_cache.scalar_type() == at::kBFloat16)
     return dispatch<at::BFloat16>(q, key_cache, value_cache, tables, lens, sc, out);
   return dispatch<float>(q, key_cache, value_cache, tables, lens, sc, out);
+}
+
+// Query tokens per prefill work item: a KV tile's K and V rows are read (and widened) once
+// for the QT * G query rows of QT tokens and the G heads that share its KV head.
+constexpr int64_t QT = 16;
+
+// Chunks of any length: sequence b's query rows qstart[b] .. qstart[b] + qlens[b] - 1 are
+// its last q_len = qlens[b] positions of lens[b] (context including them); its query
+// token i (of ctx = lens[b] - q_len cached before the chunk) sees positions 0 .. ctx + i.
+// q [R, H, D] (rows may be strided), out [R, H, D] contiguous (rows of no sequence are left
+// as they are), the rest as in decode. A
+// work item is (sequence, KV head, tile of up to QT query tokens); items go to threads
+// longest first from a shared counter (a chunk's later tiles read more context).
+template <typename T, int64_t DC>
+static void prefill(const at::Tensor& q, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& tables,
+                    const at::Tensor& lens, const at::Tensor& qstart,
+                    const at::Tensor& qlens, float sc, at::Tensor& out) {
+  const int64_t H = q.size(1), D = DC > 0 ? DC : q.size(2), B = lens.size(0);
+  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
+  const int64_t G = H / Hkv, M = tables.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const T* Q = q.data_ptr<T>();
+  const T* K = key_cache.data_ptr<T>();
+  const T* V = value_cache.data_ptr<T>();
+  const int64_t* BT = tables.data_ptr<int64_t>();
+  const int64_t* L = lens.data_ptr<int64_t>();
+  const int64_t* QS = qstart.data_ptr<int64_t>();
+  const int64_t* QL = qlens.data_ptr<int64_t>();
+  T* O = out.data_ptr<T>();
+  const int64_t tok = Hkv * D;
+  struct Item {
+    int64_t b, t0, nt, h, cost;
+  };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t ql = QL[b], ctx = L[b] - ql;
+    for (int64_t t0 = 0; t0 < ql; t0 += QT) {
+      const int64_t nt = std::min(QT, ql - t0);
+      for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, t0, nt, h, nt * (ctx + t0 + nt)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  const int64_t N = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const int64_t R = QT * G;  // query rows of a work item at most: token-major, head-minor
+    std::vector<float> qv_(R * D), acc_(R * D), buf_(TILE * D), s_(R * TILE), c_(R), m_(R),
+        l_(R);
+    std::vector<int64_t> nv_(R);
+    float* __restrict qv = qv_.data();
+    float* __restrict acc = acc_.data();
+    float *m = m_.data(), *l = l_.data();
+    int64_t* nv = nv_.data();
+    for (int64_t i = next.fetch_add(1); i < N; i = next.fetch_add(1)) {
+      const Item it = items[i];
+      const int64_t b = it.b, h = it.h, nt = it.nt, rows = nt * G;
+      const int64_t first = QS[b] + it.t0;           // the item's first query row
+      const int64_t ctx = L[b] - QL[b];  // cached before the chunk
+      const int64_t last = ctx + it.t0;               // the first token sees 0 .. last
+      for (int64_t tt = 0; tt < nt; ++tt)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = tt * G + g;
+          const T* src = Q + (first + tt) * qs0 + (h * G + g) * qs1;
+          for (int64_t d = 0; d < D; ++d) qv[r * D + d] = to_f(src[d * qs2]) * sc;
+          for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.f;
+          m[r] = -1e30f;  // finite: exp(m - max) is 0 on the first tile
+          l[r] = 0.f;
+        }
+      const int64_t len = last + nt;  // positions the item's last token sees
+      for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1,
+                    [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
+                        int64_t p0) {
+                      // Rows that see only part of the tile: the causal mask's diagonal.
+                      const int64_t* mask = nullptr;
+                      if (last - p0 + 1 < n) {
+                        for (int64_t tt = 0; tt < nt; ++tt) {
+                          const int64_t see =
+                              std::max<int64_t>(0, std::min(n, last + tt - p0 + 1));
+                          for (int64_t g = 0; g < G; ++g) nv[tt * G + g] = see;
+                        }
+                        mask = nv;
+                      }
+                      run_tile<T, DC>(qv, k, v, kp, vp, tok, n, mask, rows, D, buf_.data(),
+                                      s_.data(), c_.data(), acc, m, l);
+                    });
+      for (int64_t tt = 0; tt < nt; ++tt)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = tt * G + g;
+          T* dst = O + ((first + tt) * H + h * G + g) * D;
+          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[r * D + d] * inv);
+        }
+    }
+  });
+}
+
+// Attention of chunks of any length (prefills, decodes, a mix) over the paged cache: see
+// prefill above; q, caches and out float32 or bfloat16 alike.
+void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& tables,
+                   const at::Tensor& lens, const at::Tensor& qstart,
+                   const at::Tensor& qlens, double scale, at::Tensor& out) {
+  const auto T = key_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == T && value_cache.scalar_type() == T &&
+                  out.scalar_type() == T && (T == at::kFloat || T == at::kBFloat16),
+              "paged_prefill: q, caches and out must share float32 or bfloat16");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous() &&
+                  out.sizes() == q.sizes() && q.dim() == 3 && q.size(2) == key_cache.size(3) &&
+                  q.size(1) % key_cache.size(2) == 0,
+              "paged_prefill: shapes do not match");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  qstart.scalar_type() == at::kLong && qlens.scalar_type() == at::kLong &&
+                  tables.is_contiguous() && lens.is_contiguous() && qstart.is_contiguous() &&
+                  qlens.is_contiguous() && qstart.numel() == lens.numel() &&
+                  qlens.numel() == lens.numel() && tables.size(0) == lens.numel(),
+              "paged_prefill: tables [B, M], lens, qstart and qlens [B] must be int64");
+  const float sc = static_cast<float>(scale);
+  const bool bf = T == at::kBFloat16;
+#define ASYNCLLM_PREFILL(DC)                                                          \
+  return bf ? prefill<at::BFloat16, DC>(q, key_cache, value_cache, tables, lens, qstart, \
+                                        qlens, sc, out)                              \
+            : prefill<float, DC>(q, key_cache, value_cache, tables, lens, qstart, qlens, sc, out)
+  switch (q.size(2)) {
+    case 64: ASYNCLLM_PREFILL(64);
+    case 80: ASYNCLLM_PREFILL(80);
+    case 128: ASYNCLLM_PREFILL(128);
+    default: ASYNCLLM_PREFILL(0);
+  }
+#undef ASYNCLLM_PREFILL
 }
 
 // Rows 0..n-1 of x [R, Hkv, D] (any strides) to the flat slots S of cache [N, bs, Hkv, D]
@@ -418,7 +578,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 EXTENSION = CpuExtension(
     NAME,
     _SOURCE,
-    ["paged_decode", "paged_write_decode"],
+    ["paged_decode", "paged_write_decode", "paged_prefill"],
     CFLAGS,
     "CPU attention kernel",
     ENV_SWITCH,
@@ -452,13 +612,39 @@ def available() -> bool:
     return EXTENSION.available()
 
 
+#: A prefill chunk of ``q_len`` tokens reaching ``seq_len`` tokens of context goes through the
+#: torch path where ``q_len * seq_len`` (query-position pairs, causal mask aside) is at least
+#: this: there ``scaled_dot_product_attention``'s GEMM-based flash kernel outruns the C++
+#: kernel's dot products (``benchmarks/prefill_attention.py``: 1 x 512 new tokens 0.43x,
+#: 28 after 512 cached 0.81x, but 32 x 12 after 528 cached 1.34x and 40-token prompts 2.1x
+#: faster in the kernel, whose gain at small chunks is the torch path's per-sequence calls).
+TORCH_MIN_PAIRS = 12_000
+
+
 @dataclass(frozen=True)
 class CpuPagedPlan:
-    """The torch plan (prefill chunks) plus the decodes' block tables and lengths."""
+    """The torch plan (the fallback) plus what the kernels read.
+
+    Attributes:
+        base: the torch path's plan of the whole step.
+        torch_part: ``base``'s long prefill chunks only (:data:`TORCH_MIN_PAIRS`), the ones
+            the torch path attends where the kernels run.
+        dec_lens: ``[Bd]`` int64 context lengths (tokens) of the decodes, None without any.
+        tables: ``[B, M]`` int64 block tables (padded with block 0) of the B sequences of a
+            step with prefills that the chunk kernel attends (decodes included); None in a
+            decode-only step (``base.decodes`` has them) or where B is 0.
+        seq_lens: ``[B]`` int64 context lengths including the new tokens; None likewise.
+        query_start: ``[B]`` int64 first query row of each; None likewise.
+        query_lens: ``[B]`` int64 query rows (new tokens) of each; None likewise.
+    """
 
     base: PagedAttentionPlan
-    prefill_only: PagedAttentionPlan
-    dec_lens: torch.Tensor | None  # [Bd] int64 context lengths of the decodes
+    torch_part: PagedAttentionPlan
+    dec_lens: torch.Tensor | None
+    tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    query_start: torch.Tensor | None = None
+    query_lens: torch.Tensor | None = None
 
     @staticmethod
     def build(
@@ -468,12 +654,49 @@ class CpuPagedPlan:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> CpuPagedPlan:
+        """Plan a step (arguments as :meth:`PagedAttentionPlan.build`)."""
         base = PagedAttentionPlan.build(query_lens, seq_lens, block_tables, block_size, device)
         lens = [s for q, s in zip(query_lens, seq_lens, strict=True) if q == 1]
         dec_lens = torch.tensor(lens, dtype=torch.long, device=device) if lens else None
-        return CpuPagedPlan(
-            base, PagedAttentionPlan(base.num_tokens, None, base.prefills), dec_lens
+        long_ = tuple(p for p in base.prefills if (p.end - p.start) * p.ctx_len >= TORCH_MIN_PAIRS)
+        torch_part = PagedAttentionPlan(base.num_tokens, None, long_)
+        if not base.prefills:
+            return CpuPagedPlan(base, torch_part, dec_lens)
+        picked: list[tuple[int, int, int, Sequence[int]]] = []  # (start, q_len, seq_len, table)
+        row = 0
+        for q, n, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            if q == 1 or q * n < TORCH_MIN_PAIRS:
+                picked.append((row, q, n, table[: -(-n // block_size)]))
+            row += q
+        if not picked:
+            return CpuPagedPlan(base, torch_part, dec_lens)
+        width = max(len(t) for *_, t in picked)
+
+        def col(i: int) -> torch.Tensor:
+            return torch.tensor([p[i] for p in picked], dtype=torch.long, device=device)
+
+        padded = [list(t) + [0] * (width - len(t)) for *_, t in picked]
+        tables = torch.tensor(padded, dtype=torch.long, device=device)
+        return CpuPagedPlan(base, torch_part, dec_lens, tables, col(2), col(0), col(1))
+
+
+def _check_dtypes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> Any:
+    """The loaded extension, once the dtypes are known to suit it.
+
+    Raises:
+        RuntimeError: the kernel is not available.
+        ValueError: the query and caches differ in dtype, or it is not one of
+            :data:`KERNEL_DTYPES`.
+    """
+    if not (query.dtype == key_cache.dtype == value_cache.dtype in KERNEL_DTYPES):
+        raise ValueError(
+            f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} must share "
+            f"one of {KERNEL_DTYPES}"
         )
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {failure()}")
+    return mod
 
 
 def decode_attention(
@@ -492,17 +715,63 @@ def decode_attention(
         ValueError: the query and caches differ in dtype, or it is not one of
             :data:`KERNEL_DTYPES`.
     """
-    if not (query.dtype == key_cache.dtype == value_cache.dtype in KERNEL_DTYPES):
-        raise ValueError(
-            f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} must share "
-            f"one of {KERNEL_DTYPES}"
-        )
-    mod = load()
-    if mod is None:
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {failure()}")
+    mod = _check_dtypes(query, key_cache, value_cache)
     out = torch.empty(query.shape, dtype=query.dtype)
     mod.paged_decode(query, key_cache, value_cache, block_tables, lens, float(scale), out)
     return out
+
+
+def chunk_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[T, H, D]`` causal attention of chunks of any length over their paged context, in
+    the query's dtype (the K/V of the new tokens already written).
+
+    Sequence ``b`` owns query rows ``query_start[b] : query_start[b] + query_lens[b]``, its
+    last ``query_lens[b]`` positions of ``seq_lens[b]``; its query token ``i`` sees
+    positions ``0 .. seq_lens[b] - query_lens[b] + i`` (the layout of
+    :mod:`~asyncllm.attention.torch_paged`).
+
+    Args:
+        query: ``[T, H, D]`` (rows may be strided).
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous.
+        block_tables: ``[B, M]`` int64.
+        seq_lens, query_start, query_lens: ``[B]`` int64 (tokens, rows, rows).
+        scale: softmax scale.
+        out: ``[T, H, D]`` contiguous, the query's dtype, to write the sequences' rows into
+            (the others are left as they are); default a new tensor.
+
+    Raises:
+        RuntimeError: the kernel is not available, or the shapes do not match.
+        ValueError: as :func:`decode_attention`.
+    """
+    mod = _check_dtypes(query, key_cache, value_cache)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    mod.paged_prefill(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start, query_lens,
+        float(scale), out,
+    )  # fmt: skip
+    return out
+
+
+def _kernel_reads(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """The caches and query suit the kernels (else the torch path runs)."""
+    return (
+        key_cache.dtype in KERNEL_DTYPES
+        and query.dtype == key_cache.dtype == value_cache.dtype
+        and key_cache.device.type == "cpu"
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+    )
 
 
 def paged_attention_cpu(
@@ -512,28 +781,31 @@ def paged_attention_cpu(
     plan: CpuPagedPlan,
     scale: float,
 ) -> torch.Tensor:
-    """Like :func:`~asyncllm.attention.torch_paged.paged_attention`; decodes of float32 or
-    bfloat16 caches on CPU (the query of the same dtype) go through the kernel, everything
-    else through the torch path."""
-    d = plan.base.decodes
-    if (
-        d is None
-        or plan.dec_lens is None
-        or key_cache.dtype not in KERNEL_DTYPES
-        or query.dtype != key_cache.dtype
-        or value_cache.dtype != key_cache.dtype
-        or key_cache.device.type != "cpu"
-        or not key_cache.is_contiguous()
-        or not value_cache.is_contiguous()
-    ):
+    """Like :func:`~asyncllm.attention.torch_paged.paged_attention`; float32 or bfloat16
+    caches on CPU (the query of the same dtype) go through the kernels: a decode-only step
+    through the decode kernel, a step with prefill chunks through the chunk kernel (its
+    decodes too), but for long chunks (:data:`TORCH_MIN_PAIRS`); everything else through
+    the torch path."""
+    if not _kernel_reads(query, key_cache, value_cache):
         return paged_attention(query, key_cache, value_cache, plan.base, scale)
-    q = query if d.identity else query[d.rows]
-    o = decode_attention(q, key_cache, value_cache, d.block_tables, plan.dec_lens, scale)
-    if d.identity:
-        return o
-    out = paged_attention(query, key_cache, value_cache, plan.prefill_only, scale)
-    out[d.rows] = o
-    return out
+    if plan.base.prefills:
+        if not plan.torch_part.prefills:
+            out = torch.empty(query.shape, dtype=query.dtype)
+        else:  # empty_like of a strided query is strided: the kernel writes a contiguous one
+            out = paged_attention(query, key_cache, value_cache, plan.torch_part, scale)
+            if plan.query_start is None:  # every sequence went to the torch path
+                return out
+            out = out.contiguous()
+        assert plan.tables is not None and plan.seq_lens is not None
+        assert plan.query_lens is not None
+        return chunk_attention(
+            query, key_cache, value_cache, plan.tables, plan.seq_lens, plan.query_start,
+            plan.query_lens, scale, out,
+        )  # fmt: skip
+    d = plan.base.decodes
+    if d is None or plan.dec_lens is None:  # an empty step
+        return paged_attention(query, key_cache, value_cache, plan.base, scale)
+    return decode_attention(query, key_cache, value_cache, d.block_tables, plan.dec_lens, scale)
 
 
 def write_and_decode(
