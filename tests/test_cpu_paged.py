@@ -119,10 +119,10 @@ def test_portable_build_matches_torch(dtype):
     q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
     tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 8)
     ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
-    p = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 8)
-    assert p.tables is not None and p.query_start is not None
+    c = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 8).chunks
+    assert c is not None
     out = torch.empty(q.shape, dtype=dtype)
-    mod.paged_prefill(q, kc, vc, p.tables, p.seq_lens, p.query_start, p.query_lens, 0.1, out)
+    mod.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, out)
     tol = 2e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
 
@@ -187,8 +187,8 @@ def test_chunk_kernel_matches_torch(monkeypatch, dtype, hkv, group, dim, bs, thr
             tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
             ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
             plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs)
-            assert not plan.torch_part.prefills
-            assert plan.query_lens is not None and plan.query_lens.tolist() == query_lens
+            assert not plan.torch_part.prefills and plan.short_chunks is plan.chunks
+            assert plan.chunks is not None and plan.chunks.query_lens.tolist() == query_lens
             out = cpu_paged.CPU_BACKEND.attend(q, kc, vc, plan, 0.1)
             assert out.dtype == dtype and out.is_contiguous()
             tol = 2e-5 if dtype == torch.float32 else 2**-8
@@ -197,26 +197,43 @@ def test_chunk_kernel_matches_torch(monkeypatch, dtype, hkv, group, dim, bs, thr
         torch.set_num_threads(old)
 
 
-def test_long_chunks_go_to_torch_beside_the_kernel():
-    """A step with a long chunk (``q_len * seq_len >= TORCH_MIN_PAIRS``) next to short ones
-    and decodes: the long one through the torch path, the rest through the chunk kernel,
-    into one output; a step of long chunks only never calls the kernel."""
+def test_long_chunks_go_to_torch_beside_the_kernel(monkeypatch):
+    """A bfloat16 step with long chunks (``q_len * seq_len >= TORCH_MIN_PAIRS``) next to
+    short ones and decodes: the long ones through the torch path, the rest through the chunk
+    kernel, into one output; a step of long chunks only never calls the kernel. In float32
+    every chunk goes through the kernel."""
     query_lens = [300, 7, 1, 40]
     seq_lens = [300 + 32, 7, 50, 40 + 600]
-    assert 300 * 332 >= cpu_paged.TORCH_MIN_PAIRS > 40 * 640 // 3
+    assert 40 * 640 >= cpu_paged.TORCH_MIN_PAIRS > 7 * 7
     q, kc, vc, tables = _random_step(query_lens, seq_lens, 16, 3, 3, 64, seed=6)
-    ref = torch_paged.paged_attention(
-        q, kc, vc, torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 16), 0.1
-    )
+    q16, kc16, vc16 = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 16)
+    ref = torch_paged.paged_attention(q16.float(), kc16.float(), vc16.float(), tplan, 0.1)
+    ref16 = torch_paged.paged_attention(q16, kc16, vc16, tplan, 0.1)
     plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 16)
     assert [p.start for p in plan.torch_part.prefills] == [0, 308]
-    assert plan.query_start is not None and plan.query_start.tolist() == [300, 307]
-    out = cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.1)
-    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    assert plan.short_chunks is not None and plan.short_chunks.query_start.tolist() == [300, 307]
+    calls: list[int] = []
+    real = cpu_paged.chunk_attention
+
+    def spy(query, key_cache, value_cache, tables, *args, **kwargs):
+        calls.append(tables.shape[0])
+        return real(query, key_cache, value_cache, tables, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_paged, "chunk_attention", spy)
+    out = cpu_paged.paged_attention_cpu(q16, kc16, vc16, plan, 0.1)
+    long_rows = torch.cat([torch.arange(0, 300), torch.arange(308, 348)])
+    assert torch.equal(out[long_rows], ref16[long_rows])  # the torch path's own rows
+    torch.testing.assert_close(out.float(), ref, rtol=2**-8, atol=2e-2)
     only = cpu_paged.CpuPagedPlan.build([300], [332], tables[:1], 16)
-    assert only.query_start is None
-    torch.testing.assert_close(cpu_paged.paged_attention_cpu(q[:300], kc, vc, only, 0.1),
-                               ref[:300], rtol=2e-5, atol=2e-5)  # fmt: skip
+    assert only.short_chunks is None
+    assert torch.equal(cpu_paged.paged_attention_cpu(q16[:300], kc16, vc16, only, 0.1),
+                       ref16[:300])  # fmt: skip
+    assert calls == [2]
+    out32 = cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.1)  # all 4 in the kernel
+    assert calls == [2, 4]
+    ref32 = torch_paged.paged_attention(q, kc, vc, tplan, 0.1)
+    torch.testing.assert_close(out32, ref32, rtol=2e-5, atol=2e-5)
 
 
 def test_chunk_kernel_refuses_bad_layouts():

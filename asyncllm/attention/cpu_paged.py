@@ -1,28 +1,44 @@
-"""A C++ decode attention over the paged cache, for CPUs (the "cpu" attention backend).
+"""C++ decode and prefill attention over the paged cache, for CPUs (the "cpu" attention
+backend).
 
-The torch path (:mod:`asyncllm.attention.torch_paged`) gathers every decoding sequence's K
-and V blocks into new tensors, then runs ``scaled_dot_product_attention`` on them: each
-layer writes and reads the whole context twice more than attention needs. At W1's batch of
-64 that is most of the attention time; at W2's 570-token contexts it rivals the weights.
-This module's kernel reads K and V in place through the block tables instead, once, with an
-online softmax over a tile of up to 16 positions of a block at a time, for the ``G`` query
-heads that share a KV head together (vLLM's CPU backend does the same in its own C++).
-Chunks of more than one token (prefill) still go through the torch path.
+The torch path (:mod:`asyncllm.attention.torch_paged`) gathers every sequence's K and V
+blocks into new tensors, then runs ``scaled_dot_product_attention`` on them (once for the
+decodes, once per prefill chunk): each layer writes and reads the whole context twice more
+than attention needs, and each chunk costs a few torch calls. At W1's batch of 64 that is
+most of the attention time; at W2's 570-token contexts it rivals the weights. This module's
+kernels read K and V in place through the block tables instead, once, with an online
+softmax over a tile of up to 16 positions of a block at a time, for the ``G`` query heads
+that share a KV head together (vLLM's CPU backend does the same in its own C++).
+
+Decode-only steps go through ``paged_decode`` (one query token per sequence). A step with
+prefill chunks (a new prompt, a prompt after a prefix-cache hit, a chunk of a long prompt,
+decodes mixed in) goes through ``paged_prefill``: a work item is one sequence's KV head and
+a tile of up to 16 of its query tokens (16 x G query rows), causal within the chunk (query
+token ``i`` of a chunk after ``ctx`` cached tokens sees positions ``0 .. ctx + i``), so each
+K/V row is read once per tile and not once per token; items go to the threads longest first.
+With AVX-512 the tile's K rows are transposed once so a row's 16 scores are plain FMAs.
+Bfloat16 chunks with ``q_len * seq_len >= TORCH_MIN_PAIRS`` stay on the torch path, whose
+flash attention (bfloat16 GEMMs) is faster there. ``benchmarks/prefill_attention.py``
+(bfloat16, one thread, us per layer call, torch path / kernel): 13 prompts of 40 tokens
+3182 / 1147, one of 40 155 / 55, 32 x 12 after 528 cached 13455 / 8770, 28 after 512
+cached 500 / 463, 8 prompts of 40 with 56 decodes 3069 / 1109; but one 512-token prompt
+2589 / 4289 (on torch); in float32 the kernel wins all of them (docs/tuning.md).
 
 Caches and queries are float32 or bfloat16 (the engine's dtype); all the arithmetic is in
 float32 either way (a bfloat16 element widens exactly to float32 with a shift), and the
 output is rounded to the query's dtype, as the torch path's ``scaled_dot_product_attention``
 does. A bfloat16 cache is half the bytes to read. Each K and V row is widened once for the
 ``G`` query heads that read it; where the compiler targets AVX-512 and the head size is 64,
-80 or 128, intrinsics reduce a tile's 16 dot products per head into one vector and keep the
-heads' output accumulators in registers over the tile (elsewhere portable, auto-vectorized
-C++ computes the same, up to summation order). ``benchmarks/attention_kernel.py`` times it
-against an earlier revision.
+80 or 128, intrinsics reduce a tile's 16 dot products per head into one vector (or, for a
+prefill's many rows, compute them against the tile's transposed K rows), take their online
+softmax in one vector, and keep the heads' output accumulators in registers over the
+tile (elsewhere portable, auto-vectorized C++ computes the same, up to summation order).
+``benchmarks/attention_kernel.py`` times the decode kernel against an earlier revision.
 
-The kernel is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (g++ and
-ninja; 30-60 s, once per machine: :mod:`asyncllm.worker.cpu_extension` keeps the build
+The kernels are compiled on first use with ``torch.utils.cpp_extension.load_inline`` (g++
+and ninja; 30-60 s, once per machine: :mod:`asyncllm.worker.cpu_extension` keeps the build
 in asyncllm's cache directory, keyed by the source, flags, torch and Python, and later
-processes import it in milliseconds). Where it cannot be built, or with
+processes import it in milliseconds). Where they cannot be built, or with
 ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``, the engine keeps the torch path, with one log line.
 """
 
@@ -192,6 +208,38 @@ static inline __m512 sum16(const __m512* p) {
   return lanes_add(lanes_add(y[0], y[1]), lanes_add(y[2], y[3]));  // across the 4 lanes
 }
 
+// exp(x) of 16 floats: x = k ln2 + r, |r| <= ln2 / 2 (Cephes' two-part ln2), exp(r) by its
+// degree-6 Taylor polynomial (relative error < 2e-7), times 2^k by scalef; x < -87 gives
+// about 0 (exp(-87) ~ 1.6e-38).
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+
+// softmax_update of a row's 16 scores held in a vector (lanes nv.. masked), in registers:
+// the weights go to sg[0..16).
+static inline float softmax16(__m512 x, int64_t nv, float* sg, float& m, float& l) {
+  const __mmask16 vis = static_cast<__mmask16>((1u << nv) - 1u);
+  const float mx = std::max(m, _mm512_mask_reduce_max_ps(vis, x));
+  const float c = std::exp(m - mx);
+  const __m512 e = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
+  _mm512_storeu_ps(sg, e);
+  l = l * c + _mm512_reduce_add_ps(e);
+  m = mx;
+  return c;
+}
+
 // acc [GN, D] = acc * c + p . V for GN query heads (p [GN, TILE] their weights), the
 // accumulators in registers for the tile, each V row widened once for the GN heads.
 template <int GN, int NC, typename T>
@@ -215,9 +263,28 @@ static inline void accumulate(const T* v, int64_t stride, int64_t n, const float
     for (int i = 0; i < NC; ++i) _mm512_storeu_ps(acc + g * D + 16 * i, a[g][i]);
 }
 
+// accumulate for R rows (weights s [R, TILE], factors c [R], acc [R, D]), up to GG at once:
+// GG * NC accumulators <= 16 registers.
+template <int NC, typename T>
+static inline void accumulate_rows(const T* v, int64_t stride, int64_t n, int64_t R,
+                                   const float* s, const float* c, float* acc) {
+  constexpr int64_t D = 16 * NC;
+  constexpr int GG = NC <= 4 ? 4 : (NC <= 8 ? 16 / NC : 1);
+  for (int64_t g0 = 0; g0 < R; g0 += GG) {
+    const float *p = s + g0 * TILE, *cg = c + g0;
+    float* ag = acc + g0 * D;
+    switch (std::min<int64_t>(GG, R - g0)) {
+      case 1: accumulate<1, NC>(v, stride, n, p, cg, ag); break;
+      case 2: if constexpr (GG >= 2) accumulate<2, NC>(v, stride, n, p, cg, ag); break;
+      case 3: if constexpr (GG >= 3) accumulate<3, NC>(v, stride, n, p, cg, ag); break;
+      default: if constexpr (GG >= 4) accumulate<4, NC>(v, stride, n, p, cg, ag); break;
+    }
+  }
+}
+
 // tile_portable with AVX-512 intrinsics, D = 16 * NC: the scores of the tile's 16
-// positions reduced into one vector per query head (sum16), the V accumulation of up to GG
-// query heads at once in registers.
+// positions reduced into one vector per query head (sum16), the V accumulation of several
+// query heads at once in registers (accumulate_rows).
 template <typename T, int NC>
 static void tile_avx512(const float* __restrict qv, const T* k, const T* v, const T* kn,
                         const T* vn, int64_t stride, int64_t n, const int64_t* nv,
@@ -225,7 +292,6 @@ static void tile_avx512(const float* __restrict qv, const T* k, const T* v, cons
                         float* __restrict c, float* __restrict acc, float* __restrict m,
                         float* __restrict l) {
   constexpr int64_t D = 16 * NC;
-  constexpr int GG = NC <= 4 ? 4 : (NC <= 8 ? 16 / NC : 1);  // GG * NC accumulators <= 16
   const float* kr;
   int64_t ks;
   constexpr int64_t LINE = 64 / sizeof(T);
@@ -256,20 +322,62 @@ static void tile_avx512(const float* __restrict qv, const T* k, const T* v, cons
         P[t] = _mm512_setzero_ps();
       }
     }
-    _mm512_storeu_ps(s + g * TILE, sum16(P));
-    c[g] = softmax_update(s + g * TILE, n, nv ? nv[g] : n, m[g], l[g]);
+    c[g] = softmax16(sum16(P), nv ? nv[g] : n, s + g * TILE, m[g], l[g]);
   }
   prefetch_rows(vn, stride, n, D);
-  for (int64_t g0 = 0; g0 < G; g0 += GG) {
-    const float *p = s + g0 * TILE, *cg = c + g0;
-    float* ag = acc + g0 * D;
-    switch (std::min<int64_t>(GG, G - g0)) {
-      case 1: accumulate<1, NC>(v, stride, n, p, cg, ag); break;
-      case 2: if constexpr (GG >= 2) accumulate<2, NC>(v, stride, n, p, cg, ag); break;
-      case 3: if constexpr (GG >= 3) accumulate<3, NC>(v, stride, n, p, cg, ag); break;
-      default: if constexpr (GG >= 4) accumulate<4, NC>(v, stride, n, p, cg, ag); break;
+  accumulate_rows<NC>(v, stride, n, G, s, c, acc);
+}
+
+// tile_avx512 for many query rows R (a prefill's query tokens times G heads): the tile's K
+// rows transposed once (kt [D, TILE]) so that a row's 16 scores are 16 * NC FMAs into one
+// vector, four rows at a time (no per-row reduction tree), then softmax16 per row and the V
+// accumulation of tile_avx512. qv holds at least R rounded up to 4 rows.
+template <typename T, int NC>
+static void tile_rows_avx512(const float* __restrict qv, const T* k, const T* v, const T* kn,
+                             const T* vn, int64_t stride, int64_t n, const int64_t* nv,
+                             int64_t R, float* __restrict buf, float* __restrict kt,
+                             float* __restrict s, float* __restrict c, float* __restrict acc,
+                             float* __restrict m, float* __restrict l) {
+  constexpr int64_t D = 16 * NC;
+  const float* kr;
+  int64_t ks;
+  prefetch_rows(kn, stride, n, D);
+  if constexpr (std::is_same<T, float>::value) {
+    kr = k;
+    ks = stride;
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int i = 0; i < NC; ++i)
+        _mm512_storeu_ps(buf + t * D + 16 * i, load16(k + t * stride + 16 * i));
+    kr = buf;
+    ks = D;
+  }
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(ks)));
+  for (int64_t d = 0; d < D; ++d)
+    _mm512_storeu_ps(kt + d * TILE,
+                     _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, kr + d, 4));
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    __m512 a[4][2];
+    for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
+    const float* q0 = qv + r0 * D;
+    for (int64_t d = 0; d < D; d += 2) {  // two chains per row: FMA latency
+      const __m512 k0 = _mm512_loadu_ps(kt + d * TILE), k1 = _mm512_loadu_ps(kt + (d + 1) * TILE);
+      for (int j = 0; j < 4; ++j) {
+        a[j][0] = _mm512_fmadd_ps(_mm512_set1_ps(q0[j * D + d]), k0, a[j][0]);
+        a[j][1] = _mm512_fmadd_ps(_mm512_set1_ps(q0[j * D + d + 1]), k1, a[j][1]);
+      }
+    }
+    for (int64_t j = 0; j < 4 && r0 + j < R; ++j) {
+      const int64_t r = r0 + j;
+      c[r] = softmax16(_mm512_add_ps(a[j][0], a[j][1]), nv ? nv[r] : n, s + r * TILE, m[r],
+                       l[r]);
     }
   }
+  prefetch_rows(vn, stride, n, D);
+  accumulate_rows<NC>(v, stride, n, R, s, c, acc);
 }
 #endif
 
@@ -436,8 +544,9 @@ static void prefill(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t R = QT * G;  // query rows of a work item at most: token-major, head-minor
-    std::vector<float> qv_(R * D), acc_(R * D), buf_(TILE * D), s_(R * TILE), c_(R), m_(R),
-        l_(R);
+    // qv: 3 rows more (tile_rows_avx512 reads rows in fours), zero.
+    std::vector<float> qv_((R + 3) * D), acc_(R * D), buf_(TILE * D), kt_(TILE * D),
+        s_(R * TILE), c_(R), m_(R), l_(R);
     std::vector<int64_t> nv_(R);
     float* __restrict qv = qv_.data();
     float* __restrict acc = acc_.data();
@@ -472,6 +581,12 @@ static void prefill(const at::Tensor& q, const at::Tensor& key_cache,
                         }
                         mask = nv;
                       }
+#if defined(__AVX512F__)
+                      if constexpr (DC > 0 && DC % 16 == 0)
+                        return tile_rows_avx512<T, DC / 16>(qv, k, v, kp, vp, tok, n, mask,
+                                                            rows, buf_.data(), kt_.data(),
+                                                            s_.data(), c_.data(), acc, m, l);
+#endif
                       run_tile<T, DC>(qv, k, v, kp, vp, tok, n, mask, rows, D, buf_.data(),
                                       s_.data(), c_.data(), acc, m, l);
                     });
@@ -612,13 +727,46 @@ def available() -> bool:
     return EXTENSION.available()
 
 
-#: A prefill chunk of ``q_len`` tokens reaching ``seq_len`` tokens of context goes through the
-#: torch path where ``q_len * seq_len`` (query-position pairs, causal mask aside) is at least
-#: this: there ``scaled_dot_product_attention``'s GEMM-based flash kernel outruns the C++
-#: kernel's dot products (``benchmarks/prefill_attention.py``: 1 x 512 new tokens 0.43x,
-#: 28 after 512 cached 0.81x, but 32 x 12 after 528 cached 1.34x and 40-token prompts 2.1x
-#: faster in the kernel, whose gain at small chunks is the torch path's per-sequence calls).
-TORCH_MIN_PAIRS = 12_000
+#: A bfloat16 prefill chunk of ``q_len`` tokens reaching ``seq_len`` tokens of context goes
+#: through the torch path where ``q_len * seq_len`` (query-position pairs, causal mask
+#: aside) is at least this: there ``scaled_dot_product_attention``'s flash kernel (bfloat16
+#: GEMMs) outruns the C++ kernel's float32 FMAs (``benchmarks/prefill_attention.py``, one
+#: thread: 1 x 512 new tokens 0.60x, 128 new 0.85x, 64 after 512 cached 0.64x in the kernel;
+#: 28 after 512 cached 1.08x, 32 x 12 after 528 cached 1.53x, 40-token prompts 2.8x). In
+#: float32 the kernel is the faster on all of them (1 x 512: 1.5x), so every chunk goes
+#: through it.
+TORCH_MIN_PAIRS = 16_000
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """The sequences of a step that the chunk kernel attends (:func:`chunk_attention`).
+
+    Attributes:
+        tables: ``[B, M]`` int64 block tables, padded with block 0.
+        seq_lens: ``[B]`` int64 context lengths including the new tokens.
+        query_start: ``[B]`` int64 first query row of each.
+        query_lens: ``[B]`` int64 query rows (new tokens) of each.
+    """
+
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    query_lens: torch.Tensor
+
+    @staticmethod
+    def build(
+        picked: Sequence[tuple[int, int, int, Sequence[int]]], device: torch.device | str
+    ) -> ChunkLayout:
+        """From ``(first row, q_len, seq_len, block table)`` per sequence."""
+        width = max(len(t) for *_, t in picked)
+
+        def col(i: int) -> torch.Tensor:
+            return torch.tensor([p[i] for p in picked], dtype=torch.long, device=device)
+
+        padded = [list(t) + [0] * (width - len(t)) for *_, t in picked]
+        tables = torch.tensor(padded, dtype=torch.long, device=device)
+        return ChunkLayout(tables, col(2), col(0), col(1))
 
 
 @dataclass(frozen=True)
@@ -628,23 +776,19 @@ class CpuPagedPlan:
     Attributes:
         base: the torch path's plan of the whole step.
         torch_part: ``base``'s long prefill chunks only (:data:`TORCH_MIN_PAIRS`), the ones
-            the torch path attends where the kernels run.
+            the torch path attends beside the kernel in bfloat16.
         dec_lens: ``[Bd]`` int64 context lengths (tokens) of the decodes, None without any.
-        tables: ``[B, M]`` int64 block tables (padded with block 0) of the B sequences of a
-            step with prefills that the chunk kernel attends (decodes included); None in a
-            decode-only step (``base.decodes`` has them) or where B is 0.
-        seq_lens: ``[B]`` int64 context lengths including the new tokens; None likewise.
-        query_start: ``[B]`` int64 first query row of each; None likewise.
-        query_lens: ``[B]`` int64 query rows (new tokens) of each; None likewise.
+        chunks: every sequence of a step with prefills (decodes included), for the chunk
+            kernel; None in a decode-only step (``base.decodes`` has those).
+        short_chunks: ``chunks`` less ``torch_part``'s (the same object where that is
+            empty); None where every sequence is in ``torch_part``.
     """
 
     base: PagedAttentionPlan
     torch_part: PagedAttentionPlan
     dec_lens: torch.Tensor | None
-    tables: torch.Tensor | None = None
-    seq_lens: torch.Tensor | None = None
-    query_start: torch.Tensor | None = None
-    query_lens: torch.Tensor | None = None
+    chunks: ChunkLayout | None = None
+    short_chunks: ChunkLayout | None = None
 
     @staticmethod
     def build(
@@ -662,22 +806,17 @@ class CpuPagedPlan:
         torch_part = PagedAttentionPlan(base.num_tokens, None, long_)
         if not base.prefills:
             return CpuPagedPlan(base, torch_part, dec_lens)
-        picked: list[tuple[int, int, int, Sequence[int]]] = []  # (start, q_len, seq_len, table)
+        every: list[tuple[int, int, int, Sequence[int]]] = []  # (start, q_len, seq_len, table)
         row = 0
         for q, n, table in zip(query_lens, seq_lens, block_tables, strict=True):
-            if q == 1 or q * n < TORCH_MIN_PAIRS:
-                picked.append((row, q, n, table[: -(-n // block_size)]))
+            every.append((row, q, n, table[: -(-n // block_size)]))
             row += q
-        if not picked:
-            return CpuPagedPlan(base, torch_part, dec_lens)
-        width = max(len(t) for *_, t in picked)
-
-        def col(i: int) -> torch.Tensor:
-            return torch.tensor([p[i] for p in picked], dtype=torch.long, device=device)
-
-        padded = [list(t) + [0] * (width - len(t)) for *_, t in picked]
-        tables = torch.tensor(padded, dtype=torch.long, device=device)
-        return CpuPagedPlan(base, torch_part, dec_lens, tables, col(2), col(0), col(1))
+        chunks = ChunkLayout.build(every, device)
+        short = [c for c in every if c[1] == 1 or c[1] * c[2] < TORCH_MIN_PAIRS]
+        if len(short) == len(every):
+            return CpuPagedPlan(base, torch_part, dec_lens, chunks, chunks)
+        short_chunks = ChunkLayout.build(short, device) if short else None
+        return CpuPagedPlan(base, torch_part, dec_lens, chunks, short_chunks)
 
 
 def _check_dtypes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> Any:
@@ -784,23 +923,22 @@ def paged_attention_cpu(
     """Like :func:`~asyncllm.attention.torch_paged.paged_attention`; float32 or bfloat16
     caches on CPU (the query of the same dtype) go through the kernels: a decode-only step
     through the decode kernel, a step with prefill chunks through the chunk kernel (its
-    decodes too), but for long chunks (:data:`TORCH_MIN_PAIRS`); everything else through
-    the torch path."""
+    decodes too), but for long bfloat16 chunks (:data:`TORCH_MIN_PAIRS`); everything else
+    through the torch path."""
     if not _kernel_reads(query, key_cache, value_cache):
         return paged_attention(query, key_cache, value_cache, plan.base, scale)
-    if plan.base.prefills:
-        if not plan.torch_part.prefills:
+    if plan.chunks is not None:
+        chunks = plan.chunks if query.dtype == torch.float32 else plan.short_chunks
+        if chunks is plan.chunks:
             out = torch.empty(query.shape, dtype=query.dtype)
         else:  # empty_like of a strided query is strided: the kernel writes a contiguous one
             out = paged_attention(query, key_cache, value_cache, plan.torch_part, scale)
-            if plan.query_start is None:  # every sequence went to the torch path
+            if chunks is None:  # every sequence went to the torch path
                 return out
             out = out.contiguous()
-        assert plan.tables is not None and plan.seq_lens is not None
-        assert plan.query_lens is not None
         return chunk_attention(
-            query, key_cache, value_cache, plan.tables, plan.seq_lens, plan.query_start,
-            plan.query_lens, scale, out,
+            query, key_cache, value_cache, chunks.tables, chunks.seq_lens, chunks.query_start,
+            chunks.query_lens, scale, out,
         )  # fmt: skip
     d = plan.base.decodes
     if d is None or plan.dec_lens is None:  # an empty step
@@ -848,12 +986,15 @@ def write_and_decode(
 CPU_BACKEND = AttentionBackend(
     "cpu", CpuPagedPlan.build, write_kv_cache, paged_attention_cpu, write_and_decode
 )
-"""The torch path with decodes through the C++ kernel ("auto" on CPU when it builds)."""
+"""The C++ kernels, the torch path for long chunks ("auto" on CPU when they build)."""
 
 __all__ = [
     "CPU_BACKEND",
+    "TORCH_MIN_PAIRS",
+    "ChunkLayout",
     "CpuPagedPlan",
     "available",
+    "chunk_attention",
     "decode_attention",
     "enabled",
     "failure",
