@@ -303,8 +303,9 @@ def test_bfloat16_decode_kernel_matches_float32_reference(hkv, group, dim, bs, t
     torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
 
 
-def test_float16_falls_back_to_torch():
-    query_lens, seq_lens = [1, 1], [20, 5]
+@pytest.mark.parametrize(("query_lens", "seq_lens"), [([1, 1], [20, 5]), ([1, 6, 3], [20, 6, 40])])
+def test_float16_falls_back_to_torch(query_lens, seq_lens):
+    # Decode-only and with prefill chunks: the kernels read float32 and bfloat16 only.
     q, kc, vc, tables = _random_step(query_lens, seq_lens, 16, 2, 2, 16, seed=2)
     q, kc, vc = q.half(), kc.half(), vc.half()
     ref = torch_paged.paged_attention(
