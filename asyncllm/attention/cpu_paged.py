@@ -20,9 +20,9 @@ With AVX-512 the tile's K rows are transposed once so a row's 16 scores are plai
 Bfloat16 chunks with ``q_len * seq_len >= TORCH_MIN_PAIRS`` stay on the torch path, whose
 flash attention (bfloat16 GEMMs) is faster there. ``benchmarks/prefill_attention.py``
 (bfloat16, one thread, us per layer call, torch path / kernel): 13 prompts of 40 tokens
-3182 / 1147, one of 40 155 / 55, 32 x 12 after 528 cached 13455 / 8770, 28 after 512
-cached 500 / 463, 8 prompts of 40 with 56 decodes 3069 / 1109; but one 512-token prompt
-2589 / 4289 (on torch); in float32 the kernel wins all of them (docs/tuning.md).
+1821 / 551, one of 40 134 / 49, 32 x 12 after 528 cached 11849 / 7652, 28 after 512 cached
+472 / 410, 8 prompts of 40 with 56 decodes 2789 / 998; but one 512-token prompt
+2336 / 3899 (on torch); in float32 the kernel wins all of them (docs/tuning.md).
 
 Caches and queries are float32 or bfloat16 (the engine's dtype); all the arithmetic is in
 float32 either way (a bfloat16 element widens exactly to float32 with a shift), and the
@@ -732,7 +732,7 @@ def available() -> bool:
 #: aside) is at least this: there ``scaled_dot_product_attention``'s flash kernel (bfloat16
 #: GEMMs) outruns the C++ kernel's float32 FMAs (``benchmarks/prefill_attention.py``, one
 #: thread: 1 x 512 new tokens 0.60x, 128 new 0.85x, 64 after 512 cached 0.64x in the kernel;
-#: 28 after 512 cached 1.08x, 32 x 12 after 528 cached 1.53x, 40-token prompts 2.8x). In
+#: 28 after 512 cached 1.15x, 32 x 12 after 528 cached 1.55x, 40-token prompts 2.8x). In
 #: float32 the kernel is the faster on all of them (1 x 512: 1.5x), so every chunk goes
 #: through it.
 TORCH_MIN_PAIRS = 16_000
