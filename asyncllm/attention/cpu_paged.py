@@ -231,7 +231,10 @@ static inline __m512 exp16(__m512 x) {
 // the weights go to sg[0..16).
 static inline float softmax16(__m512 x, int64_t nv, float* sg, float& m, float& l) {
   const __mmask16 vis = static_cast<__mmask16>((1u << nv) - 1u);
-  const float mx = std::max(m, _mm512_mask_reduce_max_ps(vis, x));
+  // Masked lanes as -1e30, not the -inf of _mm512_mask_reduce_max_ps (-ffast-math assumes
+  // finite values).
+  const __m512 xv = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), vis, x);
+  const float mx = std::max(m, _mm512_reduce_max_ps(xv));
   const float c = std::exp(m - mx);
   const __m512 e = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
   _mm512_storeu_ps(sg, e);
