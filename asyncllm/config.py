@@ -44,8 +44,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         num_threads: torch intra-op threads on CPU; None: one per core the process may run
             on (see docs/tuning.md for the measurement behind it, and when 1 is safer).
         attention_backend: "auto" (the Triton kernels of docs/kernels.md on CUDA; on CPU the
-            torch path with the C++ decode kernel of ``asyncllm.attention.cpu_paged`` where
-            it builds, docs/benchmarks.md), "torch" (the plain torch path) or "triton";
+            torch path with the C++ decode and chunk kernels of
+            ``asyncllm.attention.cpu_paged`` where they build, docs/benchmarks.md), "torch"
+            (the plain torch path) or "triton";
             "triton" on a CPU raises ValueError when the engine is built unless
             ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests).
         compile: compile the model's forward with ``torch.compile`` (Inductor; paged

@@ -36,12 +36,18 @@ H, HKV, D, BS, BLOCKS = 9, 3, 64, 16, 2900
 
 
 def source_at(rev: str) -> str:
-    """The kernel's C++ source (``_SOURCE``) of cpu_paged.py at git revision ``rev``."""
-    text = subprocess.run(
-        ["git", "show", f"{rev}:asyncllm/attention/cpu_paged.py"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    for node in ast.parse(text).body:
+    """The kernels' C++ source at git revision ``rev``: ``asyncllm/attention/cpu_paged.cpp``,
+    or before that file existed the ``_SOURCE`` literal of cpu_paged.py."""
+
+    def show(path: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+
+    cpp = show("asyncllm/attention/cpu_paged.cpp")
+    if cpp.returncode == 0:
+        return cpp.stdout
+    py = show("asyncllm/attention/cpu_paged.py")
+    py.check_returncode()
+    for node in ast.parse(py.stdout).body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "_SOURCE":
             return str(ast.literal_eval(node.value))
     raise ValueError(f"no _SOURCE in cpu_paged.py at {rev}")

@@ -51,8 +51,8 @@ def first_divergence_is_near_tie(
 ) -> bool:
     """True when the first token where ``got`` parts from ``expected`` (the reference's own
     greedy continuation of ``prompt``) is one where the reference's top two log-probs are
-    within ``NEAR_TIE`` of its dtype and ``got`` took the other of the two: the only
-    difference the parity tests accept."""
+    at most ``NEAR_TIE`` apart in its dtype (two steps of bfloat16's 0.125 is exactly 0.25)
+    and ``got`` took the other of the two: the only difference the parity tests accept."""
     j = next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
     ids = torch.tensor([prompt + expected[:j]])
     with torch.inference_mode():
@@ -61,7 +61,7 @@ def first_divergence_is_near_tie(
     dtype = next(ref_model.parameters()).dtype
     gap = float(top2.values[0] - top2.values[1])
     print(f"first divergence at token {j} ({dtype}): top-2 log-prob gap {gap:.3g}")
-    return gap < NEAR_TIE[dtype] and got[j] in top2.indices.tolist()
+    return gap <= NEAR_TIE[dtype] and got[j] in top2.indices.tolist()
 
 
 @pytest.fixture

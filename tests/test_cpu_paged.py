@@ -1,12 +1,15 @@
-"""The CPU fast paths: the C++ paged decode attention and the oneDNN-packed linears, each
-against the plain torch computation it replaces."""
+"""The CPU fast paths: the C++ paged decode and chunk (prefill) attention and the
+oneDNN-packed linears, each against the plain torch computation it replaces."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 from torch import nn
 
+from asyncllm import SamplingParams
 from asyncllm.attention import cpu_paged, torch_paged
 from asyncllm.worker import cpu_linear
 
@@ -91,8 +94,9 @@ def test_portable_build_matches_torch(dtype):
     from asyncllm.worker.cpu_extension import CpuExtension
 
     flags = [f for f in cpu_paged.CFLAGS if f != "-march=native"]
-    ext = CpuExtension("asyncllm_cpu_paged_portable", cpu_paged._SOURCE, ["paged_decode"],
-                       flags, "portable CPU attention kernel", cpu_paged.ENV_SWITCH)  # fmt: skip
+    ext = CpuExtension("asyncllm_cpu_paged_portable", cpu_paged._SOURCE,
+                       ["paged_decode", "paged_prefill"], flags, "portable CPU attention kernel",
+                       cpu_paged.ENV_SWITCH)  # fmt: skip
     mod = ext.load()
     assert mod is not None, ext.failure()
     seq_lens = [1, 15, 16, 17, 100, 250]
@@ -108,9 +112,23 @@ def test_portable_build_matches_torch(dtype):
         mod.paged_decode(q, kc, vc, d.block_tables, torch.tensor(seq_lens), 0.1, out)
         tol = 2e-5 if dtype == torch.float32 else 2**-8
         torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
+    # The chunk kernel's portable tiles: prefills over cached prefixes and from scratch,
+    # across block and query-tile boundaries, decodes mixed in.
+    query_lens, seq_lens = [20, 1, 37, 3], [20, 70, 37 + 21, 3 + 16]
+    q, kc, vc, tables = _random_step(query_lens, seq_lens, 8, 2, 3, 80, seed=5)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 8)
+    ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
+    c = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 8).chunks
+    assert c is not None
+    out = torch.empty(q.shape, dtype=dtype)
+    mod.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, out)
+    tol = 2e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
 
 
 def test_write_and_decode_leaves_mixed_steps_to_write_then_attend():
+    # (The chunk kernel attends them after the K/V write: test_chunk_kernel_matches_torch.)
     q, kc, vc, tables = _random_step([1, 4], [9, 4], 16, 3, 3, 64)
     plan = cpu_paged.CpuPagedPlan.build([1, 4], [9, 4], tables, 16)
     k = torch.randn(5, 3, 64)
@@ -134,17 +152,127 @@ def test_decode_kernel_splits_heads_when_sequences_are_fewer_than_threads():
         torch.set_num_threads(threads)
 
 
-def test_mixed_step_keeps_prefills_on_torch():
-    # Decodes, a fresh prefill, a chunk over a cached prefix, in one step.
-    query_lens = [1, 37, 1, 9, 1]
-    seq_lens = [70, 37, 1, 9 + 40, 16]
-    q, kc, vc, tables = _random_step(query_lens, seq_lens, 16, 3, 3, 64, seed=1)
-    ref = torch_paged.paged_attention(
-        q, kc, vc, torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 16), 0.125
-    )
+#: (query_lens, seq_lens) of steps with prefill chunks: fresh prompts of one token, of a
+#: block, across blocks and across the kernel's 16-token query tiles; chunks after a
+#: prefix-cache hit (a whole number of blocks cached) and after a chunk boundary inside a
+#: block; decodes mixed in.
+CHUNK_STEPS = [
+    ([1, 37, 1, 9, 1], [70, 37, 1, 9 + 40, 16]),
+    ([16, 17, 2, 33], [16, 17, 2, 33]),
+    ([12, 12, 28, 5], [12 + 528, 12 + 32, 28 + 512, 5 + 11]),
+    ([50, 1, 1], [50 + 7, 300, 2]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("hkv", "group", "dim", "bs", "threads"),
+    # The default model's shape on 1 and 2 threads, G=1, G=8 (two register groups of four
+    # rows), head sizes without the AVX-512 code (24) and with it (80, 128), blocks of two
+    # tiles (32) and of half a tile (8).
+    [(3, 3, 64, 16, 1), (3, 3, 64, 16, 2), (4, 1, 80, 32, 1), (1, 8, 128, 8, 2),
+     (2, 2, 24, 16, 1)],
+)  # fmt: skip
+def test_chunk_kernel_matches_torch(monkeypatch, dtype, hkv, group, dim, bs, threads):
+    """Every sequence of a step with prefills through the chunk kernel (no chunk is routed
+    to the torch path here): causal within each chunk, full over its cached context, GQA,
+    scattered block tables; the float32 attention of the same numbers, rounded once."""
+    monkeypatch.setattr(cpu_paged, "TORCH_MIN_PAIRS", 1 << 62)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seed, (query_lens, seq_lens) in enumerate(CHUNK_STEPS):
+            q, kc, vc, tables = _random_step(query_lens, seq_lens, bs, hkv, group, dim, seed)
+            q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+            tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
+            ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
+            plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs)
+            assert not plan.torch_part.prefills and plan.short_chunks is plan.chunks
+            assert plan.chunks is not None and plan.chunks.query_lens.tolist() == query_lens
+            out = cpu_paged.CPU_BACKEND.attend(q, kc, vc, plan, 0.1)
+            assert out.dtype == dtype and out.is_contiguous()
+            tol = 2e-5 if dtype == torch.float32 else 2**-8
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_long_chunks_go_to_torch_beside_the_kernel(monkeypatch):
+    """A bfloat16 step with long chunks (``q_len * seq_len >= TORCH_MIN_PAIRS``) next to
+    short ones and decodes: the long ones through the torch path, the rest through the chunk
+    kernel, into one output; a step of long chunks only never calls the kernel. In float32
+    every chunk goes through the kernel."""
+    query_lens = [300, 7, 1, 40]
+    seq_lens = [300 + 32, 7, 50, 40 + 600]
+    assert 40 * 640 >= cpu_paged.TORCH_MIN_PAIRS > 7 * 7
+    q, kc, vc, tables = _random_step(query_lens, seq_lens, 16, 3, 3, 64, seed=6)
+    q16, kc16, vc16 = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 16)
+    ref = torch_paged.paged_attention(q16.float(), kc16.float(), vc16.float(), tplan, 0.1)
+    ref16 = torch_paged.paged_attention(q16, kc16, vc16, tplan, 0.1)
     plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 16)
-    out = cpu_paged.CPU_BACKEND.attend(q, kc, vc, plan, 0.125)
-    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    assert [p.start for p in plan.torch_part.prefills] == [0, 308]
+    assert plan.short_chunks is not None and plan.short_chunks.query_start.tolist() == [300, 307]
+    calls: list[int] = []
+    real = cpu_paged.chunk_attention
+
+    def spy(query, key_cache, value_cache, tables, *args, **kwargs):
+        calls.append(tables.shape[0])
+        return real(query, key_cache, value_cache, tables, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_paged, "chunk_attention", spy)
+    out = cpu_paged.paged_attention_cpu(q16, kc16, vc16, plan, 0.1)
+    long_rows = torch.cat([torch.arange(0, 300), torch.arange(308, 348)])
+    assert torch.equal(out[long_rows], ref16[long_rows])  # the torch path's own rows
+    torch.testing.assert_close(out.float(), ref, rtol=2**-8, atol=2e-2)
+    only = cpu_paged.CpuPagedPlan.build([300], [332], tables[:1], 16)
+    assert only.short_chunks is None
+    assert torch.equal(cpu_paged.paged_attention_cpu(q16[:300], kc16, vc16, only, 0.1),
+                       ref16[:300])  # fmt: skip
+    assert calls == [2]
+    out32 = cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.1)  # all 4 in the kernel
+    assert calls == [2, 4]
+    ref32 = torch_paged.paged_attention(q, kc, vc, tplan, 0.1)
+    torch.testing.assert_close(out32, ref32, rtol=2e-5, atol=2e-5)
+
+
+def test_chunk_kernel_refuses_bad_layouts():
+    q, kc, vc, tables = _random_step([4], [20], 16, 2, 2, 16, seed=2)
+    args = (torch.tensor(tables), torch.tensor([20]), torch.tensor([0]), torch.tensor([4]))
+    with pytest.raises(ValueError, match="must share"):
+        cpu_paged.chunk_attention(q.bfloat16(), kc, vc, *args, 0.25)
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_paged.chunk_attention(q, kc, vc, args[0], args[1], args[2].int(), args[3], 0.25)
+    with pytest.raises(RuntimeError, match="shapes"):
+        cpu_paged.chunk_attention(q, kc, vc, *args, 0.25, out=torch.empty(5, 4, 16))
+
+
+async def test_engine_greedy_matches_torch_backend(tiny_llama_dir, make_engine):
+    """The tiny model end to end through the "cpu" backend's kernels (chunked prefill beside
+    decodes, a prompt after a prefix-cache hit): the torch backend's greedy tokens."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 49152, (40,), generator=g).tolist()
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 23, 1)]
+    results = {}
+    for backend in ("torch", "auto"):  # "auto" is "cpu" where the kernel builds
+        engine = make_engine(
+            tiny_llama_dir,
+            block_size=16,
+            max_num_batched_tokens=16,
+            kv_cache_bytes=2**20,
+            attention_backend=backend,
+        )
+        assert engine._engine.runner.attention_backend.name == backend.replace("auto", "cpu")
+        async with engine:
+            outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            first = await engine.generate([*shared, 7, 8], params)
+            hit = await engine.generate([*shared, 9, 10, 11], params)  # 32 tokens cached
+            stats = engine.stats()
+            assert stats["num_steps"] > params.max_tokens  # 23 tokens were chunked
+            assert stats["prefix_cache_hits"] > 0
+        results[backend] = [o.token_ids for o in [*outs, first, hit]]
+    assert results["auto"] == results["torch"]
 
 
 @pytest.mark.parametrize(
@@ -175,8 +303,9 @@ def test_bfloat16_decode_kernel_matches_float32_reference(hkv, group, dim, bs, t
     torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
 
 
-def test_float16_falls_back_to_torch():
-    query_lens, seq_lens = [1, 1], [20, 5]
+@pytest.mark.parametrize(("query_lens", "seq_lens"), [([1, 1], [20, 5]), ([1, 6, 3], [20, 6, 40])])
+def test_float16_falls_back_to_torch(query_lens, seq_lens):
+    # Decode-only and with prefill chunks: the kernels read float32 and bfloat16 only.
     q, kc, vc, tables = _random_step(query_lens, seq_lens, 16, 2, 2, 16, seed=2)
     q, kc, vc = q.half(), kc.half(), vc.half()
     ref = torch_paged.paged_attention(

@@ -35,8 +35,8 @@ from asyncllm.worker.step_timing import StepTimings
 
 def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
     """The backend for ``EngineConfig.attention_backend``; "auto" is Triton on CUDA (when
-    installed), on CPU the torch path with the C++ decode kernel of
-    :mod:`asyncllm.attention.cpu_paged` ("cpu", when it builds), torch elsewhere.
+    installed), on CPU the torch path with the C++ decode and chunk kernels of
+    :mod:`asyncllm.attention.cpu_paged` ("cpu", when they build), torch elsewhere.
 
     Raises:
         ValueError: an unknown name, or "triton" without Triton, or on a device other than

@@ -1,0 +1,626 @@
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// An element of the cache or query as float: bfloat16 is the top half of a float32, so the
+// conversion is a shift the compiler vectorizes (vpmovzxwd + vpslld), no rounding involved.
+static inline float to_f(float x) { return x; }
+static inline float to_f(at::BFloat16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+// A float to the output type; at::BFloat16 rounds to nearest even, as torch's .to() does.
+template <typename T>
+static inline T from_f(float x) { return static_cast<T>(x); }
+
+// Positions per tile: a tile's scores are computed (one vector of 16) before its softmax.
+constexpr int64_t TILE = 16;
+
+// The online softmax of one query row over its next n scores sg[0..n), of which the first
+// nv are visible (causal mask: the rest get weight 0): sg becomes the weights
+// exp(s - max); returns the factor the row's earlier accumulator is scaled by.
+static inline float softmax_update(float* __restrict sg, int64_t n, int64_t nv, float& m,
+                                   float& l) {
+  float mx = m;
+  for (int64_t t = 0; t < nv; ++t) mx = std::max(mx, sg[t]);
+  const float c = std::exp(m - mx);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < nv; ++t) {
+    sg[t] = std::exp(sg[t] - mx);  // vectorized (libmvec) under -ffast-math
+    sum += sg[t];
+  }
+  for (int64_t t = nv; t < n; ++t) sg[t] = 0.f;
+  l = l * c + sum;
+  m = mx;
+  return c;
+}
+
+// Prefetch n rows of D elements (row stride `stride`) at x, unless x is null: the next
+// block's, whose address is data-dependent (the block table), so the hardware prefetcher
+// cannot run ahead of a block boundary.
+template <typename T>
+static inline void prefetch_rows(const T* x, int64_t stride, int64_t n, int64_t D) {
+  constexpr int64_t LINE = 64 / sizeof(T);  // elements per 64-byte cache line
+  if (x != nullptr)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t e = 0; e < D; e += LINE) __builtin_prefetch(x + t * stride + e);
+}
+
+// n <= TILE rows of D elements (row stride `stride`) as float: the rows themselves for a
+// float cache, else widened once into buf [n, D] (not once per query head); *rs: row stride.
+template <typename T>
+static inline const float* rows_f(const T* x, int64_t stride, int64_t n, int64_t D,
+                                  float* __restrict buf, int64_t* rs) {
+  if constexpr (std::is_same<T, float>::value) {
+    *rs = stride;
+    return x;
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < D; ++d) buf[t * D + d] = to_f(x[t * stride + d]);
+    *rs = D;
+    return buf;
+  }
+}
+
+// One tile of one KV head for its G query rows (the query heads that share the KV head, or
+// in a prefill those of several query tokens): n <= TILE positions whose K and V rows
+// start at k and v (row stride `stride`), of which row g sees the first nv[g] (all n where
+// nv is null); qv [G, D] the scaled queries, acc [G, D], m [G], l [G] the rows' running
+// state; buf [TILE, D], s [G, TILE], c [G] scratch. Portable C++
+// (auto-vectorized); tile_avx512 below is the same with the G heads' accumulators in
+// registers.
+template <typename T, int64_t DC>
+static void tile_portable(const float* __restrict qv, const T* k, const T* v, const T* kn,
+                          const T* vn, int64_t stride, int64_t n, const int64_t* nv,
+                          int64_t G, int64_t D_, float* __restrict buf,
+                          float* __restrict s, float* __restrict c, float* __restrict acc,
+                          float* __restrict m, float* __restrict l) {
+  const int64_t D = DC > 0 ? DC : D_;
+  int64_t ks, vs;
+  prefetch_rows(kn, stride, n, D);
+  const float* kr = rows_f(k, stride, n, D, buf, &ks);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t t = 0; t < n; ++t) {
+      const float* qg = qv + g * D;
+      const float* kt = kr + t * ks;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
+      s[g * TILE + t] = dot;
+    }
+  for (int64_t g = 0; g < G; ++g) {
+    c[g] = softmax_update(s + g * TILE, n, nv ? nv[g] : n, m[g], l[g]);
+    float* ag = acc + g * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ag[d] *= c[g];
+  }
+  prefetch_rows(vn, stride, n, D);
+  const float* vr = rows_f(v, stride, n, D, buf, &vs);  // K's rows are no longer needed
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const float e = s[g * TILE + t];
+      const float* vt = vr + t * vs;
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += e * vt[d];
+    }
+}
+
+#if defined(__AVX512F__)
+// 16 elements as float (a bfloat16 widens exactly: zero-extend, shift left 16).
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 unpack_add_pd(__m512 a, __m512 b) {
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+static inline __m512 lanes_add(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+// r[t] = the sum of p[t]'s 16 elements, for t < 16: a transposing reduction tree (30
+// shuffles, 15 adds) instead of 16 horizontal sums.
+static inline __m512 sum16(const __m512* p) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                         _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) y[i] = unpack_add_pd(x[2 * i], x[2 * i + 1]);  // lane sums
+  return lanes_add(lanes_add(y[0], y[1]), lanes_add(y[2], y[3]));  // across the 4 lanes
+}
+
+// exp(x) of 16 floats: x = k ln2 + r, |r| <= ln2 / 2 (Cephes' two-part ln2), exp(r) by its
+// degree-6 Taylor polynomial (relative error < 2e-7), times 2^k by scalef; x < -87 gives
+// about 0 (exp(-87) ~ 1.6e-38).
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+
+// softmax_update of a row's 16 scores held in a vector (lanes nv.. masked), in registers:
+// the weights go to sg[0..16).
+static inline float softmax16(__m512 x, int64_t nv, float* sg, float& m, float& l) {
+  const __mmask16 vis = static_cast<__mmask16>((1u << nv) - 1u);
+  // Masked lanes as -1e30, not the -inf of _mm512_mask_reduce_max_ps (-ffast-math assumes
+  // finite values).
+  const __m512 xv = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), vis, x);
+  const float mx = std::max(m, _mm512_reduce_max_ps(xv));
+  const float c = std::exp(m - mx);
+  const __m512 e = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
+  _mm512_storeu_ps(sg, e);
+  l = l * c + _mm512_reduce_add_ps(e);
+  m = mx;
+  return c;
+}
+
+// acc [GN, D] = acc * c + p . V for GN query heads (p [GN, TILE] their weights), the
+// accumulators in registers for the tile, each V row widened once for the GN heads.
+template <int GN, int NC, typename T>
+static inline void accumulate(const T* v, int64_t stride, int64_t n, const float* p,
+                              const float* c, float* acc) {
+  constexpr int64_t D = 16 * NC;
+  __m512 a[GN][NC];
+  for (int g = 0; g < GN; ++g) {
+    const __m512 cg = _mm512_set1_ps(c[g]);
+    for (int i = 0; i < NC; ++i) a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), cg);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 e[GN];
+    for (int g = 0; g < GN; ++g) e[g] = _mm512_set1_ps(p[g * TILE + t]);
+    for (int i = 0; i < NC; ++i) {
+      const __m512 x = load16(v + t * stride + 16 * i);
+      for (int g = 0; g < GN; ++g) a[g][i] = _mm512_fmadd_ps(e[g], x, a[g][i]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int i = 0; i < NC; ++i) _mm512_storeu_ps(acc + g * D + 16 * i, a[g][i]);
+}
+
+// accumulate for R rows (weights s [R, TILE], factors c [R], acc [R, D]), up to GG at once:
+// GG * NC accumulators <= 16 registers.
+template <int NC, typename T>
+static inline void accumulate_rows(const T* v, int64_t stride, int64_t n, int64_t R,
+                                   const float* s, const float* c, float* acc) {
+  constexpr int64_t D = 16 * NC;
+  constexpr int GG = NC <= 4 ? 4 : (NC <= 8 ? 16 / NC : 1);
+  for (int64_t g0 = 0; g0 < R; g0 += GG) {
+    const float *p = s + g0 * TILE, *cg = c + g0;
+    float* ag = acc + g0 * D;
+    switch (std::min<int64_t>(GG, R - g0)) {
+      case 1: accumulate<1, NC>(v, stride, n, p, cg, ag); break;
+      case 2: if constexpr (GG >= 2) accumulate<2, NC>(v, stride, n, p, cg, ag); break;
+      case 3: if constexpr (GG >= 3) accumulate<3, NC>(v, stride, n, p, cg, ag); break;
+      default: if constexpr (GG >= 4) accumulate<4, NC>(v, stride, n, p, cg, ag); break;
+    }
+  }
+}
+
+// tile_portable with AVX-512 intrinsics, D = 16 * NC: the scores of the tile's 16
+// positions reduced into one vector per query head (sum16), the V accumulation of several
+// query heads at once in registers (accumulate_rows).
+template <typename T, int NC>
+static void tile_avx512(const float* __restrict qv, const T* k, const T* v, const T* kn,
+                        const T* vn, int64_t stride, int64_t n, const int64_t* nv,
+                        int64_t G, float* __restrict buf, float* __restrict s,
+                        float* __restrict c, float* __restrict acc, float* __restrict m,
+                        float* __restrict l) {
+  constexpr int64_t D = 16 * NC;
+  const float* kr;
+  int64_t ks;
+  constexpr int64_t LINE = 64 / sizeof(T);
+  if constexpr (std::is_same<T, float>::value) {
+    prefetch_rows(kn, stride, n, D);
+    kr = k;
+    ks = stride;
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      if (kn != nullptr)
+        for (int64_t e = 0; e < D; e += LINE) __builtin_prefetch(kn + t * stride + e);
+      for (int i = 0; i < NC; ++i)
+        _mm512_storeu_ps(buf + t * D + 16 * i, load16(k + t * stride + 16 * i));
+    }
+    kr = buf;
+    ks = D;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 qg[NC], P[TILE];
+    for (int i = 0; i < NC; ++i) qg[i] = _mm512_loadu_ps(qv + g * D + 16 * i);
+    for (int64_t t = 0; t < TILE; ++t) {
+      if (t < n) {
+        __m512 x = _mm512_mul_ps(qg[0], _mm512_loadu_ps(kr + t * ks));
+        for (int i = 1; i < NC; ++i)
+          x = _mm512_fmadd_ps(qg[i], _mm512_loadu_ps(kr + t * ks + 16 * i), x);
+        P[t] = x;
+      } else {
+        P[t] = _mm512_setzero_ps();
+      }
+    }
+    c[g] = softmax16(sum16(P), nv ? nv[g] : n, s + g * TILE, m[g], l[g]);
+  }
+  prefetch_rows(vn, stride, n, D);
+  accumulate_rows<NC>(v, stride, n, G, s, c, acc);
+}
+
+// tile_avx512 for many query rows R (a prefill's query tokens times G heads): the tile's K
+// rows transposed once (kt [D, TILE]) so that a row's 16 scores are 16 * NC FMAs into one
+// vector, four rows at a time (no per-row reduction tree), then softmax16 per row and the V
+// accumulation of tile_avx512. qv holds at least R rounded up to 4 rows.
+template <typename T, int NC>
+static void tile_rows_avx512(const float* __restrict qv, const T* k, const T* v, const T* kn,
+                             const T* vn, int64_t stride, int64_t n, const int64_t* nv,
+                             int64_t R, float* __restrict buf, float* __restrict kt,
+                             float* __restrict s, float* __restrict c, float* __restrict acc,
+                             float* __restrict m, float* __restrict l) {
+  constexpr int64_t D = 16 * NC;
+  const float* kr;
+  int64_t ks;
+  prefetch_rows(kn, stride, n, D);
+  if constexpr (std::is_same<T, float>::value) {
+    kr = k;
+    ks = stride;
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int i = 0; i < NC; ++i)
+        _mm512_storeu_ps(buf + t * D + 16 * i, load16(k + t * stride + 16 * i));
+    kr = buf;
+    ks = D;
+  }
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(ks)));
+  for (int64_t d = 0; d < D; ++d)
+    _mm512_storeu_ps(kt + d * TILE,
+                     _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, kr + d, 4));
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    __m512 a[4][2];
+    for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
+    const float* q0 = qv + r0 * D;
+    for (int64_t d = 0; d < D; d += 2) {  // two chains per row: FMA latency
+      const __m512 k0 = _mm512_loadu_ps(kt + d * TILE), k1 = _mm512_loadu_ps(kt + (d + 1) * TILE);
+      for (int j = 0; j < 4; ++j) {
+        a[j][0] = _mm512_fmadd_ps(_mm512_set1_ps(q0[j * D + d]), k0, a[j][0]);
+        a[j][1] = _mm512_fmadd_ps(_mm512_set1_ps(q0[j * D + d + 1]), k1, a[j][1]);
+      }
+    }
+    for (int64_t j = 0; j < 4 && r0 + j < R; ++j) {
+      const int64_t r = r0 + j;
+      c[r] = softmax16(_mm512_add_ps(a[j][0], a[j][1]), nv ? nv[r] : n, s + r * TILE, m[r],
+                       l[r]);
+    }
+  }
+  prefetch_rows(vn, stride, n, D);
+  accumulate_rows<NC>(v, stride, n, R, s, c, acc);
+}
+#endif
+
+// One tile (see tile_portable): the AVX-512 one where it is compiled for D = DC.
+template <typename T, int64_t DC>
+static inline void run_tile(const float* qv, const T* k, const T* v, const T* kp, const T* vp,
+                            int64_t stride, int64_t n, const int64_t* nv, int64_t G, int64_t D,
+                            float* buf, float* s, float* c, float* acc, float* m, float* l) {
+#if defined(__AVX512F__)
+  if constexpr (DC > 0 && DC % 16 == 0)
+    return tile_avx512<T, DC / 16>(qv, k, v, kp, vp, stride, n, nv, G, buf, s, c, acc, m, l);
+#endif
+  tile_portable<T, DC>(qv, k, v, kp, vp, stride, n, nv, G, D, buf, s, c, acc, m, l);
+}
+
+// The KV tiles of KV heads h0 .. h1 - 1 over positions [0, len) of one sequence (its block
+// table row bt; caches [N, bs, Hkv, D], tok = Hkv * D), block by block (a block's rows read
+// whole and in order) with the next block's rows prefetched: f(h, k, v, kp, vp, n, p0) for
+// a tile of n <= TILE positions from p0 whose rows of head h start at k and v (kp, vp: the
+// next block's, or null).
+template <typename T, typename F>
+static inline void for_each_tile(const T* K, const T* V, const int64_t* bt, int64_t len,
+                                 int64_t bs, int64_t tok, int64_t D, int64_t h0, int64_t h1,
+                                 F&& f) {
+  const int64_t blk = bs * tok;
+  for (int64_t j = 0; j * bs < len; ++j) {
+    const int64_t n = std::min(bs, len - j * bs);
+    const T* kb = K + bt[j] * blk;
+    const T* vb = V + bt[j] * blk;
+    const bool more = (j + 1) * bs < len;
+    const T* kn = more ? K + bt[j + 1] * blk : nullptr;
+    const T* vn = more ? V + bt[j + 1] * blk : nullptr;
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        const int64_t off = t0 * tok + h * D;
+        // The next block's rows t0.. of this head (as many as this tile has, or none).
+        const T* kp = kn != nullptr && t0 < len - (j + 1) * bs ? kn + off : nullptr;
+        const T* vp = vn != nullptr && t0 < len - (j + 1) * bs ? vn + off : nullptr;
+        f(h, kb + off, vb + off, kp, vp, std::min(TILE, n - t0), j * bs + t0);
+      }
+  }
+}
+
+// out[b, hq, :] = softmax(q[b, hq] . K^T * scale) V over positions [0, lens[b]) of sequence b,
+// read through its block table; KV head hq / G serves query head hq. q: [B, H, D] (rows may be
+// strided), caches [N, bs, Hkv, D] contiguous, tables [B, M] int64, lens [B] int64,
+// out [B, H, D] contiguous; q, caches and out all of type T (float or bfloat16), all the
+// arithmetic in float32. DC > 0 fixes D at compile time (unrolled loops, and the AVX-512
+// tiles where DC is a multiple of 16 and the compiler targets AVX-512); 0 reads it.
+template <typename T, int64_t DC>
+static void decode(const at::Tensor& q, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& tables,
+                   const at::Tensor& lens, float sc, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = DC > 0 ? DC : q.size(2);
+  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
+  const int64_t G = H / Hkv, M = tables.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const T* Q = q.data_ptr<T>();
+  const T* K = key_cache.data_ptr<T>();
+  const T* V = value_cache.data_ptr<T>();
+  const int64_t* BT = tables.data_ptr<int64_t>();
+  const int64_t* L = lens.data_ptr<int64_t>();
+  T* O = out.data_ptr<T>();
+  const int64_t tok = Hkv * D;
+  // A work item is a sequence with all its KV heads (each block's rows are read whole and
+  // in order) or, with fewer sequences than threads, one KV head of one sequence.
+  const int64_t per = B >= at::get_num_threads() ? Hkv : 1;
+  at::parallel_for(0, B * (Hkv / per), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qv_(H * D), acc_(H * D), buf_(TILE * D), s_(G * TILE), c_(G), m_(H),
+        l_(H);
+    float* __restrict qv = qv_.data();
+    float* __restrict acc = acc_.data();
+    float *m = m_.data(), *l = l_.data();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / (Hkv / per), h0 = (i % (Hkv / per)) * per, h1 = h0 + per;
+      for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
+        const T* src = Q + b * qs0 + hq * qs1;
+        for (int64_t d = 0; d < D; ++d) qv[hq * D + d] = to_f(src[d * qs2]) * sc;
+        for (int64_t d = 0; d < D; ++d) acc[hq * D + d] = 0.f;
+        m[hq] = -1e30f;  // finite: exp(m - max) is 0 on the first block
+        l[hq] = 0.f;
+      }
+      for_each_tile(K, V, BT + b * M, L[b], bs, tok, D, h0, h1,
+                    [&](int64_t h, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
+                        int64_t) {
+                      run_tile<T, DC>(qv + h * G * D, k, v, kp, vp, tok, n, nullptr, G, D,
+                                      buf_.data(), s_.data(), c_.data(), acc + h * G * D,
+                                      m + h * G, l + h * G);
+                    });
+      for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
+        T* dst = O + (b * H + hq) * D;
+        const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[hq * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+static void dispatch(const at::Tensor& q, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& tables,
+                     const at::Tensor& lens, float sc, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: return decode<T, 64>(q, key_cache, value_cache, tables, lens, sc, out);
+    case 80: return decode<T, 80>(q, key_cache, value_cache, tables, lens, sc, out);
+    case 128: return decode<T, 128>(q, key_cache, value_cache, tables, lens, sc, out);
+    default: return decode<T, 0>(q, key_cache, value_cache, tables, lens, sc, out);
+  }
+}
+
+void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& tables,
+                  const at::Tensor& lens, double scale, at::Tensor& out) {
+  const float sc = static_cast<float>(scale);
+  if (key_cache.scalar_type() == at::kBFloat16)
+    return dispatch<at::BFloat16>(q, key_cache, value_cache, tables, lens, sc, out);
+  return dispatch<float>(q, key_cache, value_cache, tables, lens, sc, out);
+}
+
+// Query tokens per prefill work item: a KV tile's K and V rows are read (and widened) once
+// for the QT * G query rows of QT tokens and the G heads that share its KV head.
+constexpr int64_t QT = 16;
+
+// Chunks of any length: sequence b's query rows qstart[b] .. qstart[b] + qlens[b] - 1 are
+// its last q_len = qlens[b] positions of lens[b] (context including them); its query
+// token i (of ctx = lens[b] - q_len cached before the chunk) sees positions 0 .. ctx + i.
+// q [R, H, D] (rows may be strided), out [R, H, D] contiguous (rows of no sequence are left
+// as they are), the rest as in decode. A
+// work item is (sequence, KV head, tile of up to QT query tokens); items go to threads
+// longest first from a shared counter (a chunk's later tiles read more context).
+template <typename T, int64_t DC>
+static void prefill(const at::Tensor& q, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& tables,
+                    const at::Tensor& lens, const at::Tensor& qstart,
+                    const at::Tensor& qlens, float sc, at::Tensor& out) {
+  const int64_t H = q.size(1), D = DC > 0 ? DC : q.size(2), B = lens.size(0);
+  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
+  const int64_t G = H / Hkv, M = tables.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const T* Q = q.data_ptr<T>();
+  const T* K = key_cache.data_ptr<T>();
+  const T* V = value_cache.data_ptr<T>();
+  const int64_t* BT = tables.data_ptr<int64_t>();
+  const int64_t* L = lens.data_ptr<int64_t>();
+  const int64_t* QS = qstart.data_ptr<int64_t>();
+  const int64_t* QL = qlens.data_ptr<int64_t>();
+  T* O = out.data_ptr<T>();
+  const int64_t tok = Hkv * D;
+  struct Item {
+    int64_t b, t0, nt, h, cost;
+  };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t ql = QL[b], ctx = L[b] - ql;
+    for (int64_t t0 = 0; t0 < ql; t0 += QT) {
+      const int64_t nt = std::min(QT, ql - t0);
+      for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, t0, nt, h, nt * (ctx + t0 + nt)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  const int64_t N = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const int64_t R = QT * G;  // query rows of a work item at most: token-major, head-minor
+    // qv: 3 rows more (tile_rows_avx512 reads rows in fours), zero.
+    std::vector<float> qv_((R + 3) * D), acc_(R * D), buf_(TILE * D), kt_(TILE * D),
+        s_(R * TILE), c_(R), m_(R), l_(R);
+    std::vector<int64_t> nv_(R);
+    float* __restrict qv = qv_.data();
+    float* __restrict acc = acc_.data();
+    float *m = m_.data(), *l = l_.data();
+    int64_t* nv = nv_.data();
+    for (int64_t i = next.fetch_add(1); i < N; i = next.fetch_add(1)) {
+      const Item it = items[i];
+      const int64_t b = it.b, h = it.h, nt = it.nt, rows = nt * G;
+      const int64_t first = QS[b] + it.t0;           // the item's first query row
+      const int64_t ctx = L[b] - QL[b];  // cached before the chunk
+      const int64_t last = ctx + it.t0;               // the first token sees 0 .. last
+      for (int64_t tt = 0; tt < nt; ++tt)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = tt * G + g;
+          const T* src = Q + (first + tt) * qs0 + (h * G + g) * qs1;
+          for (int64_t d = 0; d < D; ++d) qv[r * D + d] = to_f(src[d * qs2]) * sc;
+          for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.f;
+          m[r] = -1e30f;  // finite: exp(m - max) is 0 on the first tile
+          l[r] = 0.f;
+        }
+      const int64_t len = last + nt;  // positions the item's last token sees
+      for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1,
+                    [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
+                        int64_t p0) {
+                      // Rows that see only part of the tile: the causal mask's diagonal.
+                      const int64_t* mask = nullptr;
+                      if (last - p0 + 1 < n) {
+                        for (int64_t tt = 0; tt < nt; ++tt) {
+                          const int64_t see =
+                              std::max<int64_t>(0, std::min(n, last + tt - p0 + 1));
+                          for (int64_t g = 0; g < G; ++g) nv[tt * G + g] = see;
+                        }
+                        mask = nv;
+                      }
+#if defined(__AVX512F__)
+                      if constexpr (DC > 0 && DC % 16 == 0)
+                        return tile_rows_avx512<T, DC / 16>(qv, k, v, kp, vp, tok, n, mask,
+                                                            rows, buf_.data(), kt_.data(),
+                                                            s_.data(), c_.data(), acc, m, l);
+#endif
+                      run_tile<T, DC>(qv, k, v, kp, vp, tok, n, mask, rows, D, buf_.data(),
+                                      s_.data(), c_.data(), acc, m, l);
+                    });
+      for (int64_t tt = 0; tt < nt; ++tt)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = tt * G + g;
+          T* dst = O + ((first + tt) * H + h * G + g) * D;
+          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[r * D + d] * inv);
+        }
+    }
+  });
+}
+
+// Attention of chunks of any length (prefills, decodes, a mix) over the paged cache: see
+// prefill above; q, caches and out float32 or bfloat16 alike.
+void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& tables,
+                   const at::Tensor& lens, const at::Tensor& qstart,
+                   const at::Tensor& qlens, double scale, at::Tensor& out) {
+  const auto T = key_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == T && value_cache.scalar_type() == T &&
+                  out.scalar_type() == T && (T == at::kFloat || T == at::kBFloat16),
+              "paged_prefill: q, caches and out must share float32 or bfloat16");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous() &&
+                  out.sizes() == q.sizes() && q.dim() == 3 && q.size(2) == key_cache.size(3) &&
+                  q.size(1) % key_cache.size(2) == 0,
+              "paged_prefill: shapes do not match");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  qstart.scalar_type() == at::kLong && qlens.scalar_type() == at::kLong &&
+                  tables.is_contiguous() && lens.is_contiguous() && qstart.is_contiguous() &&
+                  qlens.is_contiguous() && qstart.numel() == lens.numel() &&
+                  qlens.numel() == lens.numel() && tables.size(0) == lens.numel(),
+              "paged_prefill: tables [B, M], lens, qstart and qlens [B] must be int64");
+  const float sc = static_cast<float>(scale);
+  const bool bf = T == at::kBFloat16;
+#define ASYNCLLM_PREFILL(DC)                                                          \
+  return bf ? prefill<at::BFloat16, DC>(q, key_cache, value_cache, tables, lens, qstart, \
+                                        qlens, sc, out)                              \
+            : prefill<float, DC>(q, key_cache, value_cache, tables, lens, qstart, qlens, sc, out)
+  switch (q.size(2)) {
+    case 64: ASYNCLLM_PREFILL(64);
+    case 80: ASYNCLLM_PREFILL(80);
+    case 128: ASYNCLLM_PREFILL(128);
+    default: ASYNCLLM_PREFILL(0);
+  }
+#undef ASYNCLLM_PREFILL
+}
+
+// Rows 0..n-1 of x [R, Hkv, D] (any strides) to the flat slots S of cache [N, bs, Hkv, D]
+// (contiguous); a negative slot is skipped.
+template <typename T>
+static void write_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* S, int64_t n) {
+  const int64_t Hkv = x.size(1), D = x.size(2);
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
+  const T* X = x.data_ptr<T>();
+  T* C = cache.data_ptr<T>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (S[i] < 0) continue;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t d = 0; d < D; ++d) C[(S[i] * Hkv + h) * D + d] = X[i * s0 + h * s1 + d * s2];
+  }
+}
+
+// One decode step of a layer: the new K/V rows (k, v [R, Hkv, D]) of the n = lens.size(0)
+// sequences written at their slots [n], then paged_decode of q rows 0..n-1 into out [R, H, D]
+// (contiguous); rows n..R-1 are padding: out rows zero, nothing written.
+void paged_write_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        at::Tensor& key_cache, at::Tensor& value_cache,
+                        const at::Tensor& slots, const at::Tensor& tables,
+                        const at::Tensor& lens, double scale, at::Tensor& out) {
+  const int64_t n = lens.size(0), R = q.size(0);
+  const auto T = key_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == T && k.scalar_type() == T && v.scalar_type() == T &&
+                  value_cache.scalar_type() == T && out.scalar_type() == T &&
+                  (T == at::kFloat || T == at::kBFloat16),
+              "paged_write_decode: q, k, v, caches and out must share float32 or bfloat16");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous() &&
+                  k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
+                  k.size(0) >= n && R >= n && out.sizes() == q.sizes() &&
+                  k.size(1) == key_cache.size(2) && k.size(2) == key_cache.size(3),
+              "paged_write_decode: shapes do not match");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() >= n,
+              "paged_write_decode: slots must be int64 with a slot per sequence");
+  const int64_t* S = slots.data_ptr<int64_t>();
+  at::Tensor o = out.narrow(0, 0, n);
+  if (T == at::kBFloat16) {
+    write_rows<at::BFloat16>(k, key_cache, S, n);
+    write_rows<at::BFloat16>(v, value_cache, S, n);
+  } else {
+    write_rows<float>(k, key_cache, S, n);
+    write_rows<float>(v, value_cache, S, n);
+  }
+  paged_decode(q.narrow(0, 0, n), key_cache, value_cache, tables, lens, scale, o);
+  if (R > n) out.narrow(0, n, R - n).zero_();
+}
