@@ -41,7 +41,7 @@ os.environ[COMPILE_ENV] = "0"
 #: part (another summation order or batch shape). float32 rounds at 2**-24 relative;
 #: bfloat16 keeps 8 significant bits, so logits between 16 and 32 (the default model's top
 #: ones) are multiples of 0.125 and two runs' top two can swap across one or two steps of it:
-#: 0.25. (The default model's bfloat16 parity test parts at gaps of 0 and 0.125; vLLM's
+#: 0.25. (The default model's bfloat16 parity tests part at gaps of 0, 0.125 and 0.25; vLLM's
 #: bfloat16 tests compare top-k logprobs for the same reason.)
 NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.25}
 
