@@ -161,6 +161,20 @@ def make_engine() -> Iterator[Callable[..., AsyncEngine]]:
         check_pool_whole(engine)
 
 
+def chunked_engine(
+    make_engine: Callable[..., AsyncEngine], model_dir: pathlib.Path, attention_backend: str
+) -> AsyncEngine:
+    """A tiny-model engine whose steps mix chunked prefill with decodes (16-token blocks and
+    budget, a 1 MiB KV cache) on ``attention_backend``: for comparing backends end to end."""
+    return make_engine(
+        model_dir,
+        block_size=16,
+        max_num_batched_tokens=16,
+        kv_cache_bytes=2**20,
+        attention_backend=attention_backend,
+    )
+
+
 def check_pool_whole(engine: AsyncEngine) -> None:
     """No request left, every device and CPU block free, reference counts consistent."""
     core = engine._engine

@@ -12,6 +12,7 @@ from torch import nn
 from asyncllm import SamplingParams
 from asyncllm.attention import cpu_paged, torch_paged
 from asyncllm.worker import cpu_linear
+from tests.conftest import chunked_engine
 
 pytestmark = pytest.mark.skipif(
     not cpu_paged.available(), reason=f"CPU attention kernel unavailable: {cpu_paged.failure()}"
@@ -256,13 +257,7 @@ async def test_engine_greedy_matches_torch_backend(tiny_llama_dir, make_engine):
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 23, 1)]
     results = {}
     for backend in ("torch", "auto"):  # "auto" is "cpu" where the kernel builds
-        engine = make_engine(
-            tiny_llama_dir,
-            block_size=16,
-            max_num_batched_tokens=16,
-            kv_cache_bytes=2**20,
-            attention_backend=backend,
-        )
+        engine = chunked_engine(make_engine, tiny_llama_dir, backend)
         assert engine._engine.runner.attention_backend.name == backend.replace("auto", "cpu")
         async with engine:
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))

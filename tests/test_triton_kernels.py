@@ -28,6 +28,7 @@ from triton.runtime.jit import JITFunction
 from asyncllm import EngineConfig, SamplingParams
 from asyncllm.attention import cpu_paged, torch_paged, triton_paged
 from asyncllm.worker.model_runner import select_attention_backend
+from tests.conftest import chunked_engine
 
 INTERPRETED = not isinstance(tl.zeros, JITFunction)
 """Triton was imported with ``TRITON_INTERPRET=1``: the kernels run here on CPU tensors."""
@@ -217,13 +218,7 @@ class TestUnderInterpreter:
         prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 23, 1)]
         results = {}
         for backend in ("torch", "triton"):
-            engine = make_engine(
-                tiny_llama_dir,
-                block_size=16,
-                max_num_batched_tokens=16,
-                kv_cache_bytes=2**20,
-                attention_backend=backend,
-            )
+            engine = chunked_engine(make_engine, tiny_llama_dir, backend)
             assert engine._engine.runner.attention_backend.name == backend
             async with engine:
                 outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
