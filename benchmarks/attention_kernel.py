@@ -31,7 +31,10 @@ import torch
 from asyncllm.attention import cpu_paged
 from asyncllm.worker.cpu_extension import CpuExtension
 
-CASES = [(1, 100), (64, 100), (64, 256), (32, 570)]  # (batch, context tokens)
+#: (batch, context tokens, tokens of it that all the batch's sequences share from the start):
+#: W3, W1 (its chat template's first 32 tokens shared), longer W1 contexts, W2 without and
+#: with its 528-token shared system prompt (cascade attention in the new kernel).
+CASES = [(1, 100, 0), (64, 100, 32), (64, 256, 0), (32, 570, 0), (32, 570, 528)]
 H, HKV, D, BS, BLOCKS = 9, 3, 64, 16, 2900
 
 
@@ -64,7 +67,7 @@ def build(name: str, source: str, isa: str) -> Any:
     return mod
 
 
-def inputs(batch: int, ctx: int, dtype: torch.dtype, seed: int = 0) -> tuple[Any, ...]:
+def inputs(batch: int, ctx: int, shared: int, dtype: torch.dtype, seed: int = 0) -> tuple[Any, ...]:
     g = torch.Generator().manual_seed(seed)
     spread = torch.randint(ctx - 10, ctx + 11, (batch,), generator=g).tolist()
     lens = [ctx] if batch == 1 else spread
@@ -72,10 +75,12 @@ def inputs(batch: int, ctx: int, dtype: torch.dtype, seed: int = 0) -> tuple[Any
     perm = torch.randperm(BLOCKS, generator=g)  # scattered, not contiguous
     m = max(need)
     tables = torch.zeros(batch, m, dtype=torch.long)
-    k = 0
+    common = shared // BS  # whole blocks: what prefix caching shares
+    tables[:, :common] = perm[:common]
+    k = common
     for i, n in enumerate(need):
-        tables[i, :n] = perm[k : k + n]
-        k += n
+        tables[i, common:n] = perm[k : k + n - common]
+        k += n - common
     kc = torch.randn(BLOCKS, BS, HKV, D, generator=g).to(dtype)
     vc = torch.randn(BLOCKS, BS, HKV, D, generator=g).to(dtype)
     # The model hands the query rows over as a transposed view of [1, H, T, D].
@@ -101,11 +106,11 @@ def main() -> None:
     old = build(f"asyncllm_bench_old_{a.isa}", source_at(a.old), a.isa)
     new = build(f"asyncllm_bench_new_{a.isa}", cpu_paged._SOURCE, a.isa)
     print(f"old={a.old} new=worktree threads={a.threads} isa={a.isa} repeats={a.repeats}")
-    head = ("dtype", "B", "ctx", "old us", "new us", "ratio", "max|diff|")
-    print("{:9} {:>3} {:>4} {:>9} {:>9} {:>6} {:>10}".format(*head))
+    head = ("dtype", "B", "ctx", "shared", "old us", "new us", "ratio", "max|diff|")
+    print("{:9} {:>3} {:>4} {:>6} {:>9} {:>9} {:>6} {:>10}".format(*head))
     for dtype in (torch.bfloat16, torch.float32):
-        for batch, ctx in CASES:
-            q, kc, vc, tables, lens = inputs(batch, ctx, dtype)
+        for batch, ctx, shared in CASES:
+            q, kc, vc, tables, lens = inputs(batch, ctx, shared, dtype)
             args = (q, kc, vc, tables, lens)
             o_old, o_new = torch.empty(q.shape, dtype=dtype), torch.empty(q.shape, dtype=dtype)
             old.paged_decode(*args, 0.125, o_old)
@@ -120,7 +125,10 @@ def main() -> None:
                     ts.append(per_call_us(mod, args, out, iters))
             mo, mn = statistics.median(t_old), statistics.median(t_new)
             name = str(dtype).removeprefix("torch.")
-            print(f"{name:9} {batch:3d} {ctx:4d} {mo:9.1f} {mn:9.1f} {mo / mn:6.2f} {diff:10.2e}")
+            print(
+                f"{name:9} {batch:3d} {ctx:4d} {shared:6d} {mo:9.1f} {mn:9.1f} {mo / mn:6.2f} "
+                f"{diff:10.2e}"
+            )
 
 
 if __name__ == "__main__":

@@ -153,6 +153,68 @@ def test_decode_kernel_splits_heads_when_sequences_are_fewer_than_threads():
         torch.set_num_threads(threads)
 
 
+def _attend_on_threads(q, kc, vc, plan, threads):
+    """The CPU backend's attention of a planned step (scale 0.1) on ``threads`` threads."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.1)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _shared_prefix_step(seq_lens, groups, bs, hkv, group, dim, seed=0):
+    """Like :func:`_random_step`, but the block tables of each ``(members, blocks)`` of
+    ``groups`` start with the same ``blocks`` blocks, as prefix caching hands them out."""
+    q, kc, vc, _ = _random_step([1] * len(seq_lens), seq_lens, bs, hkv, group, dim, seed)
+    free = torch.randperm(kc.shape[0], generator=torch.Generator().manual_seed(seed)).tolist()
+    tables: list[list[int]] = [[] for _ in seq_lens]
+    for members, blocks in groups:
+        shared = [free.pop() for _ in range(blocks)]
+        for b in members:
+            tables[b] = list(shared)
+    for b, s in enumerate(seq_lens):
+        tables[b] += [free.pop() for _ in range(-(-s // bs) - len(tables[b]))]
+    return q, kc, vc, tables
+
+
+#: (seq_lens, groups) of decode steps whose sequences share prefix blocks: many sharers of
+#: two blocks (one whose context is exactly those blocks, one with a partly filled third
+#: block); a pair sharing three blocks of which the third is partly filled (only two count);
+#: a pair sharing a first block only; a sequence too short for a full block beside a
+#: sharer of its block; sequences that share nothing.
+SHARED_STEPS = [
+    ([100, 100, 37, 32, 250, 40, 40, 20, 33, 16, 5, 70],
+     [([0, 1, 2, 3, 4], 2), ([5, 6], 3), ([7, 8], 1), ([9, 10], 1)]),
+    ([600, 601, 602, 17], [([0, 1, 2], 33)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("hkv", "group", "dim", "bs", "threads"),
+    [(3, 3, 64, 16, 1), (3, 3, 64, 16, 2), (1, 8, 128, 16, 2), (2, 2, 24, 16, 1),
+     (4, 1, 80, 8, 2)],
+)  # fmt: skip
+@pytest.mark.parametrize("step", range(len(SHARED_STEPS)))
+def test_decode_kernel_with_shared_prefixes_matches_torch(dtype, hkv, group, dim, bs, threads,
+                                                          step):  # fmt: skip
+    """Cascade attention (a shared prefix's blocks read once for all its sequences, the rest
+    per sequence) gives the attention of each sequence alone."""
+    seq_lens, groups = SHARED_STEPS[step]
+    if bs == 8:  # the same positions shared: twice the blocks
+        groups = [(m, 2 * n) for m, n in groups]
+    q, kc, vc, tables = _shared_prefix_step(seq_lens, groups, bs, hkv, group, dim, seed=step)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    query_lens = [1] * len(seq_lens)
+    tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
+    ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
+    plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs)
+    out = _attend_on_threads(q, kc, vc, plan, threads)
+    tol = 2e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
+
+
 #: (query_lens, seq_lens) of steps with prefill chunks: fresh prompts of one token, of a
 #: block, across blocks and across the kernel's 16-token query tiles; chunks after a
 #: prefix-cache hit (a whole number of blocks cached) and after a chunk boundary inside a
@@ -284,12 +346,7 @@ def test_bfloat16_decode_kernel_matches_float32_reference(hkv, group, dim, bs, t
     tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
     ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
     plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.1)
-    finally:
-        torch.set_num_threads(old)
+    out = _attend_on_threads(q, kc, vc, plan, threads)
     assert out.dtype == torch.bfloat16
     # One rounding to bfloat16 (8 significant bits): relative error <= 2**-9.
     torch.testing.assert_close(out.float(), ref, rtol=2**-8, atol=1e-5)

@@ -320,6 +320,7 @@ static void tile_rows_avx512(const float* __restrict qv, const T* k, const T* v,
   prefetch_rows(vn, stride, n, D);
   accumulate_rows<NC>(v, stride, n, R, s, c, acc);
 }
+
 #endif
 
 // One tile (see tile_portable): the AVX-512 one where it is compiled for D = DC.
@@ -334,17 +335,59 @@ static inline void run_tile(const float* qv, const T* k, const T* v, const T* kp
   tile_portable<T, DC>(qv, k, v, kp, vp, stride, n, nv, G, D, buf, s, c, acc, m, l);
 }
 
-// The KV tiles of KV heads h0 .. h1 - 1 over positions [0, len) of one sequence (its block
-// table row bt; caches [N, bs, Hkv, D], tok = Hkv * D), block by block (a block's rows read
+// The state and scratch of a work item's R query rows against one KV head, and its tile: a
+// prefill's query tokens x the G heads of the KV head, or a shared prefix's sequences x G.
+struct RowTiles {
+  std::vector<float> qv, acc, buf, kt, s, c, m, l;
+  int64_t R = 0, D = 0;
+
+  // Rows r < R from row(r), a pointer to its query's D elements (element stride qs2): qv the
+  // scaled query as float, and a fresh online-softmax state; qv gets 3 zero rows more
+  // (tile_rows_avx512 reads rows in fours).
+  template <typename T, typename F>
+  void load(int64_t rows, int64_t d, int64_t qs2, float sc, F&& row) {
+    R = rows;
+    D = d;
+    qv.assign((R + 3) * D, 0.f);
+    acc.assign(R * D, 0.f);
+    buf.resize(TILE * D);
+    kt.resize(TILE * D);
+    s.resize(R * TILE);
+    c.resize(R);
+    m.assign(R, -1e30f);  // finite: exp(m - max) is 0 on the first tile
+    l.assign(R, 0.f);
+    for (int64_t r = 0; r < R; ++r) {
+      const T* src = row(r);
+      for (int64_t e = 0; e < D; ++e) qv[r * D + e] = to_f(src[e * qs2]) * sc;
+    }
+  }
+
+  // One KV tile (as tile_portable) for all R rows, row r seeing the first nv[r] positions.
+  template <typename T, int64_t DC>
+  void tile(const T* k, const T* v, const T* kp, const T* vp, int64_t stride, int64_t n,
+            const int64_t* nv) {
+#if defined(__AVX512F__)
+    if constexpr (DC > 0 && DC % 16 == 0)
+      return tile_rows_avx512<T, DC / 16>(qv.data(), k, v, kp, vp, stride, n, nv, R, buf.data(),
+                                          kt.data(), s.data(), c.data(), acc.data(), m.data(),
+                                          l.data());
+#endif
+    run_tile<T, DC>(qv.data(), k, v, kp, vp, stride, n, nv, R, D, buf.data(), s.data(),
+                    c.data(), acc.data(), m.data(), l.data());
+  }
+};
+
+// The KV tiles of KV heads h0 .. h1 - 1 over positions [j0 * bs, len) of one sequence (its
+// block table row bt; caches [N, bs, Hkv, D], tok = Hkv * D), block by block (a block's rows read
 // whole and in order) with the next block's rows prefetched: f(h, k, v, kp, vp, n, p0) for
 // a tile of n <= TILE positions from p0 whose rows of head h start at k and v (kp, vp: the
 // next block's, or null).
 template <typename T, typename F>
 static inline void for_each_tile(const T* K, const T* V, const int64_t* bt, int64_t len,
                                  int64_t bs, int64_t tok, int64_t D, int64_t h0, int64_t h1,
-                                 F&& f) {
+                                 int64_t j0, F&& f) {
   const int64_t blk = bs * tok;
-  for (int64_t j = 0; j * bs < len; ++j) {
+  for (int64_t j = j0; j * bs < len; ++j) {
     const int64_t n = std::min(bs, len - j * bs);
     const T* kb = K + bt[j] * blk;
     const T* vb = V + bt[j] * blk;
@@ -362,12 +405,101 @@ static inline void for_each_tile(const T* K, const T* V, const int64_t* bt, int6
   }
 }
 
+// Sequences of a decode step whose block tables start with the same `blocks` >= 1 blocks, all
+// of whose positions every member sees (prefix caching: requests after one system prompt).
+struct SharedPrefix {
+  std::vector<int64_t> seqs;  // two or more, ascending
+  int64_t blocks;
+};
+
+// The step's shared prefixes: sequences grouped by their first block, a group's prefix the
+// blocks all its members' tables agree on from the start, within each member's full blocks
+// (lens[b] / bs: a partly filled block is never shared). Two sequences that share a first block
+// but diverge later share that one block (one group per first block, no nesting).
+static std::vector<SharedPrefix> shared_prefixes(const int64_t* BT, const int64_t* L, int64_t B,
+                                                 int64_t M, int64_t bs) {
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b < B; ++b)
+    if (L[b] >= bs && M > 0) order.push_back(b);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return BT[x * M] < BT[y * M]; });
+  std::vector<SharedPrefix> groups;
+  for (size_t i = 0, j; i < order.size(); i = j) {
+    for (j = i + 1; j < order.size() && BT[order[j] * M] == BT[order[i] * M];) ++j;
+    if (j - i < 2) continue;
+    SharedPrefix g{std::vector<int64_t>(order.begin() + i, order.begin() + j), M};
+    std::sort(g.seqs.begin(), g.seqs.end());
+    const int64_t* first = BT + g.seqs[0] * M;
+    for (const int64_t b : g.seqs) {
+      g.blocks = std::min(g.blocks, L[b] / bs);
+      int64_t p = 1;
+      while (p < g.blocks && BT[b * M + p] == first[p]) ++p;
+      g.blocks = p;
+    }
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+// The online-softmax state of query rows (acc [rows, D], m, l [rows]).
+struct RowState {
+  std::vector<float> acc, m, l;
+};
+
+// Cascade attention's first part: each shared prefix's blocks attended for the query rows of
+// all its sequences at once, so that a shared block's K/V rows are read (and widened) once
+// per group and KV head, not once per sequence; the rows' state goes to st, row
+// slot[b] * H + hq (the later blocks continue from it in `decode`). A work item is (group,
+// KV head, part of the group's sequences): parts split a group for the threads.
+template <typename T, int64_t DC>
+static void attend_shared(const std::vector<SharedPrefix>& groups, const int64_t* slot,
+                          const T* Q, int64_t qs0, int64_t qs1, int64_t qs2, const T* K,
+                          const T* V, const int64_t* BT, int64_t M, int64_t bs, int64_t Hkv,
+                          int64_t G, int64_t D, float sc, RowState& st) {
+  const int64_t H = Hkv * G, tok = Hkv * D;
+  struct Item {
+    int64_t g, h, s0, s1;
+  };
+  std::vector<Item> items;
+  const int64_t want = 2 * at::get_num_threads();
+  const int64_t per_group = static_cast<int64_t>(groups.size()) * Hkv;
+  for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
+    const int64_t n = static_cast<int64_t>(groups[gi].seqs.size());
+    const int64_t parts = std::min(n, std::max<int64_t>(1, (want + per_group - 1) / per_group));
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t p = 0; p < parts; ++p) items.push_back({gi, h, n * p / parts, n * (p + 1) / parts});
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    RowTiles w;
+    for (int64_t i = begin; i < end; ++i) {
+      const Item it = items[i];
+      const SharedPrefix& grp = groups[it.g];
+      // Rows member-major, head-minor.
+      w.load<T>((it.s1 - it.s0) * G, D, qs2, sc, [&](int64_t r) {
+        return Q + grp.seqs[it.s0 + r / G] * qs0 + (it.h * G + r % G) * qs1;
+      });
+      for_each_tile(K, V, BT + grp.seqs[0] * M, grp.blocks * bs, bs, tok, D, it.h, it.h + 1, 0,
+                    [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
+                        int64_t) { w.tile<T, DC>(k, v, kp, vp, tok, n, nullptr); });
+      for (int64_t r = 0; r < w.R; ++r) {
+        const int64_t row = slot[grp.seqs[it.s0 + r / G]] * H + it.h * G + r % G;
+        std::copy(w.acc.begin() + r * D, w.acc.begin() + (r + 1) * D, st.acc.begin() + row * D);
+        st.m[row] = w.m[r];
+        st.l[row] = w.l[r];
+      }
+    }
+  });
+}
+
 // out[b, hq, :] = softmax(q[b, hq] . K^T * scale) V over positions [0, lens[b]) of sequence b,
 // read through its block table; KV head hq / G serves query head hq. q: [B, H, D] (rows may be
 // strided), caches [N, bs, Hkv, D] contiguous, tables [B, M] int64, lens [B] int64,
 // out [B, H, D] contiguous; q, caches and out all of type T (float or bfloat16), all the
 // arithmetic in float32. DC > 0 fixes D at compile time (unrolled loops, and the AVX-512
-// tiles where DC is a multiple of 16 and the compiler targets AVX-512); 0 reads it.
+// tiles where DC is a multiple of 16 and the compiler targets AVX-512); 0 reads it. Blocks
+// that sequences share from the start go through attend_shared first (cascade attention:
+// the online softmax over a sequence's positions in order, the shared ones in one pass for
+// all its sharers), the rest per sequence.
 template <typename T, int64_t DC>
 static void decode(const at::Tensor& q, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& tables,
@@ -383,6 +515,24 @@ static void decode(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t* L = lens.data_ptr<int64_t>();
   T* O = out.data_ptr<T>();
   const int64_t tok = Hkv * D;
+  // slot[b]: sequence b's rows in st (it shares a prefix), or -1; skip[b]: its shared blocks.
+  const std::vector<SharedPrefix> groups =
+      B > 1 ? shared_prefixes(BT, L, B, M, bs) : std::vector<SharedPrefix>();
+  std::vector<int64_t> slot(B, -1), skip(B, 0);
+  RowState st;
+  if (!groups.empty()) {
+    int64_t n = 0;
+    for (const SharedPrefix& g : groups)
+      for (const int64_t b : g.seqs) {
+        slot[b] = n++;
+        skip[b] = g.blocks;
+      }
+    st.acc.resize(n * H * D);
+    st.m.resize(n * H);
+    st.l.resize(n * H);
+    attend_shared<T, DC>(groups, slot.data(), Q, qs0, qs1, qs2, K, V, BT, M, bs, Hkv, G, D, sc,
+                         st);
+  }
   // A work item is a sequence with all its KV heads (each block's rows are read whole and
   // in order) or, with fewer sequences than threads, one KV head of one sequence.
   const int64_t per = B >= at::get_num_threads() ? Hkv : 1;
@@ -397,11 +547,18 @@ static void decode(const at::Tensor& q, const at::Tensor& key_cache,
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
         const T* src = Q + b * qs0 + hq * qs1;
         for (int64_t d = 0; d < D; ++d) qv[hq * D + d] = to_f(src[d * qs2]) * sc;
-        for (int64_t d = 0; d < D; ++d) acc[hq * D + d] = 0.f;
-        m[hq] = -1e30f;  // finite: exp(m - max) is 0 on the first block
-        l[hq] = 0.f;
+        if (slot[b] >= 0) {  // continue from the shared prefix's state
+          const int64_t row = slot[b] * H + hq;
+          std::copy(st.acc.begin() + row * D, st.acc.begin() + (row + 1) * D, acc + hq * D);
+          m[hq] = st.m[row];
+          l[hq] = st.l[row];
+        } else {
+          for (int64_t d = 0; d < D; ++d) acc[hq * D + d] = 0.f;
+          m[hq] = -1e30f;  // finite: exp(m - max) is 0 on the first block
+          l[hq] = 0.f;
+        }
       }
-      for_each_tile(K, V, BT + b * M, L[b], bs, tok, D, h0, h1,
+      for_each_tile(K, V, BT + b * M, L[b], bs, tok, D, h0, h1, skip[b],
                     [&](int64_t h, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
                         int64_t) {
                       run_tile<T, DC>(qv + h * G * D, k, v, kp, vp, tok, n, nullptr, G, D,
@@ -484,32 +641,19 @@ static void prefill(const at::Tensor& q, const at::Tensor& key_cache,
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    const int64_t R = QT * G;  // query rows of a work item at most: token-major, head-minor
-    // qv: 3 rows more (tile_rows_avx512 reads rows in fours), zero.
-    std::vector<float> qv_((R + 3) * D), acc_(R * D), buf_(TILE * D), kt_(TILE * D),
-        s_(R * TILE), c_(R), m_(R), l_(R);
-    std::vector<int64_t> nv_(R);
-    float* __restrict qv = qv_.data();
-    float* __restrict acc = acc_.data();
-    float *m = m_.data(), *l = l_.data();
-    int64_t* nv = nv_.data();
+    RowTiles w;
+    std::vector<int64_t> nv(QT * G);
     for (int64_t i = next.fetch_add(1); i < N; i = next.fetch_add(1)) {
       const Item it = items[i];
-      const int64_t b = it.b, h = it.h, nt = it.nt, rows = nt * G;
-      const int64_t first = QS[b] + it.t0;           // the item's first query row
-      const int64_t ctx = L[b] - QL[b];  // cached before the chunk
-      const int64_t last = ctx + it.t0;               // the first token sees 0 .. last
-      for (int64_t tt = 0; tt < nt; ++tt)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = tt * G + g;
-          const T* src = Q + (first + tt) * qs0 + (h * G + g) * qs1;
-          for (int64_t d = 0; d < D; ++d) qv[r * D + d] = to_f(src[d * qs2]) * sc;
-          for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.f;
-          m[r] = -1e30f;  // finite: exp(m - max) is 0 on the first tile
-          l[r] = 0.f;
-        }
+      const int64_t b = it.b, h = it.h, nt = it.nt;
+      const int64_t first = QS[b] + it.t0;  // the item's first query row
+      const int64_t ctx = L[b] - QL[b];     // cached before the chunk
+      const int64_t last = ctx + it.t0;     // the first token sees 0 .. last
+      // Rows token-major, head-minor.
+      w.load<T>(nt * G, D, qs2, sc,
+                [&](int64_t r) { return Q + (first + r / G) * qs0 + (h * G + r % G) * qs1; });
       const int64_t len = last + nt;  // positions the item's last token sees
-      for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1,
+      for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1, 0,
                     [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
                         int64_t p0) {
                       // Rows that see only part of the tile: the causal mask's diagonal.
@@ -520,24 +664,15 @@ static void prefill(const at::Tensor& q, const at::Tensor& key_cache,
                               std::max<int64_t>(0, std::min(n, last + tt - p0 + 1));
                           for (int64_t g = 0; g < G; ++g) nv[tt * G + g] = see;
                         }
-                        mask = nv;
+                        mask = nv.data();
                       }
-#if defined(__AVX512F__)
-                      if constexpr (DC > 0 && DC % 16 == 0)
-                        return tile_rows_avx512<T, DC / 16>(qv, k, v, kp, vp, tok, n, mask,
-                                                            rows, buf_.data(), kt_.data(),
-                                                            s_.data(), c_.data(), acc, m, l);
-#endif
-                      run_tile<T, DC>(qv, k, v, kp, vp, tok, n, mask, rows, D, buf_.data(),
-                                      s_.data(), c_.data(), acc, m, l);
+                      w.tile<T, DC>(k, v, kp, vp, tok, n, mask);
                     });
-      for (int64_t tt = 0; tt < nt; ++tt)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = tt * G + g;
-          T* dst = O + ((first + tt) * H + h * G + g) * D;
-          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[r * D + d] * inv);
-        }
+      for (int64_t r = 0; r < w.R; ++r) {
+        T* dst = O + ((first + r / G) * H + h * G + r % G) * D;
+        const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(w.acc[r * D + d] * inv);
+      }
     }
   });
 }
