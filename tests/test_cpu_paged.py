@@ -182,11 +182,13 @@ def _shared_prefix_step(seq_lens, groups, bs, hkv, group, dim, seed=0):
 #: two blocks (one whose context is exactly those blocks, one with a partly filled third
 #: block); a pair sharing three blocks of which the third is partly filled (only two count);
 #: a pair sharing a first block only; a sequence too short for a full block beside a
-#: sharer of its block; sequences that share nothing.
+#: sharer of its block; sequences that share nothing; a group of more query rows than one
+#: work item takes (split into parts).
 SHARED_STEPS = [
     ([100, 100, 37, 32, 250, 40, 40, 20, 33, 16, 5, 70],
      [([0, 1, 2, 3, 4], 2), ([5, 6], 3), ([7, 8], 1), ([9, 10], 1)]),
     ([600, 601, 602, 17], [([0, 1, 2], 33)]),
+    ([40 + i % 7 for i in range(40)], [(list(range(40)), 2)]),
 ]  # fmt: skip
 
 

@@ -446,6 +446,9 @@ struct RowState {
   std::vector<float> acc, m, l;
 };
 
+// Query rows of a work item of attend_shared at most (64 rows of D = 128: 32 KiB of state).
+constexpr int64_t SHARED_ROWS = 64;
+
 // Cascade attention's first part: each shared prefix's blocks attended for the query rows of
 // all its sequences at once, so that a shared block's K/V rows are read (and widened) once
 // per group and KV head, not once per sequence; the rows' state goes to st, row
@@ -465,7 +468,10 @@ static void attend_shared(const std::vector<SharedPrefix>& groups, const int64_t
   const int64_t per_group = static_cast<int64_t>(groups.size()) * Hkv;
   for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
     const int64_t n = static_cast<int64_t>(groups[gi].seqs.size());
-    const int64_t parts = std::min(n, std::max<int64_t>(1, (want + per_group - 1) / per_group));
+    // Enough parts for the threads, and at most SHARED_ROWS query rows each (their state
+    // stays in L2); each part reads the shared blocks once.
+    const int64_t parts = std::min(n, std::max({int64_t{1}, (want + per_group - 1) / per_group,
+                                                (n * G + SHARED_ROWS - 1) / SHARED_ROWS}));
     for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t p = 0; p < parts; ++p) items.push_back({gi, h, n * p / parts, n * (p + 1) / parts});
   }
