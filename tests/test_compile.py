@@ -167,7 +167,7 @@ def test_failed_compile_serves_eagerly(
     """A compiler error leaves the engine eager, with one warning, and it keeps serving; so
     does an error of the compiled forward in a step (that step reruns eagerly)."""
 
-    def broken(gm: Any, inputs: Any) -> Any:
+    def broken(gm: Any, inputs: Any, **options: Any) -> Any:  # options: Inductor's config
         raise RuntimeError("injected compile failure")
 
     monkeypatch.setattr(compiled_mod, "BACKEND", broken)
@@ -211,7 +211,7 @@ def test_eager_steps_while_compiling(
     and returned zeros, and the packed linears recursed until RecursionError.)"""
     entered, release = threading.Event(), threading.Event()
 
-    def slow(gm: Any, inputs: Any) -> Any:
+    def slow(gm: Any, inputs: Any, **options: Any) -> Any:
         entered.set()
         release.wait(600)
         raise RuntimeError("released")  # the engine stays eager
