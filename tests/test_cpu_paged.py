@@ -100,19 +100,25 @@ def test_portable_build_matches_torch(dtype):
                        cpu_paged.ENV_SWITCH)  # fmt: skip
     mod = ext.load()
     assert mod is not None, ext.failure()
-    seq_lens = [1, 15, 16, 17, 100, 250]
-    query_lens = [1] * len(seq_lens)
+    # Decodes over scattered blocks, and over shared prefixes (cascade attention).
+    plain = [1, 15, 16, 17, 100, 250]
+    shared, groups = SHARED_STEPS[0]
     for hkv, group, dim, bs in [(3, 3, 64, 16), (1, 5, 128, 32), (2, 1, 80, 8)]:
-        q, kc, vc, tables = _random_step(query_lens, seq_lens, bs, hkv, group, dim, seed=4)
-        q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
-        tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
-        ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
-        d = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs).base.decodes
-        assert d is not None
-        out = torch.empty(q.shape, dtype=dtype)
-        mod.paged_decode(q, kc, vc, d.block_tables, torch.tensor(seq_lens), 0.1, out)
-        tol = 2e-5 if dtype == torch.float32 else 2**-8
-        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
+        steps = [
+            (plain, _random_step([1] * len(plain), plain, bs, hkv, group, dim, seed=4)),
+            (shared, _shared_prefix_step(shared, groups, bs, hkv, group, dim, seed=4)),
+        ]
+        for seq_lens, (q, kc, vc, tables) in steps:
+            query_lens = [1] * len(seq_lens)
+            q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+            tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
+            ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
+            d = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs).base.decodes
+            assert d is not None
+            out = torch.empty(q.shape, dtype=dtype)
+            mod.paged_decode(q, kc, vc, d.block_tables, torch.tensor(seq_lens), 0.1, out)
+            tol = 2e-5 if dtype == torch.float32 else 2**-8
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
     # The chunk kernel's portable tiles: prefills over cached prefixes and from scratch,
     # across block and query-tile boundaries, decodes mixed in.
     query_lens, seq_lens = [20, 1, 37, 3], [20, 70, 37 + 21, 3 + 16]
