@@ -10,9 +10,11 @@ this one process (a shared, noisy VM: compare the ratios of one run; medians ove
 repeats), at the default model's shapes (H=9 query heads, Hkv=3
 KV heads, D=64, block size 16) over scattered block tables, for the step shapes of the
 workloads: W1's first step (13 prompts of 40 tokens), W3's prompt (1 x 40), W2 with prefix
-caching (32 x 12 new over 528 cached) and without (1 x 512, then 1 x 28 after 512 cached),
-and a mixed step (8 prefills of 40 and 56 decodes at context 100). Also prints the largest
-difference between the torch path's and the kernel's outputs.
+caching (32 x 12 new over 528 cached; 17 x 30 over 512, its second step) and without
+(1 x 512, then 1 x 28 after 512 cached), around the crossover of ``TORCH_MIN_PAIRS`` (40,
+48 and 64 after 512 cached; 128 and 160 new), and a mixed step (8 prefills of 40 and 56
+decodes at context 100). Also prints the largest difference between the torch path's and
+the kernel's outputs.
 
 Run from the repository root::
 
@@ -41,6 +43,12 @@ CASES: dict[str, tuple[list[int], list[int]]] = {
     "32x12+528": ([12] * 32, [540] * 32),
     "1x512": ([512], [512]),
     "1x28+512": ([28], [540]),
+    "1x40+512": ([40], [552]),
+    "1x48+512": ([48], [560]),
+    "1x64+512": ([64], [576]),
+    "1x128": ([128], [128]),
+    "1x160": ([160], [160]),
+    "17x30+512": ([30] * 17, [542] * 17),  # W2's second step with prefix caching
     "8x40+56dec": ([40] * 8 + [1] * 56, [40] * 8 + [100] * 56),
 }
 

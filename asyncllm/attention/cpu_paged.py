@@ -115,12 +115,13 @@ def available() -> bool:
 #: A bfloat16 prefill chunk of ``q_len`` tokens reaching ``seq_len`` tokens of context goes
 #: through the torch path where ``q_len * seq_len`` (query-position pairs, causal mask
 #: aside) is at least this: there ``scaled_dot_product_attention``'s flash kernel (bfloat16
-#: GEMMs) outruns the C++ kernel's float32 FMAs (``benchmarks/prefill_attention.py``, one
-#: thread: 1 x 512 new tokens 0.60x, 128 new 0.85x, 64 after 512 cached 0.64x in the kernel;
-#: 28 after 512 cached 1.15x, 32 x 12 after 528 cached 1.55x, 40-token prompts 2.8x). In
-#: float32 the kernel is the faster on all of them (1 x 512: 1.5x), so every chunk goes
-#: through it.
-TORCH_MIN_PAIRS = 16_000
+#: GEMMs) outruns the C++ kernel's float32 FMAs. ``benchmarks/prefill_attention.py``, the
+#: engine's 2 threads, kernel's speed over the torch path: 1 x 512 new tokens 0.62x, 64
+#: after 512 cached 0.77x, 160 new 0.96x; 48 after 512 cached 1.17x, 40 after 512 1.30x,
+#: 128 new 1.15x, 17 x 30 after 512 (W2's second step) 1.49x, 32 x 12 after 528 2.3x,
+#: 40-token prompts 3.8x. In float32 the kernel is the faster on all of them (1 x 512: 1.5x),
+#: so every chunk goes through it.
+TORCH_MIN_PAIRS = 28_000
 
 
 @dataclass(frozen=True)
