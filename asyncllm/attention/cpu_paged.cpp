@@ -449,146 +449,210 @@ struct RowState {
 // Query rows of a work item of attend_shared at most (64 rows of D = 128: 32 KiB of state).
 constexpr int64_t SHARED_ROWS = 64;
 
-// Cascade attention's first part: each shared prefix's blocks attended for the query rows of
-// all its sequences at once, so that a shared block's K/V rows are read (and widened) once
-// per group and KV head, not once per sequence; the rows' state goes to st, row
-// slot[b] * H + hq (the later blocks continue from it in `decode`). A work item is (group,
-// KV head, part of the group's sequences): parts split a group for the threads.
-template <typename T, int64_t DC>
-static void attend_shared(const std::vector<SharedPrefix>& groups, const int64_t* slot,
-                          const T* Q, int64_t qs0, int64_t qs1, int64_t qs2, const T* K,
-                          const T* V, const int64_t* BT, int64_t M, int64_t bs, int64_t Hkv,
-                          int64_t G, int64_t D, float sc, RowState& st) {
-  const int64_t H = Hkv * G, tok = Hkv * D;
-  struct Item {
-    int64_t g, h, s0, s1;
-  };
-  std::vector<Item> items;
-  const int64_t want = 2 * at::get_num_threads();
-  const int64_t per_group = static_cast<int64_t>(groups.size()) * Hkv;
-  for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
-    const int64_t n = static_cast<int64_t>(groups[gi].seqs.size());
-    // Enough parts for the threads, and at most SHARED_ROWS query rows each (their state
-    // stays in L2); each part reads the shared blocks once.
-    const int64_t parts = std::min(n, std::max({int64_t{1}, (want + per_group - 1) / per_group,
-                                                (n * G + SHARED_ROWS - 1) / SHARED_ROWS}));
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t p = 0; p < parts; ++p) items.push_back({gi, h, n * p / parts, n * (p + 1) / parts});
-  }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    RowTiles w;
-    for (int64_t i = begin; i < end; ++i) {
-      const Item it = items[i];
-      const SharedPrefix& grp = groups[it.g];
-      // Rows member-major, head-minor.
-      w.load<T>((it.s1 - it.s0) * G, D, qs2, sc, [&](int64_t r) {
-        return Q + grp.seqs[it.s0 + r / G] * qs0 + (it.h * G + r % G) * qs1;
-      });
-      for_each_tile(K, V, BT + grp.seqs[0] * M, grp.blocks * bs, bs, tok, D, it.h, it.h + 1, 0,
-                    [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
-                        int64_t) { w.tile<T, DC>(k, v, kp, vp, tok, n, nullptr); });
-      for (int64_t r = 0; r < w.R; ++r) {
-        const int64_t row = slot[grp.seqs[it.s0 + r / G]] * H + it.h * G + r % G;
-        std::copy(w.acc.begin() + r * D, w.acc.begin() + (r + 1) * D, st.acc.begin() + row * D);
-        st.m[row] = w.m[r];
-        st.l[row] = w.l[r];
-      }
-    }
-  });
-}
+// Query tokens per prefill work item: a KV tile's K and V rows are read (and widened) once
+// for the QT * G query rows of QT tokens and the G heads that share its KV head.
+constexpr int64_t QT = 16;
 
-// out[b, hq, :] = softmax(q[b, hq] . K^T * scale) V over positions [0, lens[b]) of sequence b,
-// read through its block table; KV head hq / G serves query head hq. q: [B, H, D] (rows may be
-// strided), caches [N, bs, Hkv, D] contiguous, tables [B, M] int64, lens [B] int64,
-// out [B, H, D] contiguous; q, caches and out all of type T (float or bfloat16), all the
-// arithmetic in float32. DC > 0 fixes D at compile time (unrolled loops, and the AVX-512
-// tiles where DC is a multiple of 16 and the compiler targets AVX-512); 0 reads it. Blocks
-// that sequences share from the start go through attend_shared first (cascade attention:
-// the online softmax over a sequence's positions in order, the shared ones in one pass for
-// all its sharers), the rest per sequence.
+// One layer's attention over the paged cache, its tensors as sizes and pointers: q [R, H, D]
+// (rows may be strided: qs0, qs1, qs2), caches [N, bs, Hkv, D] contiguous (tok = Hkv * D
+// elements a position), tables [B, M] int64, lens [B] int64, out [R, H, D] contiguous; q,
+// caches and out all of type T (float or bfloat16), all the arithmetic in float32. DC > 0
+// fixes D at compile time (unrolled loops, and the AVX-512 tiles where DC is a multiple of 16
+// and the compiler targets AVX-512); 0 reads it.
 template <typename T, int64_t DC>
-static void decode(const at::Tensor& q, const at::Tensor& key_cache,
-                   const at::Tensor& value_cache, const at::Tensor& tables,
-                   const at::Tensor& lens, float sc, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = DC > 0 ? DC : q.size(2);
-  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
-  const int64_t G = H / Hkv, M = tables.size(1);
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
-  const T* Q = q.data_ptr<T>();
-  const T* K = key_cache.data_ptr<T>();
-  const T* V = value_cache.data_ptr<T>();
-  const int64_t* BT = tables.data_ptr<int64_t>();
-  const int64_t* L = lens.data_ptr<int64_t>();
-  T* O = out.data_ptr<T>();
-  const int64_t tok = Hkv * D;
-  // slot[b]: sequence b's rows in st (it shares a prefix), or -1; skip[b]: its shared blocks.
-  const std::vector<SharedPrefix> groups =
-      B > 1 ? shared_prefixes(BT, L, B, M, bs) : std::vector<SharedPrefix>();
-  std::vector<int64_t> slot(B, -1), skip(B, 0);
-  RowState st;
-  if (!groups.empty()) {
-    int64_t n = 0;
-    for (const SharedPrefix& g : groups)
-      for (const int64_t b : g.seqs) {
-        slot[b] = n++;
-        skip[b] = g.blocks;
-      }
-    st.acc.resize(n * H * D);
-    st.m.resize(n * H);
-    st.l.resize(n * H);
-    attend_shared<T, DC>(groups, slot.data(), Q, qs0, qs1, qs2, K, V, BT, M, bs, Hkv, G, D, sc,
-                         st);
-  }
-  // A work item is a sequence with all its KV heads (each block's rows are read whole and
-  // in order) or, with fewer sequences than threads, one KV head of one sequence.
-  const int64_t per = B >= at::get_num_threads() ? Hkv : 1;
-  at::parallel_for(0, B * (Hkv / per), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv_(H * D), acc_(H * D), buf_(TILE * D), s_(G * TILE), c_(G), m_(H),
-        l_(H);
-    float* __restrict qv = qv_.data();
-    float* __restrict acc = acc_.data();
-    float *m = m_.data(), *l = l_.data();
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / (Hkv / per), h0 = (i % (Hkv / per)) * per, h1 = h0 + per;
-      for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
-        const T* src = Q + b * qs0 + hq * qs1;
-        for (int64_t d = 0; d < D; ++d) qv[hq * D + d] = to_f(src[d * qs2]) * sc;
-        if (slot[b] >= 0) {  // continue from the shared prefix's state
-          const int64_t row = slot[b] * H + hq;
-          std::copy(st.acc.begin() + row * D, st.acc.begin() + (row + 1) * D, acc + hq * D);
-          m[hq] = st.m[row];
-          l[hq] = st.l[row];
-        } else {
-          for (int64_t d = 0; d < D; ++d) acc[hq * D + d] = 0.f;
-          m[hq] = -1e30f;  // finite: exp(m - max) is 0 on the first block
-          l[hq] = 0.f;
+struct PagedLayer {
+  const int64_t B, H, D, bs, Hkv, G, M, qs0, qs1, qs2, tok;
+  const T *Q, *K, *V;
+  const int64_t *BT, *L;
+  T* O;
+
+  PagedLayer(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+             const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out)
+      : B(lens.size(0)), H(q.size(1)), D(DC > 0 ? DC : q.size(2)), bs(key_cache.size(1)),
+        Hkv(key_cache.size(2)), G(H / Hkv), M(tables.size(1)), qs0(q.stride(0)),
+        qs1(q.stride(1)), qs2(q.stride(2)), tok(Hkv * D), Q(q.data_ptr<T>()),
+        K(key_cache.data_ptr<T>()), V(value_cache.data_ptr<T>()),
+        BT(tables.data_ptr<int64_t>()), L(lens.data_ptr<int64_t>()), O(out.data_ptr<T>()) {}
+
+
+  // Cascade attention's first part: each shared prefix's blocks attended for the query rows of
+  // all its sequences at once, so that a shared block's K/V rows are read (and widened) once
+  // per group and KV head, not once per sequence; the rows' state goes to st, row
+  // slot[b] * H + hq (the later blocks continue from it in `decode`). A work item is (group,
+  // KV head, part of the group's sequences): parts split a group for the threads.
+  void attend_shared(const std::vector<SharedPrefix>& groups, const int64_t* slot, float sc,
+                     RowState& st) const {
+    struct Item {
+      int64_t g, h, s0, s1;
+    };
+    std::vector<Item> items;
+    const int64_t want = 2 * at::get_num_threads();
+    const int64_t per_group = static_cast<int64_t>(groups.size()) * Hkv;
+    for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
+      const int64_t n = static_cast<int64_t>(groups[gi].seqs.size());
+      // Enough parts for the threads, and at most SHARED_ROWS query rows each (their state
+      // stays in L2); each part reads the shared blocks once.
+      const int64_t parts = std::min(n, std::max({int64_t{1}, (want + per_group - 1) / per_group,
+                                                  (n * G + SHARED_ROWS - 1) / SHARED_ROWS}));
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t p = 0; p < parts; ++p) items.push_back({gi, h, n * p / parts, n * (p + 1) / parts});
+    }
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      RowTiles w;
+      for (int64_t i = begin; i < end; ++i) {
+        const Item it = items[i];
+        const SharedPrefix& grp = groups[it.g];
+        // Rows member-major, head-minor.
+        w.load<T>((it.s1 - it.s0) * G, D, qs2, sc, [&](int64_t r) {
+          return Q + grp.seqs[it.s0 + r / G] * qs0 + (it.h * G + r % G) * qs1;
+        });
+        for_each_tile(K, V, BT + grp.seqs[0] * M, grp.blocks * bs, bs, tok, D, it.h, it.h + 1, 0,
+                      [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
+                          int64_t) { w.tile<T, DC>(k, v, kp, vp, tok, n, nullptr); });
+        for (int64_t r = 0; r < w.R; ++r) {
+          const int64_t row = slot[grp.seqs[it.s0 + r / G]] * H + it.h * G + r % G;
+          std::copy(w.acc.begin() + r * D, w.acc.begin() + (r + 1) * D, st.acc.begin() + row * D);
+          st.m[row] = w.m[r];
+          st.l[row] = w.l[r];
         }
       }
-      for_each_tile(K, V, BT + b * M, L[b], bs, tok, D, h0, h1, skip[b],
-                    [&](int64_t h, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
-                        int64_t) {
-                      run_tile<T, DC>(qv + h * G * D, k, v, kp, vp, tok, n, nullptr, G, D,
-                                      buf_.data(), s_.data(), c_.data(), acc + h * G * D,
-                                      m + h * G, l + h * G);
-                    });
-      for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
-        T* dst = O + (b * H + hq) * D;
-        const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[hq * D + d] * inv);
+    });
+  }
+
+  // out[b, hq, :] = softmax(q[b, hq] . K^T * scale) V over positions [0, lens[b]) of
+  // sequence b (q [B, H, D], out [B, H, D]), read through its block table; KV head hq / G
+  // serves query head hq. Blocks that sequences share from the start go through
+  // attend_shared first (cascade attention: the online softmax over a sequence's positions in
+  // order, the shared ones in one pass for all its sharers), the rest per sequence.
+  void decode(float sc) const {
+    // slot[b]: sequence b's rows in st (it shares a prefix), or -1; skip[b]: its shared blocks.
+    const std::vector<SharedPrefix> groups =
+        B > 1 ? shared_prefixes(BT, L, B, M, bs) : std::vector<SharedPrefix>();
+    std::vector<int64_t> slot(B, -1), skip(B, 0);
+    RowState st;
+    if (!groups.empty()) {
+      int64_t n = 0;
+      for (const SharedPrefix& g : groups)
+        for (const int64_t b : g.seqs) {
+          slot[b] = n++;
+          skip[b] = g.blocks;
+        }
+      st.acc.resize(n * H * D);
+      st.m.resize(n * H);
+      st.l.resize(n * H);
+      attend_shared(groups, slot.data(), sc, st);
+    }
+    // A work item is a sequence with all its KV heads (each block's rows are read whole and
+    // in order) or, with fewer sequences than threads, one KV head of one sequence.
+    const int64_t per = B >= at::get_num_threads() ? Hkv : 1;
+    at::parallel_for(0, B * (Hkv / per), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qv_(H * D), acc_(H * D), buf_(TILE * D), s_(G * TILE), c_(G), m_(H),
+          l_(H);
+      float* __restrict qv = qv_.data();
+      float* __restrict acc = acc_.data();
+      float *m = m_.data(), *l = l_.data();
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / (Hkv / per), h0 = (i % (Hkv / per)) * per, h1 = h0 + per;
+        for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
+          const T* src = Q + b * qs0 + hq * qs1;
+          for (int64_t d = 0; d < D; ++d) qv[hq * D + d] = to_f(src[d * qs2]) * sc;
+          if (slot[b] >= 0) {  // continue from the shared prefix's state
+            const int64_t row = slot[b] * H + hq;
+            std::copy(st.acc.begin() + row * D, st.acc.begin() + (row + 1) * D, acc + hq * D);
+            m[hq] = st.m[row];
+            l[hq] = st.l[row];
+          } else {
+            for (int64_t d = 0; d < D; ++d) acc[hq * D + d] = 0.f;
+            m[hq] = -1e30f;  // finite: exp(m - max) is 0 on the first block
+            l[hq] = 0.f;
+          }
+        }
+        for_each_tile(K, V, BT + b * M, L[b], bs, tok, D, h0, h1, skip[b],
+                      [&](int64_t h, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
+                          int64_t) {
+                        run_tile<T, DC>(qv + h * G * D, k, v, kp, vp, tok, n, nullptr, G, D,
+                                        buf_.data(), s_.data(), c_.data(), acc + h * G * D,
+                                        m + h * G, l + h * G);
+                      });
+        for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
+          T* dst = O + (b * H + hq) * D;
+          const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
+          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[hq * D + d] * inv);
+        }
+      }
+    });
+  }
+
+  // Chunks of any length: sequence b's query rows QS[b] .. QS[b] + QL[b] - 1 are its last
+  // q_len = QL[b] positions of lens[b] (context including them); its query token i (of
+  // ctx = lens[b] - q_len cached before the chunk) sees positions 0 .. ctx + i; out rows of
+  // no sequence are left as they are. A work item is (sequence, KV head, tile of up to QT
+  // query tokens); items go to threads longest first from a shared counter (a chunk's later
+  // tiles read more context).
+  void prefill(const int64_t* QS, const int64_t* QL, float sc) const {
+    struct Item {
+      int64_t b, t0, nt, h, cost;
+    };
+    std::vector<Item> items;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t ql = QL[b], ctx = L[b] - ql;
+      for (int64_t t0 = 0; t0 < ql; t0 += QT) {
+        const int64_t nt = std::min(QT, ql - t0);
+        for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, t0, nt, h, nt * (ctx + t0 + nt)});
       }
     }
-  });
-}
+    std::stable_sort(items.begin(), items.end(),
+                     [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    const int64_t N = static_cast<int64_t>(items.size());
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N));
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      RowTiles w;
+      std::vector<int64_t> nv(QT * G);
+      for (int64_t i = next.fetch_add(1); i < N; i = next.fetch_add(1)) {
+        const Item it = items[i];
+        const int64_t b = it.b, h = it.h, nt = it.nt;
+        const int64_t first = QS[b] + it.t0;  // the item's first query row
+        const int64_t ctx = L[b] - QL[b];     // cached before the chunk
+        const int64_t last = ctx + it.t0;     // the first token sees 0 .. last
+        // Rows token-major, head-minor.
+        w.load<T>(nt * G, D, qs2, sc,
+                  [&](int64_t r) { return Q + (first + r / G) * qs0 + (h * G + r % G) * qs1; });
+        const int64_t len = last + nt;  // positions the item's last token sees
+        for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1, 0,
+                      [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
+                          int64_t p0) {
+                        // Rows that see only part of the tile: the causal mask's diagonal.
+                        const int64_t* mask = nullptr;
+                        if (last - p0 + 1 < n) {
+                          for (int64_t tt = 0; tt < nt; ++tt) {
+                            const int64_t see =
+                                std::max<int64_t>(0, std::min(n, last + tt - p0 + 1));
+                            for (int64_t g = 0; g < G; ++g) nv[tt * G + g] = see;
+                          }
+                          mask = nv.data();
+                        }
+                        w.tile<T, DC>(k, v, kp, vp, tok, n, mask);
+                      });
+        for (int64_t r = 0; r < w.R; ++r) {
+          T* dst = O + ((first + r / G) * H + h * G + r % G) * D;
+          const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(w.acc[r * D + d] * inv);
+        }
+      }
+    });
+  }
+};
 
 template <typename T>
 static void dispatch(const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& tables,
                      const at::Tensor& lens, float sc, at::Tensor& out) {
   switch (q.size(2)) {
-    case 64: return decode<T, 64>(q, key_cache, value_cache, tables, lens, sc, out);
-    case 80: return decode<T, 80>(q, key_cache, value_cache, tables, lens, sc, out);
-    case 128: return decode<T, 128>(q, key_cache, value_cache, tables, lens, sc, out);
-    default: return decode<T, 0>(q, key_cache, value_cache, tables, lens, sc, out);
+    case 64: return PagedLayer<T, 64>(q, key_cache, value_cache, tables, lens, out).decode(sc);
+    case 80: return PagedLayer<T, 80>(q, key_cache, value_cache, tables, lens, out).decode(sc);
+    case 128: return PagedLayer<T, 128>(q, key_cache, value_cache, tables, lens, out).decode(sc);
+    default: return PagedLayer<T, 0>(q, key_cache, value_cache, tables, lens, out).decode(sc);
   }
 }
 
@@ -601,90 +665,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   return dispatch<float>(q, key_cache, value_cache, tables, lens, sc, out);
 }
 
-// Query tokens per prefill work item: a KV tile's K and V rows are read (and widened) once
-// for the QT * G query rows of QT tokens and the G heads that share its KV head.
-constexpr int64_t QT = 16;
-
-// Chunks of any length: sequence b's query rows qstart[b] .. qstart[b] + qlens[b] - 1 are
-// its last q_len = qlens[b] positions of lens[b] (context including them); its query
-// token i (of ctx = lens[b] - q_len cached before the chunk) sees positions 0 .. ctx + i.
-// q [R, H, D] (rows may be strided), out [R, H, D] contiguous (rows of no sequence are left
-// as they are), the rest as in decode. A
-// work item is (sequence, KV head, tile of up to QT query tokens); items go to threads
-// longest first from a shared counter (a chunk's later tiles read more context).
-template <typename T, int64_t DC>
-static void prefill(const at::Tensor& q, const at::Tensor& key_cache,
-                    const at::Tensor& value_cache, const at::Tensor& tables,
-                    const at::Tensor& lens, const at::Tensor& qstart,
-                    const at::Tensor& qlens, float sc, at::Tensor& out) {
-  const int64_t H = q.size(1), D = DC > 0 ? DC : q.size(2), B = lens.size(0);
-  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
-  const int64_t G = H / Hkv, M = tables.size(1);
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
-  const T* Q = q.data_ptr<T>();
-  const T* K = key_cache.data_ptr<T>();
-  const T* V = value_cache.data_ptr<T>();
-  const int64_t* BT = tables.data_ptr<int64_t>();
-  const int64_t* L = lens.data_ptr<int64_t>();
-  const int64_t* QS = qstart.data_ptr<int64_t>();
-  const int64_t* QL = qlens.data_ptr<int64_t>();
-  T* O = out.data_ptr<T>();
-  const int64_t tok = Hkv * D;
-  struct Item {
-    int64_t b, t0, nt, h, cost;
-  };
-  std::vector<Item> items;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t ql = QL[b], ctx = L[b] - ql;
-    for (int64_t t0 = 0; t0 < ql; t0 += QT) {
-      const int64_t nt = std::min(QT, ql - t0);
-      for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, t0, nt, h, nt * (ctx + t0 + nt)});
-    }
-  }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  const int64_t N = static_cast<int64_t>(items.size());
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    RowTiles w;
-    std::vector<int64_t> nv(QT * G);
-    for (int64_t i = next.fetch_add(1); i < N; i = next.fetch_add(1)) {
-      const Item it = items[i];
-      const int64_t b = it.b, h = it.h, nt = it.nt;
-      const int64_t first = QS[b] + it.t0;  // the item's first query row
-      const int64_t ctx = L[b] - QL[b];     // cached before the chunk
-      const int64_t last = ctx + it.t0;     // the first token sees 0 .. last
-      // Rows token-major, head-minor.
-      w.load<T>(nt * G, D, qs2, sc,
-                [&](int64_t r) { return Q + (first + r / G) * qs0 + (h * G + r % G) * qs1; });
-      const int64_t len = last + nt;  // positions the item's last token sees
-      for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1, 0,
-                    [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
-                        int64_t p0) {
-                      // Rows that see only part of the tile: the causal mask's diagonal.
-                      const int64_t* mask = nullptr;
-                      if (last - p0 + 1 < n) {
-                        for (int64_t tt = 0; tt < nt; ++tt) {
-                          const int64_t see =
-                              std::max<int64_t>(0, std::min(n, last + tt - p0 + 1));
-                          for (int64_t g = 0; g < G; ++g) nv[tt * G + g] = see;
-                        }
-                        mask = nv.data();
-                      }
-                      w.tile<T, DC>(k, v, kp, vp, tok, n, mask);
-                    });
-      for (int64_t r = 0; r < w.R; ++r) {
-        T* dst = O + ((first + r / G) * H + h * G + r % G) * D;
-        const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(w.acc[r * D + d] * inv);
-      }
-    }
-  });
-}
-
 // Attention of chunks of any length (prefills, decodes, a mix) over the paged cache: see
-// prefill above; q, caches and out float32 or bfloat16 alike.
+// PagedLayer::prefill; q, caches and out float32 or bfloat16 alike.
 void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& tables,
                    const at::Tensor& lens, const at::Tensor& qstart,
@@ -705,10 +687,11 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
               "paged_prefill: tables [B, M], lens, qstart and qlens [B] must be int64");
   const float sc = static_cast<float>(scale);
   const bool bf = T == at::kBFloat16;
-#define ASYNCLLM_PREFILL(DC)                                                          \
-  return bf ? prefill<at::BFloat16, DC>(q, key_cache, value_cache, tables, lens, qstart, \
-                                        qlens, sc, out)                              \
-            : prefill<float, DC>(q, key_cache, value_cache, tables, lens, qstart, qlens, sc, out)
+  const int64_t *QS = qstart.data_ptr<int64_t>(), *QL = qlens.data_ptr<int64_t>();
+#define ASYNCLLM_PREFILL(DC)                                                                  \
+  return bf ? PagedLayer<at::BFloat16, DC>(q, key_cache, value_cache, tables, lens, out)     \
+                  .prefill(QS, QL, sc)                                                       \
+            : PagedLayer<float, DC>(q, key_cache, value_cache, tables, lens, out).prefill(QS, QL, sc)
   switch (q.size(2)) {
     case 64: ASYNCLLM_PREFILL(64);
     case 80: ASYNCLLM_PREFILL(80);
