@@ -40,6 +40,7 @@ def main(argv: list[str]) -> int:
     from asyncllm.worker import compiled
     from asyncllm.worker.cpu_linear import pack_linears
     from asyncllm.worker.int4_dequant import kernel
+    from asyncllm.worker.sibling_linears import fuse_siblings
 
     torch.set_num_threads(int(spec["num_threads"]))
     inductor_config.compile_threads = 1
@@ -53,6 +54,7 @@ def main(argv: list[str]) -> int:
         )
         model = loaded.model
         model.set_attn_implementation(register())  # type: ignore[operator]  # as the runner
+        fuse_siblings(model)
         pack_linears(model)
         kernel()
         compiled.build_artifact(model, path, int(spec["num_threads"]))

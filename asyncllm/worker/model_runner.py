@@ -30,6 +30,7 @@ from asyncllm.worker.kv_cache import KVCache
 from asyncllm.worker.logprobs import PromptRows, prompt_logprobs
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.sampler import Sampler, sample_chunks
+from asyncllm.worker.sibling_linears import fuse_siblings
 from asyncllm.worker.step_timing import StepTimings
 
 
@@ -95,8 +96,10 @@ class ModelRunner:
         model_source: ModelSource | None = None,
     ) -> None:
         model.set_attn_implementation(register())  # type: ignore[operator]
-        # float32 or bfloat16 on CPU: oneDNN-prepacked linears (docs/benchmarks.md; off with
-        # ASYNCLLM_CPU_PACKED_LINEAR=0). Idempotent: engines may share a model.
+        # q/k/v and gate/up as one call each, then (float32 or bfloat16 on CPU) oneDNN-prepacked
+        # linears (docs/benchmarks.md; off with ASYNCLLM_CPU_PACKED_LINEAR=0). Both idempotent:
+        # engines may share a model.
+        fuse_siblings(model)
         self.num_packed_linears = pack_linears(model)
         self.model = model
         self.kv_cache = kv_cache

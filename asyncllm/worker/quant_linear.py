@@ -157,6 +157,33 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
+    @classmethod
+    def concat(cls, parts: list[Int4Linear]) -> Int4Linear | None:
+        """One layer whose output is ``parts``' outputs side by side (their packed codes,
+        scales and zero points concatenated; no repacking), or None where they differ in
+        input width, group size, scale dtype or device, have a bias on some but not all,
+        or a part's rows are not a multiple of 64 (the packed layout's row block)."""
+        first = parts[0]
+        if any(
+            p.in_features != first.in_features
+            or p.group_size != first.group_size
+            or p.scales_and_zeros.dtype != first.scales_and_zeros.dtype
+            or p.packed.device != first.packed.device
+            or p.out_features % 64
+            or (p.bias is None) != (first.bias is None)
+            for p in parts
+        ):
+            return None
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.group_size = first.in_features, first.group_size
+        fused.out_features = sum(p.out_features for p in parts)
+        fused.register_buffer("packed", torch.cat([p.packed for p in parts]))
+        fused.register_buffer("scales_and_zeros", torch.cat([p.scales_and_zeros for p in parts], 1))
+        biases = [p.bias for p in parts if p.bias is not None]
+        fused.register_buffer("bias", torch.cat(biases) if biases else None)
+        return fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (x, self.packed, self.scales_and_zeros, self.bias)
         sizes = (self.group_size, self.in_features, self.out_features)

@@ -1,0 +1,115 @@
+"""Sibling linears (q/k/v, gate/up) fused into one call: same outputs, nothing held, and
+groups that cannot be fused left alone."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from asyncllm.models.quantization import QuantSetting, quantize_model
+from asyncllm.worker.quant_linear import Int4Linear
+from asyncllm.worker.sibling_linears import SiblingLinear, fuse_siblings
+
+# Head size 64 and one KV head: every projection's rows a multiple of 64 (int4 can fuse them).
+SHAPE = dict(
+    vocab_size=512, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def _llama(**kw: object) -> nn.Module:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**SHAPE, **kw})).eval()
+
+
+def _qwen2() -> nn.Module:
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=False)).eval()
+    with torch.no_grad():  # random init leaves the q/k/v biases at zero
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+def _int4(model: nn.Module, tmp: pathlib.Path) -> nn.Module:
+    cache = tmp / "int4.pt"
+    quantize_model(model, QuantSetting("int4", 32, torch.float32, torch.device("cpu"), cache, None))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2-bias", "llama-int4"])
+def test_fused_siblings_give_the_same_logits(kind, tmp_path):
+    make = {"llama": _llama, "qwen2-bias": _qwen2, "llama-int4": lambda: _int4(_llama(), tmp_path)}
+    model = make[kind]()
+    ids = torch.tensor([[5, 9, 200, 7, 3, 3, 41]])
+    with torch.inference_mode():
+        ref = model(ids).logits
+        fused = copy.deepcopy(model)
+        assert fuse_siblings(fused) == 2 * SHAPE["num_hidden_layers"]  # q/k/v and gate/up
+        assert fuse_siblings(fused) == 0  # idempotent
+        out = fused(ids).logits
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+        assert isinstance(m, SiblingLinear)
+        assert m.group.x is None and m.group.y is None  # no activation held after the layer
+    expected = Int4Linear if kind.endswith("int4") else nn.Linear
+    assert type(attn.q_proj.fused) is expected and attn.q_proj.fused.out_features == 128 + 64 + 64
+    if kind.endswith("int4"):  # each output column is the same dot product
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # one copy of the weights: the fused layer replaces its parts
+    n_params = sum(t.numel() for t in (*model.parameters(), *model.buffers()))
+    assert sum(t.numel() for t in (*fused.parameters(), *fused.buffers())) == n_params
+
+
+def test_siblings_called_on_other_inputs_or_out_of_order():
+    """The fused output is reused only for the very tensor it was computed from."""
+    parent = nn.Module()
+    parent.q_proj, parent.k_proj, parent.v_proj = (nn.Linear(8, n) for n in (8, 4, 4))
+    ref = copy.deepcopy(parent)
+    assert fuse_siblings(parent) == 1
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    with torch.no_grad():
+        # v before q, and k on another input than q
+        for name, inp in (("v_proj", x), ("q_proj", x), ("k_proj", y), ("k_proj", x)):
+            got, want = getattr(parent, name)(inp), getattr(ref, name)(inp)
+            torch.testing.assert_close(got, want)
+        z = torch.randn(2, 8)
+        for name in ("q_proj", "k_proj", "v_proj"):  # the modeling code's order
+            torch.testing.assert_close(getattr(parent, name)(z), getattr(ref, name)(z))
+    assert parent.q_proj.group.x is None  # z's output was dropped once all three had it
+
+
+def test_groups_that_cannot_be_fused_are_left_alone(tmp_path):
+    parent = nn.Module()  # a bias on some but not all
+    parent.q_proj, parent.k_proj = nn.Linear(8, 8), nn.Linear(8, 4, bias=False)
+    parent.v_proj = nn.Linear(8, 4)
+    parent.gate_proj, parent.up_proj = nn.Linear(8, 16), nn.Linear(6, 16)  # other widths
+    assert fuse_siblings(parent) == 0
+    # int4 parts whose rows are not a multiple of 64 (the packed layout's row block)
+    narrow = _llama(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    tiny = _int4(narrow, tmp_path)
+    attn, mlp = tiny.model.layers[0].self_attn, tiny.model.layers[0].mlp
+    assert attn.k_proj.out_features == 32
+    assert fuse_siblings(tiny) == SHAPE["num_hidden_layers"]  # gate/up only
+    assert type(attn.q_proj) is Int4Linear and isinstance(mlp.up_proj, SiblingLinear)
+    # a weight another module holds (tied) stays where it is
+    tied = nn.Module()
+    tied.gate_proj, tied.up_proj = nn.Linear(8, 16), nn.Linear(8, 16)
+    tied.other = nn.Linear(8, 16)
+    tied.other.weight = tied.up_proj.weight
+    assert fuse_siblings(tied) == 0
+
+
+def test_switched_off(monkeypatch):
+    monkeypatch.setenv("ASYNCLLM_FUSED_SIBLINGS", "0")
+    model = _llama()
+    assert fuse_siblings(model) == 0
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
