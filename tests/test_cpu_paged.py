@@ -129,7 +129,8 @@ def test_portable_build_matches_torch(dtype):
     c = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 8).chunks
     assert c is not None
     out = torch.empty(q.shape, dtype=dtype)
-    mod.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, out)
+    mod.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, out,
+                      None, None, None)  # fmt: skip
     tol = 2e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
 
@@ -305,6 +306,78 @@ def test_long_chunks_go_to_torch_beside_the_kernel(monkeypatch):
     assert calls == [2, 4]
     ref32 = torch_paged.paged_attention(q, kc, vc, tplan, 0.1)
     torch.testing.assert_close(out32, ref32, rtol=2e-5, atol=2e-5)
+
+
+#: (query_lens, seq_lens, groups) of steps with chunks after a shared prefix: W2's second
+#: step (chunks after 512 shared tokens, a decode among them); members with more cached
+#: context of their own beside a sequence outside the group; shared blocks past a member's
+#: cached context (only those before both chunks count).
+SHARED_CHUNK_STEPS = [
+    ([28] * 5 + [1], [540] * 5 + [545], [(list(range(6)), 32)]),
+    ([10, 10, 10, 7], [300, 310, 290, 40], [([0, 1, 2], 10)]),
+    ([20, 20], [170, 175], [([0, 1], 10)]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("hkv", "group", "dim", "bs", "threads"),
+    [(3, 3, 64, 16, 1), (3, 3, 64, 16, 2), (1, 8, 128, 16, 2), (2, 2, 24, 16, 1)],
+)  # fmt: skip
+@pytest.mark.parametrize("step", range(len(SHARED_CHUNK_STEPS)))
+def test_chunk_kernel_with_shared_prefixes_matches_torch(
+    monkeypatch, dtype, hkv, group, dim, bs, threads, step
+):
+    """Cascade attention for chunks (a shared prefix attended for all the group's rows by
+    torch's flash attention, the kernel going on from that state) gives each chunk's own
+    attention; bfloat16 steps take it as routed, float32 ones when handed the groups."""
+    monkeypatch.setattr(cpu_paged, "MIN_SHARED_PAIRS", 1)
+    query_lens, seq_lens, groups = SHARED_CHUNK_STEPS[step]
+    q, kc, vc, tables = _shared_prefix_step(seq_lens, groups, bs, hkv, group, dim, seed=step)
+    q = torch.randn(hkv * group, sum(query_lens), dim).transpose(0, 1)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
+    ref = torch_paged.paged_attention(q.float(), kc.float(), vc.float(), tplan, 0.1)
+    plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs)
+    chunks = plan.chunks
+    assert chunks is not None and chunks.shared is not None
+    members = groups[0][0]
+    ctx_blocks = min((seq_lens[b] - query_lens[b]) // bs for b in members)
+    assert chunks.shared.skip.tolist() == [
+        min(groups[0][1], ctx_blocks) if b in members else 0 for b in range(len(seq_lens))
+    ]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if dtype == torch.bfloat16:
+            out = cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.1)
+        else:
+            args = (chunks.tables, chunks.seq_lens, chunks.query_start, chunks.query_lens)
+            out = cpu_paged.chunk_attention(q, kc, vc, *args, 0.1, shared=chunks.shared)
+    finally:
+        torch.set_num_threads(old)
+    # bfloat16: the prefix's part is rounded to bfloat16 once more (flash attention's output)
+    tol = 2e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
+
+
+def test_shared_prefix_state_must_precede_the_chunks():
+    q, kc, vc, tables = _random_step([4, 4], [40, 40], 16, 2, 2, 16, seed=3)
+    args = (
+        torch.tensor(tables),
+        torch.tensor([40, 40]),
+        torch.tensor([0, 4]),
+        torch.tensor([4, 4]),
+    )
+    init = (torch.zeros(8, 4, 16), torch.zeros(8, 4))
+    mod = cpu_paged.load()
+    out = torch.empty(8, 4, 16)
+    with pytest.raises(RuntimeError, match="before sequence"):  # 3 blocks: 48 > 36 cached
+        mod.paged_prefill(q, kc, vc, *args, 0.25, out, torch.tensor([3, 0]), *init)
+    with pytest.raises(RuntimeError, match="init_out"):
+        mod.paged_prefill(
+            q, kc, vc, *args, 0.25, out, torch.tensor([1, 0]), init[0].bfloat16(), init[1]
+        )
 
 
 def test_chunk_kernel_refuses_bad_layouts():

@@ -589,16 +589,23 @@ struct PagedLayer {
   // no sequence are left as they are. A work item is (sequence, KV head, tile of up to QT
   // query tokens); items go to threads longest first from a shared counter (a chunk's later
   // tiles read more context).
-  void prefill(const int64_t* QS, const int64_t* QL, float sc) const {
+  //
+  // Sequence b with SK[b] > 0 (SK null: none) starts from a state given for its rows: its
+  // first SK[b] blocks (all before its chunk) already attended, row r's normalized output in
+  // IO [R, H, D] and log-sum-exp in IL [R, H] (float32; cascade attention over a prefix that
+  // several chunks share, attended together outside), so its tiles start at block SK[b].
+  void prefill(const int64_t* QS, const int64_t* QL, float sc, const int64_t* SK = nullptr,
+               const float* IO = nullptr, const float* IL = nullptr) const {
     struct Item {
       int64_t b, t0, nt, h, cost;
     };
     std::vector<Item> items;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t ql = QL[b], ctx = L[b] - ql;
+      const int64_t ql = QL[b], ctx = L[b] - ql, done = SK != nullptr ? SK[b] * bs : 0;
       for (int64_t t0 = 0; t0 < ql; t0 += QT) {
         const int64_t nt = std::min(QT, ql - t0);
-        for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, t0, nt, h, nt * (ctx + t0 + nt)});
+        for (int64_t h = 0; h < Hkv; ++h)
+          items.push_back({b, t0, nt, h, nt * (ctx + t0 + nt - done)});
       }
     }
     std::stable_sort(items.begin(), items.end(),
@@ -618,8 +625,15 @@ struct PagedLayer {
         // Rows token-major, head-minor.
         w.load<T>(nt * G, D, qs2, sc,
                   [&](int64_t r) { return Q + (first + r / G) * qs0 + (h * G + r % G) * qs1; });
+        const int64_t skip = SK != nullptr ? SK[b] : 0;
+        for (int64_t r = 0; skip > 0 && r < w.R; ++r) {  // continue from the given state
+          const int64_t row = (first + r / G) * H + h * G + r % G;
+          std::copy(IO + row * D, IO + (row + 1) * D, w.acc.begin() + r * D);
+          w.m[r] = IL[row];
+          w.l[r] = 1.f;
+        }
         const int64_t len = last + nt;  // positions the item's last token sees
-        for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1, 0,
+        for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1, skip,
                       [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
                           int64_t p0) {
                         // Rows that see only part of the tile: the causal mask's diagonal.
@@ -667,10 +681,14 @@ void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
 
 // Attention of chunks of any length (prefills, decodes, a mix) over the paged cache: see
 // PagedLayer::prefill; q, caches and out float32 or bfloat16 alike.
+// With skip [B] int64, init_out [R, H, D] and init_lse [R, H] (float32, contiguous): the
+// sequences' first skip[b] blocks already attended (PagedLayer::prefill's SK, IO, IL).
 void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& tables,
                    const at::Tensor& lens, const at::Tensor& qstart,
-                   const at::Tensor& qlens, double scale, at::Tensor& out) {
+                   const at::Tensor& qlens, double scale, at::Tensor& out,
+                   const c10::optional<at::Tensor>& skip, const c10::optional<at::Tensor>& init_out,
+                   const c10::optional<at::Tensor>& init_lse) {
   const auto T = key_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == T && value_cache.scalar_type() == T &&
                   out.scalar_type() == T && (T == at::kFloat || T == at::kBFloat16),
@@ -685,13 +703,34 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
                   qlens.is_contiguous() && qstart.numel() == lens.numel() &&
                   qlens.numel() == lens.numel() && tables.size(0) == lens.numel(),
               "paged_prefill: tables [B, M], lens, qstart and qlens [B] must be int64");
+  const int64_t* SK = nullptr;
+  const float *IO = nullptr, *IL = nullptr;
+  if (skip.has_value()) {
+    TORCH_CHECK(init_out.has_value() && init_lse.has_value() &&
+                    skip->scalar_type() == at::kLong && skip->is_contiguous() &&
+                    skip->numel() == lens.numel() && init_out->scalar_type() == at::kFloat &&
+                    init_out->is_contiguous() && init_out->sizes() == q.sizes() &&
+                    init_lse->scalar_type() == at::kFloat && init_lse->is_contiguous() &&
+                    init_lse->numel() == q.size(0) * q.size(1),
+                "paged_prefill: skip [B] int64 needs init_out [R, H, D] and init_lse [R, H] "
+                "float32");
+    SK = skip->data_ptr<int64_t>();
+    IO = init_out->data_ptr<float>();
+    IL = init_lse->data_ptr<float>();
+    const int64_t* Ls = lens.data_ptr<int64_t>();
+    const int64_t *QLs = qlens.data_ptr<int64_t>(), bs = key_cache.size(1);
+    for (int64_t b = 0; b < lens.numel(); ++b)
+      TORCH_CHECK(SK[b] >= 0 && SK[b] * bs <= Ls[b] - QLs[b] && SK[b] <= tables.size(1),
+                  "paged_prefill: skip[b] must cover only blocks before sequence b's chunk");
+  }
   const float sc = static_cast<float>(scale);
   const bool bf = T == at::kBFloat16;
   const int64_t *QS = qstart.data_ptr<int64_t>(), *QL = qlens.data_ptr<int64_t>();
 #define ASYNCLLM_PREFILL(DC)                                                                  \
   return bf ? PagedLayer<at::BFloat16, DC>(q, key_cache, value_cache, tables, lens, out)     \
-                  .prefill(QS, QL, sc)                                                       \
-            : PagedLayer<float, DC>(q, key_cache, value_cache, tables, lens, out).prefill(QS, QL, sc)
+                  .prefill(QS, QL, sc, SK, IO, IL)                                           \
+            : PagedLayer<float, DC>(q, key_cache, value_cache, tables, lens, out)             \
+                  .prefill(QS, QL, sc, SK, IO, IL)
   switch (q.size(2)) {
     case 64: ASYNCLLM_PREFILL(64);
     case 80: ASYNCLLM_PREFILL(80);

@@ -24,6 +24,10 @@ attention), so a shared block's K/V rows are read once per group instead of once
 sequence; each sequence then goes on over its own blocks from that softmax state.
 ``benchmarks/attention_kernel.py`` (1 thread, CPU time per call): W2's decode, 32 sequences
 of 570 tokens after a 528-token shared prompt, 1.23x faster in bfloat16, 1.32x in float32.
+Chunks of a bfloat16 step that share such a prefix (whole blocks cached before all of them)
+are cascaded too, the prefix part by torch's flash attention for all the group's rows at
+once (its bfloat16 GEMMs run on AMX), which returns the log-sum-exp the chunk kernel starts
+from (:class:`SharedChunks`, :data:`MIN_SHARED_PAIRS`): W2's second step 2.1x faster.
 Bfloat16 chunks with ``q_len * seq_len >= TORCH_MIN_PAIRS`` stay on the torch path, whose
 flash attention (bfloat16 GEMMs) is faster there. ``benchmarks/prefill_attention.py``
 (bfloat16, one thread, us per layer call, torch path / kernel): 13 prompts of 40 tokens
@@ -124,6 +128,90 @@ def available() -> bool:
 TORCH_MIN_PAIRS = 28_000
 
 
+#: A prefix of whole blocks that two or more chunks of a bfloat16 step share, all cached
+#: before them, is attended for all their query rows at once by torch's flash attention
+#: (bfloat16 GEMMs: AMX where the CPU has it) where ``rows x prefix tokens`` is at least this;
+#: the chunk kernel goes on from that state over each sequence's other positions (cascade
+#: attention). ``benchmarks/prefill_attention.py --cases shared``, 2 threads, kernel alone /
+#: cascade: 17 x 28 rows after 512 shared tokens (W2's second step) 2.08x, 14 x 14 after 528
+#: (its third) 1.79x, 8 x 12 after 512 1.42x, 16 x 3 after 512 1.65x; with the cascade forced,
+#: 32 x 2 after 256 1.00x, 4 x 16 after 256 0.72x, 8 x 5 after 256 0.83x. Float32 steps keep
+#: the kernel (no AMX: the cascade measured 0.5-0.9x).
+MIN_SHARED_PAIRS = 24576
+
+
+@dataclass(frozen=True)
+class SharedChunks:
+    """Cascade attention for the chunks of a step: sequences grouped by a shared prefix.
+
+    Attributes:
+        skip: ``[B]`` int64, the blocks of each sequence's context attended with its group
+            (0: not in a group).
+        groups: per group, ``(prefix block ids [nb] int64, the members' query rows [Tg]
+            int64)``.
+    """
+
+    skip: torch.Tensor
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @staticmethod
+    def build(
+        picked: Sequence[tuple[int, int, int, Sequence[int]]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> SharedChunks | None:
+        """Sequences (as :meth:`ChunkLayout.build`'s) grouped by their first block; a
+        group's prefix is the blocks all its members' tables agree on from the start, within
+        each member's cached context (whole blocks before its chunk). None without a group of
+        two or more whose rows x prefix tokens reach :data:`MIN_SHARED_PAIRS`."""
+        by_first: dict[int, list[int]] = {}
+        for i, (_, q_len, seq_len, table) in enumerate(picked):
+            if (seq_len - q_len) // block_size >= 1:
+                by_first.setdefault(table[0], []).append(i)
+        skip = [0] * len(picked)
+        groups = []
+        for members in by_first.values():
+            tables = [picked[i][3] for i in members]
+            nb = min((picked[i][2] - picked[i][1]) // block_size for i in members)
+            n = 1
+            while n < nb and all(t[n] == tables[0][n] for t in tables):
+                n += 1
+            rows = [r for i in members for r in range(picked[i][0], picked[i][0] + picked[i][1])]
+            if len(members) < 2 or len(rows) * n * block_size < MIN_SHARED_PAIRS:
+                continue
+            for i in members:
+                skip[i] = n
+            blocks = torch.tensor(list(tables[0][:n]), dtype=torch.long, device=device)
+            groups.append((blocks, torch.tensor(rows, dtype=torch.long, device=device)))
+        if not groups:
+            return None
+        return SharedChunks(torch.tensor(skip, dtype=torch.long, device=device), tuple(groups))
+
+    def attend(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's rows of ``query [R, H, D]`` over its prefix: ``(out [R, H, D],
+        lse [R, H])`` float32 (softmax-normalized output and log-sum-exp of the scaled
+        scores; rows of no group are left unset), by
+        ``aten._scaled_dot_product_flash_attention_for_cpu`` in the query's dtype, a group's
+        ``G`` query heads per KV head as more rows of that head."""
+        R, H, D = query.shape
+        hkv = key_cache.shape[2]
+        out = torch.empty((R, H, D), dtype=torch.float32, device=query.device)
+        lse = torch.empty((R, H), dtype=torch.float32, device=query.device)
+        for blocks, rows in self.groups:
+            t = rows.numel()
+            q = query.index_select(0, rows).view(t, hkv, H // hkv, D).transpose(0, 1)
+            k = key_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None]
+            v = value_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None]
+            o, s = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q.reshape(1, hkv, -1, D), k, v, scale=scale
+            )
+            out[rows] = o[0].view(hkv, t, H // hkv, D).transpose(0, 1).reshape(t, H, D).float()
+            lse[rows] = s[0].view(hkv, t, H // hkv).transpose(0, 1).reshape(t, H)
+        return out, lse
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """The sequences of a step that the chunk kernel attends (:func:`chunk_attention`).
@@ -133,18 +221,23 @@ class ChunkLayout:
         seq_lens: ``[B]`` int64 context lengths including the new tokens.
         query_start: ``[B]`` int64 first query row of each.
         query_lens: ``[B]`` int64 query rows (new tokens) of each.
+        shared: their shared prefixes (cascade attention), or None.
     """
 
     tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start: torch.Tensor
     query_lens: torch.Tensor
+    shared: SharedChunks | None = None
 
     @staticmethod
     def build(
-        picked: Sequence[tuple[int, int, int, Sequence[int]]], device: torch.device | str
+        picked: Sequence[tuple[int, int, int, Sequence[int]]],
+        device: torch.device | str,
+        block_size: int = 0,
     ) -> ChunkLayout:
-        """From ``(first row, q_len, seq_len, block table)`` per sequence."""
+        """From ``(first row, q_len, seq_len, block table)`` per sequence; with a
+        ``block_size``, their shared prefixes too."""
         width = max(len(t) for *_, t in picked)
 
         def col(i: int) -> torch.Tensor:
@@ -152,7 +245,8 @@ class ChunkLayout:
 
         padded = [list(t) + [0] * (width - len(t)) for *_, t in picked]
         tables = torch.tensor(padded, dtype=torch.long, device=device)
-        return ChunkLayout(tables, col(2), col(0), col(1))
+        shared = SharedChunks.build(picked, block_size, device) if block_size else None
+        return ChunkLayout(tables, col(2), col(0), col(1), shared)
 
 
 @dataclass(frozen=True)
@@ -197,11 +291,11 @@ class CpuPagedPlan:
         for q, n, table in zip(query_lens, seq_lens, block_tables, strict=True):
             every.append((row, q, n, table[: -(-n // block_size)]))
             row += q
-        chunks = ChunkLayout.build(every, device)
+        chunks = ChunkLayout.build(every, device, block_size)
         short = [c for c in every if c[1] == 1 or c[1] * c[2] < TORCH_MIN_PAIRS]
         if len(short) == len(every):
             return CpuPagedPlan(base, torch_part, dec_lens, chunks, chunks)
-        short_chunks = ChunkLayout.build(short, device) if short else None
+        short_chunks = ChunkLayout.build(short, device, block_size) if short else None
         return CpuPagedPlan(base, torch_part, dec_lens, chunks, short_chunks)
 
 
@@ -256,6 +350,7 @@ def chunk_attention(
     query_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    shared: SharedChunks | None = None,
 ) -> torch.Tensor:
     """``[T, H, D]`` causal attention of chunks of any length over their paged context, in
     the query's dtype (the K/V of the new tokens already written).
@@ -273,6 +368,8 @@ def chunk_attention(
         scale: softmax scale.
         out: ``[T, H, D]`` contiguous, the query's dtype, to write the sequences' rows into
             (the others are left as they are); default a new tensor.
+        shared: the sequences' shared prefixes: attended first per group
+            (:meth:`SharedChunks.attend`), the kernel going on from that state.
 
     Raises:
         RuntimeError: the kernel is not available, or the shapes do not match.
@@ -281,9 +378,12 @@ def chunk_attention(
     mod = _check_dtypes(query, key_cache, value_cache)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
+    init: tuple[torch.Tensor | None, ...] = (None, None, None)
+    if shared is not None:
+        init = (shared.skip, *shared.attend(query, key_cache, value_cache, scale))
     mod.paged_prefill(
         query, key_cache, value_cache, block_tables, seq_lens, query_start, query_lens,
-        float(scale), out,
+        float(scale), out, *init,
     )  # fmt: skip
     return out
 
@@ -325,6 +425,7 @@ def paged_attention_cpu(
         return chunk_attention(
             query, key_cache, value_cache, chunks.tables, chunks.seq_lens, chunks.query_start,
             chunks.query_lens, scale, out,
+            chunks.shared if query.dtype == torch.bfloat16 else None,
         )  # fmt: skip
     d = plan.base.decodes
     if d is None or plan.dec_lens is None:  # an empty step
@@ -376,9 +477,11 @@ CPU_BACKEND = AttentionBackend(
 
 __all__ = [
     "CPU_BACKEND",
+    "MIN_SHARED_PAIRS",
     "TORCH_MIN_PAIRS",
     "ChunkLayout",
     "CpuPagedPlan",
+    "SharedChunks",
     "available",
     "chunk_attention",
     "decode_attention",
