@@ -65,3 +65,24 @@ def test_dependencies_are_what_the_package_imports():
 def test_no_platform_specific_file_lock():
     """The conversion cache's lock is filelock's (portable), not fcntl's (POSIX only)."""
     assert "fcntl" not in _imports(stdlib=True)
+
+
+def test_cpu_engine_runs_without_triton(tiny_llama_dir):
+    """Triton is the ``gpu`` extra's: a CPU install has none. With ``import triton`` failing
+    (as when it is not installed), the engine loads, picks the CPU attention backend and
+    generates; torch._dynamo (the compiled forward's loader) imports without it."""
+    import subprocess
+
+    code = f"""
+import sys
+sys.modules["triton"] = None  # `import triton` raises ImportError, as without the package
+import torch._dynamo
+from asyncllm import LLM, SamplingParams
+with LLM({str(tiny_llama_dir)!r}, compile=False, kv_cache_bytes=4 * 2**20) as llm:
+    out = llm.generate([[5, 9, 200]], SamplingParams(max_tokens=3, temperature=0.0,
+                       ignore_eos=True), use_tqdm=False)
+    print(llm.engine._engine.runner.attention_backend.name, len(out[0].token_ids))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] in (["cpu", "3"], ["torch", "3"])
