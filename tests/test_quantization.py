@@ -176,9 +176,10 @@ def test_int4_dequant_kernel_checks_its_inputs():
 @needs_dequant
 @pytest.mark.parametrize("rows", [1, "max", "max + 1", 40])
 def test_int4_linear_few_and_many_rows(rows):
-    """Up to int4_max_rows() rows run torch's int4 kernel, more the dequantize-then-GEMM
-    path; both agree with a matmul on the dequantized weight within bfloat16 rounding, a
-    second call too (it reuses the scratch weight)."""
+    """Up to int4_max_rows() rows run torch's int4 kernel (up to INT4_GEMV_MAX_ROWS the
+    few-row kernel where it is built), more the dequantize-then-GEMM path; all agree with a
+    matmul on the dequantized weight within bfloat16 rounding, a second call too (it reuses
+    the scratch weight)."""
     rows = {"max": ql.int4_max_rows(), "max + 1": ql.int4_max_rows() + 1}.get(rows, rows)
     layer, ref_w = _int4_layer(128, 64, 32)
     x = torch.randn(rows, 64)
@@ -187,6 +188,8 @@ def test_int4_linear_few_and_many_rows(rows):
         got = layer(x)
         again = layer(x * 2)
     path = "int4" if rows <= ql.int4_max_rows() else "dequant"
+    if rows <= ql.INT4_GEMV_MAX_ROWS and int4_dequant.gemv_available():
+        path = "gemv"
     assert ql.path_calls()[path] - before[path] == 2
     ref = x.bfloat16().float() @ ref_w.bfloat16().float().T
     assert got.dtype == torch.float32 and got.shape == (rows, 128)

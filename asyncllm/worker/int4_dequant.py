@@ -1,4 +1,5 @@
-"""The int4 linear layer in C++: torch's int4 kernel for few rows, dequantize-and-GEMM for many.
+"""The int4 linear layer in C++: a few-row kernel of our own (``int4_gemv.cpp``, 1-3 rows),
+torch's int4 kernel up to 8 rows, dequantize-and-GEMM for more.
 
 torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``) is a matrix-vector kernel: its
 cost grows linearly with the row count, so at a decode batch of 64 it is 4-5x slower than a
@@ -35,6 +36,12 @@ then rounded once to the output dtype (bfloat16: to nearest even, as torch's ``.
 dequantized values are the same in both many-row paths. The GEMMs accumulate in float32 over
 all of K and round once to bfloat16 (to nearest even); only their summation order differs.
 
+The few-row kernel (``int4_gemv.cpp``, appended to this source; AVX-512 BF16 and VBMI) reads
+the same packed codes: it pairs two columns' codes per output in registers and multiplies
+them with bfloat16 pairs of the row (``vdpbf16ps``), half the instructions per code of
+torch's kernel, which converts every code to float32 first; 1.3x at batch 1, see
+:data:`asyncllm.worker.quant_linear.INT4_GEMV_MAX_ROWS`.
+
 Built once per machine by :mod:`asyncllm.worker.cpu_extension`
 (``ASYNCLLM_INT4_DEQUANT_KERNEL=0`` turns it off); where it cannot be built,
 ``Int4Linear`` keeps the int4 kernel for every row count (correct, slower for many rows).
@@ -42,6 +49,7 @@ Built once per machine by :mod:`asyncllm.worker.cpu_extension`
 
 from __future__ import annotations
 
+import pathlib
 import threading
 from typing import Any
 
@@ -52,6 +60,7 @@ from asyncllm.worker.cpu_extension import CpuExtension
 __all__ = [
     "EXTENSION",
     "fused_available",
+    "gemv_available",
     "int4_linear_fake",
     "kernel",
     "op_available",
@@ -327,17 +336,25 @@ bool int4_fused_available() { return fused_available(); }
 // Rows per work item of the fused many-row path.
 static constexpr int64_t M_TILE = 64;
 
-// Calls per path of int4_linear: [0] torch's int4 kernel, [1] dequantize then GEMM.
-static std::atomic<int64_t> path_calls[2];
+// Calls per path of int4_linear: [0] torch's int4 kernel, [1] dequantize then GEMM, [2] the
+// few-row kernel of int4_gemv.cpp.
+static std::atomic<int64_t> path_calls[3];
 
-std::vector<int64_t> int4_path_calls() { return {path_calls[0].load(), path_calls[1].load()}; }
+std::vector<int64_t> int4_path_calls() {
+  return {path_calls[0].load(), path_calls[1].load(), path_calls[2].load()};
+}
+
+bool int4_gemv_runs(const at::Tensor& sz, int64_t group, int64_t out_features);
+at::Tensor int4_gemv(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
+                     int64_t group, int64_t out_features);
 
 // y = x W^T + b in x's shape and dtype (see int4_linear in quant_linear.py: the same steps).
-// Above max_rows rows (and N % 64 == 0, scales bfloat16 or float32) the weight is dequantized
-// into this thread's scratch W^T [K, N] and multiplied with one GEMM; else torch's int4 kernel.
+// Up to gemv_rows rows int4_gemv.cpp's kernel where it runs; above max_rows rows (and
+// N % 64 == 0, scales bfloat16 or float32) the weight is dequantized block by block and
+// multiplied by a GEMM (int4_mm); else torch's int4 kernel.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
                        const c10::optional<at::Tensor>& bias, int64_t group, int64_t in_features,
-                       int64_t out_features, int64_t max_rows) {
+                       int64_t out_features, int64_t max_rows, int64_t gemv_rows) {
   const at::Tensor rows = x.reshape({-1, in_features}).to(sz.scalar_type());
   at::Tensor y;
   const bool dense_ok = out_features % 64 == 0 &&
@@ -345,6 +362,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   if (rows.size(0) > max_rows && dense_ok) {
     y = int4_mm(rows, packed, sz, group, out_features, M_TILE);
     ++path_calls[1];
+  } else if (rows.size(0) <= gemv_rows && int4_gemv_runs(sz, group, out_features)) {
+    y = int4_gemv(rows, packed, sz, group, out_features);
+    ++path_calls[2];
   } else {
     y = at::_weight_int4pack_mm_for_cpu(rows, packed, group, sz);
     ++path_calls[0];
@@ -357,7 +377,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 TORCH_LIBRARY(asyncllm_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? bias, "
-        "int group_size, int in_features, int out_features, int max_rows) -> Tensor");
+        "int group_size, int in_features, int out_features, int max_rows, int gemv_rows) "
+        "-> Tensor");
   m.impl("int4_linear", c10::DispatchKey::CPU, TORCH_FN(int4_linear));
 }
 """
@@ -366,9 +387,23 @@ TORCH_LIBRARY(asyncllm_cpu, m) {
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 ENV_SWITCH = "ASYNCLLM_INT4_DEQUANT_KERNEL"
 
-_FUNCTIONS = ["int4_dequant_t", "int4_mm", "int4_fused_available", "int4_path_calls"]
+_FUNCTIONS = [
+    "int4_dequant_t",
+    "int4_mm",
+    "int4_gemv",
+    "int4_fused_available",
+    "int4_gemv_available",
+    "int4_path_calls",
+]
+#: The few-row kernel (``int4_gemv.cpp`` beside this file, shipped as package data).
+_GEMV_SOURCE = pathlib.Path(__file__).with_name("int4_gemv.cpp").read_text()
 EXTENSION = CpuExtension(
-    "asyncllm_int4_dequant", _SOURCE, _FUNCTIONS, CFLAGS, "CPU int4 kernels", ENV_SWITCH
+    "asyncllm_int4_dequant",
+    _SOURCE + _GEMV_SOURCE,
+    _FUNCTIONS,
+    CFLAGS,
+    "CPU int4 kernels",
+    ENV_SWITCH,
 )
 """The kernel's build-once extension."""
 
@@ -415,6 +450,7 @@ def int4_linear_fake(
     in_features: int,
     out_features: int,
     max_rows: int,
+    gemv_rows: int,
 ) -> torch.Tensor:
     """The int4 linear ops' shape function for Dynamo (``asyncllm_cpu::int4_linear`` and its
     Python fallback ``asyncllm::int4_linear``, which share the signature): ``x [..., in]`` ->
@@ -422,11 +458,17 @@ def int4_linear_fake(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def path_calls() -> tuple[int, int]:
+def path_calls() -> tuple[int, int, int]:
     """Calls of ``asyncllm_cpu::int4_linear`` so far, per path: (torch's int4 kernel,
-    dequantize then GEMM); (0, 0) where the extension is not loaded."""
+    dequantize then GEMM, the few-row kernel); zeros where the extension is not loaded."""
     mod = EXTENSION.load() if EXTENSION.enabled() else None
     if mod is None:
-        return 0, 0
-    int4, dense = mod.int4_path_calls()
-    return int(int4), int(dense)
+        return 0, 0, 0
+    int4, dense, gemv = mod.int4_path_calls()
+    return int(int4), int(dense), int(gemv)
+
+
+def gemv_available() -> bool:
+    """The few-row kernel (``int4_gemv.cpp``) is built here: AVX-512 BF16 and VBMI."""
+    mod = kernel()
+    return mod is not None and bool(mod.int4_gemv_available())

@@ -189,9 +189,10 @@ class Int4Linear(nn.Module):
         sizes = (self.group_size, self.in_features, self.out_features)
         y: torch.Tensor
         if int4_dequant.op_available():  # C++: the whole layer in one op call
-            y = torch.ops.asyncllm_cpu.int4_linear.default(*args, *sizes, int4_max_rows())
+            rows = (int4_max_rows(), INT4_GEMV_MAX_ROWS)
+            y = torch.ops.asyncllm_cpu.int4_linear.default(*args, *sizes, *rows)
         elif torch.compiler.is_dynamo_compiling():  # one opaque op in the graph
-            y = int4_linear_op(*args, *sizes, int4_max_rows())
+            y = int4_linear_op(*args, *sizes, int4_max_rows(), INT4_GEMV_MAX_ROWS)
         else:
             y = int4_linear(*args, *sizes)
         return y
@@ -234,15 +235,31 @@ def int4_max_rows() -> int:
     return max(INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS_UNFUSED)
 
 
+#: Calls with up to this many rows run the few-row kernel (``int4_gemv.cpp``: AVX-512 BF16
+#: and VBMI) instead of torch's int4 kernel, where it is built. ``python
+#: benchmarks/int4_gemv.py`` (the default model's 30 layers of q/k/v, o, gate/up and down,
+#: weights out of cache, 2 threads, ms per pass; torch's int4 kernel / few-row kernel)::
+#:
+#:     rows           1            2            3            4
+#:     pass   6.98 / 6.14  7.89 / 7.23  9.09 / 8.84  10.28 / 12.10
+#:
+#: Each pass includes ~1.5 ms of the layers' Python ``forward`` (a compiled graph calls the op
+#: directly); the kernels alone at 1 row: 5.73 / 4.37 ms (1.31x). At 4 rows torch's kernel
+#: wins: its cost per extra row is lower. Set to 0 to run torch's kernel instead (read per
+#: call, as the thresholds above).
+INT4_GEMV_MAX_ROWS = 3
+
+
 #: Calls of the Python fallback :func:`int4_linear` (torch's int4 kernel), for tests.
 _PY_CALLS = collections.Counter[str]()
 
 
 def path_calls() -> collections.Counter[str]:
     """Int4 linear calls so far per path, for tests and profiles: "int4" (torch's int4
-    kernel, in C++ or the Python fallback) and "dequant" (dequantize, then one GEMM)."""
-    int4, dense = int4_dequant.path_calls()
-    return collections.Counter({"int4": int4 + _PY_CALLS["int4"], "dequant": dense})
+    kernel, in C++ or the Python fallback), "dequant" (dequantize, then one GEMM) and "gemv"
+    (the few-row kernel, ``int4_gemv.cpp``)."""
+    int4, dense, gemv = int4_dequant.path_calls()
+    return collections.Counter({"int4": int4 + _PY_CALLS["int4"], "dequant": dense, "gemv": gemv})
 
 
 def int4_linear(
@@ -275,11 +292,12 @@ def int4_linear_op(
     in_features: int,
     out_features: int,
     max_rows: int,
+    gemv_rows: int,
 ) -> torch.Tensor:
     """:func:`int4_linear` as one op for ``torch.compile`` (:mod:`asyncllm.worker.compiled`)
     where the C++ op is unavailable: Inductor does not trace the packed int4 weight. Its
-    signature is the C++ op's (one fake implementation for both); ``max_rows`` is unused
-    (the fallback has no many-row path)."""
+    signature is the C++ op's (one fake implementation for both); ``max_rows`` and
+    ``gemv_rows`` are unused (the fallback has neither the many-row nor the few-row path)."""
     return int4_linear(x, packed, scales_and_zeros, bias, group_size, in_features, out_features)
 
 
