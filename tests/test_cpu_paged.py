@@ -4,13 +4,14 @@ oneDNN-packed linears, each against the plain torch computation it replaces."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
 from asyncllm import SamplingParams
-from asyncllm.attention import cpu_paged, torch_paged
+from asyncllm.attention import backend_registry, cpu_paged, torch_paged
 from asyncllm.worker import cpu_linear
 from tests.conftest import chunked_engine
 
@@ -94,7 +95,7 @@ def test_portable_build_matches_torch(dtype):
     either: the portable C++ a CPU without AVX-512 runs) against the float32 reference."""
     from asyncllm.worker.cpu_extension import CpuExtension
 
-    flags = [f for f in cpu_paged.CFLAGS if f != "-march=native"]
+    flags = [f for f in cpu_paged.CFLAGS if f not in ("-march=native", PAGED_OP_FLAG)]
     ext = CpuExtension("asyncllm_cpu_paged_portable", cpu_paged._SOURCE,
                        ["paged_decode", "paged_prefill"], flags, "portable CPU attention kernel",
                        cpu_paged.ENV_SWITCH)  # fmt: skip
@@ -133,6 +134,52 @@ def test_portable_build_matches_torch(dtype):
                       None, None, None)  # fmt: skip
     tol = 2e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
+
+
+PAGED_OP_FLAG = "-DASYNCLLM_PAGED_ATTENTION_OP"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_op_runs_an_armed_decode_step_in_cpp(dtype):
+    """Inside step_metadata of a decode-only step, ``asyncllm::paged_attention`` (what a
+    compiled graph calls) runs the C++ kernel directly: the same caches and output as the
+    Python implementation, padded rows zero; after the step nothing stays armed, and a mixed
+    step or no step at all goes to the Python implementation."""
+    seq_lens, bs, hkv, group, dim, layers = [1, 17, 40], 16, 3, 3, 64, 2
+    query_lens = [1] * len(seq_lens)
+    q, kc, vc, tables = _random_step(query_lens, seq_lens, bs, hkv, group, dim, seed=5)
+    q = torch.cat([q, torch.randn(2, hkv * group, dim)]).to(dtype)  # 2 rows of padding
+    kv = [torch.randn(len(q), hkv, dim).to(dtype) for _ in range(2)]
+    slots = torch.tensor([tables[i][(s - 1) // bs] * bs + (s - 1) % bs
+                          for i, s in enumerate(seq_lens)])  # fmt: skip
+
+    def step(kind: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        kcs = [kc.to(dtype).clone() for _ in range(layers)]
+        vcs = [vc.to(dtype).clone() for _ in range(layers)]
+        plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs)
+        meta = backend_registry.AttentionMetadata(kcs, vcs, slots, plan, cpu_paged.CPU_BACKEND)
+        if kind == "python":  # the same backend without the native op
+            backend = dataclasses.replace(cpu_paged.CPU_BACKEND, arm_step=None)
+            meta = dataclasses.replace(meta, backend=backend)
+        with backend_registry.step_metadata(meta, len(seq_lens)):
+            assert cpu_paged.load().decode_armed() == (kind == "native")
+            out = torch.ops.asyncllm.paged_attention(q, *kv, 1, 0.1)
+        return out, kcs + vcs
+
+    native, caches = step("native")
+    python, want = step("python")
+    assert not cpu_paged.load().decode_armed()
+    assert native.dtype == dtype and torch.equal(native, python)
+    assert not native[len(seq_lens) :].any()
+    assert all(torch.equal(a, b) for a, b in zip(caches, want, strict=True))
+    # no step armed: the Python implementation's dry run (zeros)
+    assert not torch.ops.asyncllm.paged_attention(q, *kv, 0, 0.1).any()
+    # a step with a prefill chunk is not armed
+    plan = cpu_paged.CpuPagedPlan.build([1, 4], [9, 4], tables[:2], bs)
+    meta = backend_registry.AttentionMetadata([kc], [vc], torch.arange(5), plan,
+                                              cpu_paged.CPU_BACKEND)  # fmt: skip
+    with backend_registry.step_metadata(meta, 5):
+        assert not cpu_paged.load().decode_armed()
 
 
 def test_write_and_decode_leaves_mixed_steps_to_write_then_attend():

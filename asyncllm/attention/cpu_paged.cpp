@@ -787,3 +787,54 @@ void paged_write_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
   paged_decode(q.narrow(0, 0, n), key_cache, value_cache, tables, lens, scale, o);
   if (R > n) out.narrow(0, n, R - n).zero_();
 }
+
+// The op asyncllm::paged_attention (defined in backend_registry.py, called by compiled
+// graphs once per layer) gets this CPU kernel: a decode-only step that Python armed on this
+// thread (arm_decode: the step's caches, slots, block tables and lengths) runs
+// paged_write_decode straight from here; anything else (prefill steps, a dry run, another
+// thread) calls the op's Python implementation. The Python path around the kernel cost
+// ~30 us per call at batch 1: dispatch back into Python, the backend's checks, the output's
+// allocation, pybind's argument conversion.
+struct ArmedDecode {
+  std::vector<at::Tensor> key_caches, value_caches;
+  at::Tensor slots, tables, lens;
+};
+static thread_local std::unique_ptr<ArmedDecode> armed_decode;
+
+void arm_decode(std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
+                at::Tensor slots, at::Tensor tables, at::Tensor lens) {
+  TORCH_CHECK(key_caches.size() == value_caches.size(), "arm_decode: one V cache per K cache");
+  armed_decode.reset(new ArmedDecode{std::move(key_caches), std::move(value_caches),
+                                     std::move(slots), std::move(tables), std::move(lens)});
+}
+
+void disarm_decode() { armed_decode.reset(); }
+
+bool decode_armed() { return armed_decode != nullptr; }
+
+static at::Tensor paged_attention_cpu_op(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, int64_t layer, double scale) {
+  const ArmedDecode* a = armed_decode.get();
+  if (a != nullptr && layer >= 0 && layer < static_cast<int64_t>(a->key_caches.size()) &&
+      q.dim() == 3 && q.scalar_type() == a->key_caches[layer].scalar_type() &&
+      k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type()) {
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    paged_write_decode(q, k, v, const_cast<at::Tensor&>(a->key_caches[layer]),
+                       const_cast<at::Tensor&>(a->value_caches[layer]), a->slots, a->tables,
+                       a->lens, scale, out);
+    return out;
+  }
+  pybind11::gil_scoped_acquire gil;
+  // Leaked on purpose: a py::object must not be destroyed after the interpreter finalizes.
+  static pybind11::object* impl = new pybind11::object(
+      pybind11::module_::import("asyncllm.attention.backend_registry").attr("paged_attention_op"));
+  return (*impl)(q, k, v, layer, scale).cast<at::Tensor>();
+}
+
+// Only the engine's build registers it (cpu_paged.py's CFLAGS): another build of this source
+// (tests build a portable one) would replace it with a copy that never sees arm_decode.
+#ifdef ASYNCLLM_PAGED_ATTENTION_OP
+TORCH_LIBRARY_IMPL(asyncllm, CPU, m) {
+  m.impl("paged_attention", TORCH_FN(paged_attention_cpu_op));
+}
+#endif

@@ -56,13 +56,13 @@ processes import it in milliseconds). Where they cannot be built, or with
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from asyncllm.attention.backend_registry import AttentionBackend
+from asyncllm.attention.backend_registry import AttentionBackend, AttentionMetadata
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
 from asyncllm.worker.cpu_extension import CpuExtension
 
@@ -77,12 +77,20 @@ _SOURCE = pathlib.Path(__file__).with_name("cpu_paged.cpp").read_text()
 NAME = "asyncllm_cpu_paged"
 # -ffast-math: lets GCC vectorize expf through glibc's libmvec and reassociate the sums
 # (the kernel keeps every value finite: the running max starts at -1e30, not -inf).
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+# -DASYNCLLM_PAGED_ATTENTION_OP: this build registers the op's CPU kernel (arm_decode).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-DASYNCLLM_PAGED_ATTENTION_OP")
 
 EXTENSION = CpuExtension(
     NAME,
     _SOURCE,
-    ["paged_decode", "paged_write_decode", "paged_prefill"],
+    [
+        "paged_decode",
+        "paged_write_decode",
+        "paged_prefill",
+        "arm_decode",
+        "disarm_decode",
+        "decode_armed",
+    ],
     CFLAGS,
     "CPU attention kernel",
     ENV_SWITCH,
@@ -470,8 +478,38 @@ def write_and_decode(
     return out
 
 
+def arm_decode(meta: AttentionMetadata) -> Callable[[], None] | None:
+    """Hand a decode-only step's caches, slots, block tables and lengths to the kernel's
+    C++ implementation of ``asyncllm::paged_attention`` on this thread, so that a compiled
+    graph's attention calls run :func:`write_and_decode`'s kernel without Python around it.
+
+    Returns:
+        The function that disarms it (call it after the step), or None where the step or
+        the caches do not suit the kernel (then the op runs its Python implementation).
+    """
+    plan, caches = meta.plan, meta.key_caches
+    d = plan.base.decodes
+    if (
+        plan.base.prefills
+        or d is None
+        or not d.identity
+        or plan.dec_lens is None
+        or not caches
+        or caches[0].dtype not in KERNEL_DTYPES
+        or caches[0].device.type != "cpu"
+    ):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    mod.arm_decode(
+        meta.key_caches, meta.value_caches, meta.slot_mapping, d.block_tables, plan.dec_lens
+    )
+    return mod.disarm_decode  # type: ignore[no-any-return]
+
+
 CPU_BACKEND = AttentionBackend(
-    "cpu", CpuPagedPlan.build, write_kv_cache, paged_attention_cpu, write_and_decode
+    "cpu", CpuPagedPlan.build, write_kv_cache, paged_attention_cpu, write_and_decode, arm_decode
 )
 """The C++ kernels, the torch path for long chunks ("auto" on CPU when they build)."""
 
@@ -482,6 +520,7 @@ __all__ = [
     "ChunkLayout",
     "CpuPagedPlan",
     "SharedChunks",
+    "arm_decode",
     "available",
     "chunk_attention",
     "decode_attention",
