@@ -456,26 +456,35 @@ def write_and_decode(
     ``key/value [R, Hkv, D]`` -> ``[R, H, D]``, rows past the plan's sequences (padding of
     a compiled step) zero and not written. None where the step has prefills or the kernel
     cannot run it (the caller writes and attends separately then)."""
+    if not query.dtype == key.dtype == key_cache.dtype == value_cache.dtype:
+        return None
+    mod, tables = _decode_kernel(plan, key_cache)
+    if mod is None:
+        return None
+    out = torch.empty(query.shape, dtype=query.dtype)
+    mod.paged_write_decode(
+        query, key, value, key_cache, value_cache, slot_mapping, tables, plan.dec_lens,
+        float(scale), out,
+    )  # fmt: skip
+    return out
+
+
+def _decode_kernel(plan: CpuPagedPlan, key_cache: torch.Tensor) -> tuple[Any, Any]:
+    """(the extension, the block tables) where the decode kernel can write and attend the
+    whole step (decode-only, one table row per sequence, a CPU cache it reads), else
+    ``(None, None)``."""
     d = plan.base.decodes
     if (
         plan.base.prefills
         or d is None
         or not d.identity
         or plan.dec_lens is None
-        or not (query.dtype == key.dtype == key_cache.dtype == value_cache.dtype)
         or key_cache.dtype not in KERNEL_DTYPES
         or key_cache.device.type != "cpu"
     ):
-        return None
+        return None, None
     mod = load()
-    if mod is None:
-        return None
-    out = torch.empty(query.shape, dtype=query.dtype)
-    mod.paged_write_decode(
-        query, key, value, key_cache, value_cache, slot_mapping, d.block_tables,
-        plan.dec_lens, float(scale), out,
-    )  # fmt: skip
-    return out
+    return (None, None) if mod is None else (mod, d.block_tables)
 
 
 def arm_decode(meta: AttentionMetadata) -> Callable[[], None] | None:
@@ -487,23 +496,11 @@ def arm_decode(meta: AttentionMetadata) -> Callable[[], None] | None:
         The function that disarms it (call it after the step), or None where the step or
         the caches do not suit the kernel (then the op runs its Python implementation).
     """
-    plan, caches = meta.plan, meta.key_caches
-    d = plan.base.decodes
-    if (
-        plan.base.prefills
-        or d is None
-        or not d.identity
-        or plan.dec_lens is None
-        or not caches
-        or caches[0].dtype not in KERNEL_DTYPES
-        or caches[0].device.type != "cpu"
-    ):
-        return None
-    mod = load()
+    mod, tables = _decode_kernel(meta.plan, meta.key_caches[0]) if meta.key_caches else (None, None)
     if mod is None:
         return None
     mod.arm_decode(
-        meta.key_caches, meta.value_caches, meta.slot_mapping, d.block_tables, plan.dec_lens
+        meta.key_caches, meta.value_caches, meta.slot_mapping, tables, meta.plan.dec_lens
     )
     return mod.disarm_decode  # type: ignore[no-any-return]
 
