@@ -130,6 +130,35 @@ def test_hf_dir_loads_with_same_logits(tiny_hf_dir):
         torch.testing.assert_close(loaded.model(ids).logits, original(ids).logits, rtol=0, atol=0)
 
 
+def test_models_built_at_once_on_threads_take_turns(tiny_hf_dir, monkeypatch):
+    """Engines built on several threads at once: the builds (which patch process-wide state:
+    accelerate's init_empty_weights, torch's default dtype) run one at a time, and every
+    model comes out whole, with the original's logits."""
+    path, original = tiny_hf_dir
+    inside, most = [0], [0]
+    real = loader.load_weights
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.05)  # widen the window a race would need
+            return real(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(loader, "load_weights", counting)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        loaded = list(pool.map(lambda _: load_model(path, dtype=torch.float32, device="cpu"),
+                               range(3)))  # fmt: skip
+    assert most[0] == 1
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        want = original(ids).logits
+        for each in loaded:
+            torch.testing.assert_close(each.model(ids).logits, want, rtol=0, atol=0)
+
+
 def test_hf_dir_dtype_and_attention(tiny_hf_dir):
     path, _ = tiny_hf_dir
     loaded = load_model(

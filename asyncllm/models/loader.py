@@ -24,6 +24,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import threading
 import time
 
 import torch
@@ -209,6 +210,13 @@ class LoadedModel:
     weight_bytes: int = 0
 
 
+#: Building a model patches process-wide state for a while (accelerate's
+#: ``init_empty_weights`` replaces ``nn.Module.register_parameter``, transformers sets torch's
+#: default dtype and skips ``nn.init``): engines built at once on several threads would see
+#: each other's patches (a tied ``lm_head.weight`` came out missing), so they take turns.
+_BUILD_LOCK = threading.Lock()
+
+
 def load_model(
     model: str | os.PathLike[str],
     *,
@@ -255,7 +263,8 @@ def load_model(
         dtype=dtype,
         device=device,
     )
-    tokenizer, lm, info = load_weights(model_dir, config, attn_implementation, setting)
+    with _BUILD_LOCK:
+        tokenizer, lm, info = load_weights(model_dir, config, attn_implementation, setting)
     lm.eval()
     lm.requires_grad_(False)
     if info.mode is not None:
