@@ -444,3 +444,54 @@ def test_close_before_the_child_starts_starts_none(
     assert started == [] and cf._child is None
     assert cf.state == "failed" and not cf.path.exists()
     assert not [r for r in caplog.records if "serving eagerly" in r.getMessage()]
+
+
+def test_close_waits_for_the_thread_that_loads_the_artifact(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """close() returns once the background thread has ended (here: loading a cached
+    artifact): a thread still running torch code when the interpreter finalizes aborts the
+    process ("terminate called without an active exception", 1 exit in ~8 of the CLI's)."""
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path))
+    cf = compiled_mod.CompiledForward(_FakeLM(1), torch.device("cpu"))
+    cf.path.parent.mkdir(parents=True, exist_ok=True)
+    cf.path.write_bytes(b"cached")
+    entered = threading.Event()
+
+    def slow_load(path: pathlib.Path, key: str) -> Any:
+        entered.set()
+        time.sleep(0.5)
+        raise ValueError("not an artifact")
+
+    monkeypatch.setattr(compiled_mod, "load_artifact", slow_load)
+    monkeypatch.setattr(compiled_mod, "build_artifact", lambda *a: None)
+    cf.start()
+    assert cf in compiled_mod._RUNNING
+    assert entered.wait(30)
+    cf.close()
+    assert cf._thread is not None and not cf._thread.is_alive()
+    assert cf.done
+
+
+def test_unclosed_compiled_forward_is_joined_at_exit(tmp_path: pathlib.Path) -> None:
+    """A process that exits without closing its engine still waits for the compile thread
+    (an atexit hook closes every started CompiledForward): the thread finishes its work
+    (here: a marker written after a slow load) instead of being killed mid-call."""
+    marker = tmp_path / "finished"
+    code = (
+        "import pathlib, time, torch\n"
+        "from asyncllm.worker import compiled\n"
+        f"compiled.artifact_path = lambda model, threads: pathlib.Path({str(tmp_path)!r}) / 'a'\n"
+        "compiled.build_artifact = lambda *a: compiled.artifact_path(None, 1).write_bytes(b'x')\n"
+        "def load(path, key):\n"
+        "    time.sleep(1.0)\n"
+        f"    pathlib.Path({str(marker)!r}).write_text('done')\n"
+        "    raise ValueError('no artifact')\n"
+        "compiled.load_artifact = load\n"
+        "cf = compiled.CompiledForward(torch.nn.Linear(2, 2), torch.device('cpu'))\n"
+        "cf.start()\n"
+        "time.sleep(0.2)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.read_text() == "done"

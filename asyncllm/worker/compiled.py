@@ -40,6 +40,7 @@ compiles the kernels again from the artifact's source (~15 s).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
@@ -53,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -72,6 +74,20 @@ MAX_ROWS = 1 << 20
 
 #: ``torch.compile``'s backend; tests swap it for one that fails.
 BACKEND: str | Callable[..., Any] = "inductor"
+
+#: Seconds :meth:`CompiledForward.close` waits for its background thread (loading a cached
+#: artifact and its dry runs take a few).
+CLOSE_TIMEOUT = 60.0
+
+#: Compiled forwards whose background thread was started: closed at interpreter exit.
+_RUNNING: weakref.WeakSet[CompiledForward] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    # atexit runs before finalization starts: a thread joined here ends cleanly.
+    for compiled in list(_RUNNING):
+        compiled.close()
 
 
 def keep_guard(entries: list[Any]) -> list[bool]:
@@ -336,9 +352,11 @@ class CompiledForward:
         self._child_lock = threading.Lock()
 
     def start(self) -> None:
-        """Load or build the artifact on a background thread (returns at once)."""
+        """Load or build the artifact on a background thread (returns at once); an engine
+        never closed has it closed at interpreter exit (see :meth:`close`)."""
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._prepare, name="asyncllm-compile", daemon=True)
+        _RUNNING.add(self)
         self._thread.start()
 
     @property
@@ -374,14 +392,25 @@ class CompiledForward:
         logger.warning("asyncllm: compiled forward failed, serving eagerly (%s)", self.error)
         self._done.set()
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Stop a compile still running in a child process, or keep one from starting (the
-        engine is closing). A compile not ready by then ends "failed" without a warning."""
+        engine is closing), and wait up to ``timeout`` seconds for the background thread to
+        end. A compile not ready by then ends "failed" without a warning.
+
+        The wait matters at exit: a daemon thread still loading the artifact (or dropping the
+        model's last reference) while the interpreter finalizes is killed inside torch's C++
+        and aborts the process ("terminate called without an active exception").
+        """
         with self._child_lock:
             self._closed = True
             child = self._child
         if child is not None and child.poll() is None:
             child.kill()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("asyncllm: the compile thread is still running after close()")
 
     def _prepare(self) -> None:
         try:

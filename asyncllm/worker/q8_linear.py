@@ -5,12 +5,15 @@ GGUF files of llama.cpp ship the LM head (or the token embedding table it is tie
 kernel takes int8 codes with a scale per 32 columns (``aten._weight_int8pack_mm`` has one per
 output channel). :class:`Q8Linear` keeps the codes (SmolLM2-135M's 49152 x 576 head: 31 MB
 instead of 57 MB of bfloat16) and computes ``y = x W^T (+ b)`` as one op,
-``asyncllm::q8_0_linear``:
+``asyncllm::q8_0_linear``, with float32 output whatever the model's dtype: the logits as the
+kernels sum them, not rounded to bfloat16 (8 significant bits make exact ties of distinct
+logits: the default model's first answer to "What is the capital of France?" tied "L" with
+"The" at -1.9743 and greedy took "L'Étoile..."; the float32 sums put "The" ahead):
 
 * up to :data:`MAX_ROWS` rows (decode of a few sequences, the last prompt token of a
   prefill): this module's C++ matrix-vector kernel over the codes, float32 arithmetic from
-  the exact weights (a float16 ``d`` times a code is exact in float32), one rounding to the
-  output dtype. At one row it reads half the bytes of the bfloat16 head;
+  the exact weights (a float16 ``d`` times a code is exact in float32). At one row it reads
+  half the bytes of the bfloat16 head;
 * more rows, bfloat16 where oneDNN's brgemm has AMX (:func:`mm_available`): ``q8_mm``, per
   block of 64 outputs the codes dequantized into a per-thread scratch (the values the dense
   head held: ``d * q`` rounded once to bfloat16) and multiplied there by AMX, with float32
@@ -18,8 +21,9 @@ instead of 57 MB of bfloat16) and computes ``y = x W^T (+ b)`` as one op,
   the head 6.6 -> 3.8 ms a step, and 57 MB less resident memory than the packed copy;
 * more rows otherwise (float32 models, CPUs without AMX): oneDNN's GEMM on a packed copy of
   the weight in the model's dtype, made by :meth:`Q8Linear.pack`
-  (:func:`asyncllm.worker.cpu_linear.pack_linears` calls it), as fast as the dense head was;
-  without that copy (no oneDNN), the weight dequantized per call.
+  (:func:`asyncllm.worker.cpu_linear.pack_linears` calls it), as fast as the dense head was
+  (its output widened to float32, after oneDNN's rounding to the model's dtype); without that
+  copy or the kernel, the float32 weight dequantized per call.
 
 The kernel is built once per machine by :mod:`asyncllm.worker.cpu_extension`
 (``ASYNCLLM_Q8_KERNEL=0`` turns it off). :mod:`asyncllm.models.quantization` uses this layer
@@ -176,11 +180,11 @@ static void dequant_rows(const int8_t* Q, const float* S, int64_t K, int64_t n0,
 // The many-row path is there: bfloat16 brgemm (AMX), as oneDNN reports.
 bool q8_mm_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
-// y [M, N] bfloat16 = x [M, K] bfloat16 W^T, W = q [N, K] int8 * s [N, K / 32], without a dense
+// y [M, N] float32 = x [M, K] bfloat16 W^T, W = q [N, K] int8 * s [N, K / 32], without a dense
 // copy of W: per block of 64 output features, W's rows are dequantized into the thread's
 // scratch [64, K] (72 KiB at K = 576), which is brgemm's A (row-major, no packing); x^T,
 // packed once per call in brgemm's VNNI layout [K / 2][M][2], is B; C = W_blk x^T [64, M
-// tile] (float32 accumulation over all of K) is stored transposed into y, rounded once.
+// tile] (float32 accumulation over all of K) is stored transposed into y.
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() &&
                   q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() &&
@@ -192,7 +196,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) 
   TORCH_CHECK(q8_mm_available(), "q8_mm: oneDNN's brgemm has no bfloat16 AMX kernel here");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NBLK = (N + 63) / 64;
   constexpr int64_t MT = 64;  // rows per brgemm call (C is [64, MT] float32: 16 KiB)
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
   // x^T as 32-bit words (column pairs): xt[k / 2][r] = (x[r, k], x[r, k + 1]).
   at::Tensor xt = at::empty({K / 2, M, 2}, x.options());
@@ -205,7 +209,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) 
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = s.data_ptr<float>();
   const at::BFloat16* B = xt.data_ptr<at::BFloat16>();
-  at::BFloat16* Y = y.data_ptr<at::BFloat16>();
+  float* Y = y.data_ptr<float>();
   at::parallel_for(0, NBLK, 1, [&](int64_t begin, int64_t end) {
     thread_local at::Tensor abuf, cbuf;  // grow to the largest K seen
     if (!abuf.defined() || abuf.numel() < 64 * K) abuf = at::empty({64 * K}, at::kBFloat16);
@@ -219,18 +223,16 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) 
         const int64_t mt = std::min(MT, M - m0);
         at::native::cpublas::brgemm(rows, mt, K, K, M, mt, false, A, B + m0 * 2, C, true);
         for (int64_t r = 0; r < mt; ++r) {  // y[m0 + r, n0 + j] = C[j, r]
-          at::BFloat16* o = Y + (m0 + r) * N + n0;
+          float* o = Y + (m0 + r) * N + n0;
           int64_t j = 0;
-#if Q8_FAST && defined(__AVX512BF16__)
+#if Q8_FAST
           const __m512i idx = _mm512_mullo_epi32(
               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
               _mm512_set1_epi32(static_cast<int>(mt)));
-          for (; j + 16 <= rows; j += 16) {
-            const __m512 v = _mm512_i32gather_ps(idx, C + j * mt + r, 4);
-            _mm256_storeu_si256((__m256i*)(o + j), (__m256i)_mm512_cvtneps_pbh(v));
-          }
+          for (; j + 16 <= rows; j += 16)
+            _mm512_storeu_ps(o + j, _mm512_i32gather_ps(idx, C + j * mt + r, 4));
 #endif
-          for (; j < rows; ++j) o[j] = c10::BFloat16(C[j * mt + r]);
+          for (; j < rows; ++j) o[j] = C[j * mt + r];
         }
       }
     }
@@ -293,8 +295,9 @@ def q8_0_linear(
     bias: torch.Tensor | None,
     max_rows: int,
 ) -> torch.Tensor:
-    """``x [..., in]`` -> ``[..., out]`` in ``x``'s dtype: :class:`Q8Linear`'s forward (one op
-    for eager steps and compiled graphs alike; see the module docstring for the paths)."""
+    """``x [..., in]`` (float32 or bfloat16) -> float32 ``[..., out]``: :class:`Q8Linear`'s
+    forward (one op for eager steps and compiled graphs alike; see the module docstring for
+    the paths)."""
     from asyncllm.worker.cpu_linear import packed_linear_op
 
     out, cols = q.shape
@@ -302,33 +305,33 @@ def q8_0_linear(
     mod = kernel()
     if rows.shape[0] > max_rows and x.dtype == torch.bfloat16 and mm_available():
         y: torch.Tensor = mod.q8_mm(rows.contiguous(), q, scale).view(*x.shape[:-1], out)
-        return y if bias is None else y + bias
-    if packed is not None and (rows.shape[0] > max_rows or mod is None):
+    elif packed is not None and (rows.shape[0] > max_rows or mod is None):
         dense: torch.Tensor = packed_linear_op(x, packed, bias, cols, out)
-        return dense
-    if mod is None:
-        w = dequantize(q, scale).to(x.dtype)
-        return nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
-    y = torch.empty((rows.shape[0], out), dtype=torch.float32)
-    mod.q8_gemv(rows.float().contiguous(), q, scale, y)
-    y = y.view(*x.shape[:-1], out).to(x.dtype)
-    return y if bias is None else y + bias
+        return dense.float()
+    elif mod is None:
+        y = nn.functional.linear(x.float(), dequantize(q, scale))
+    else:
+        y = torch.empty((rows.shape[0], out), dtype=torch.float32)
+        mod.q8_gemv(rows.float().contiguous(), q, scale, y)
+        y = y.view(*x.shape[:-1], out)
+    return y if bias is None else y + bias.float()
 
 
 @q8_0_linear.register_fake
 def _(x: torch.Tensor, q: torch.Tensor, *rest: object) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], q.shape[0]))
+    return x.new_empty((*x.shape[:-1], q.shape[0]), dtype=torch.float32)
 
 
 class Q8Linear(nn.Module):
     """``y = x W^T + b`` with ``W`` as GGUF ``Q8_0``: int8 codes and a float scale per 32 input
-    columns (``w = scale * q``), run by ``asyncllm::q8_0_linear``.
+    columns (``w = scale * q``), run by ``asyncllm::q8_0_linear``; ``y`` is float32 (the LM
+    head's logits as summed, see the module docstring).
 
     Args:
         q: int8-range codes [out, in], ``in`` a multiple of 32.
         scale: float [out, in / 32] (GGUF's float16 ``d``, kept exact in float32).
-        bias: [out] or None (added in the output's dtype).
-        dtype: the model's dtype: the packed copy's (:meth:`pack`) and the output's.
+        bias: [out] or None (added in float32).
+        dtype: the model's dtype: the packed copy's (:meth:`pack`) and :attr:`weight`'s.
 
     Raises:
         ValueError: ``in`` not a multiple of 32, or ``scale`` not [out, in / 32].
