@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,10 +52,11 @@ def old_op(ref: str) -> Callable[..., torch.Tensor]:
         ["git", "show", f"{ref}:asyncllm/worker/int4_dequant.py"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    scope: dict[str, object] = {"__name__": "int4_dequant_old"}
+    scope: dict[str, object] = {"__name__": "int4_dequant_old", "__file__": int4_dequant.__file__}
     exec(compile(text, "int4_dequant_old.py", "exec"), scope)  # our own source, at a ref
     lib = "TORCH_LIBRARY(asyncllm_cpu,"
-    source = str(scope["_SOURCE"]).replace(lib, "TORCH_LIBRARY(asyncllm_cpu_old,")
+    old: Any = scope["EXTENSION"]  # the whole source (the few-row kernel's too)
+    source = str(old.source).replace(lib, "TORCH_LIBRARY(asyncllm_cpu_old,")
     ext = CpuExtension(
         "asyncllm_int4_old", source, ["int4_dequant_t"], list(int4_dequant.CFLAGS), "old int4", "X"
     )
@@ -77,11 +79,11 @@ def candidate(name: str, n: int, k: int, old: Callable[..., torch.Tensor] | None
     new = torch.ops.asyncllm_cpu.int4_linear.default
     if name == "old":
         assert old is not None
-        return lambda x, p, sz: old(x, p, sz, None, GROUP, k, n, 0)
+        return lambda x, p, sz: old(x, p, sz, None, GROUP, k, n, 0, 0)
     if name == "new":
-        return lambda x, p, sz: new(x, p, sz, None, GROUP, k, n, 0)
+        return lambda x, p, sz: new(x, p, sz, None, GROUP, k, n, 0, 0)
     if name == "int4":
-        return lambda x, p, sz: new(x, p, sz, None, GROUP, k, n, 1 << 30)
+        return lambda x, p, sz: new(x, p, sz, None, GROUP, k, n, 1 << 30, 0)
     if name.startswith("m"):
         mm, mt = int4_dequant.kernel().int4_mm, int(name[1:])
         return lambda x, p, sz: mm(x, p, sz, GROUP, n, mt)

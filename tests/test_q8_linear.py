@@ -1,5 +1,5 @@
 """GGUF Q8_0 layers: the matrix-vector kernel (fast and portable builds) and the many-row
-paths (AMX brgemm on the codes; a packed dense copy) against a dequantize-then-matmul
+paths (bfloat16 brgemm on the codes; a packed dense copy) against a dequantize-then-matmul
 reference, and the default model's Q8_0 head
 kept as codes, shared with its tied embedding table, through the quantization cache."""
 
@@ -58,14 +58,14 @@ def test_q8_linear_matches_reference(rows, dtype, packed):
 
 
 needs_mm = pytest.mark.skipif(
-    q8_linear.kernel() is None or not q8_linear.mm_available(), reason="no AMX brgemm here"
+    q8_linear.kernel() is None or not q8_linear.mm_available(), reason="no bfloat16 brgemm here"
 )
 
 
 @needs_mm
 @pytest.mark.parametrize("n, k, rows", [(100, 96, 9), (128, 64, 64), (70, 576, 130), (64, 32, 1)])
 def test_q8_mm_uses_the_exact_weights(n, k, rows):
-    """The many-row kernel (per 64 outputs: dequantize, AMX brgemm, transposed store) multiplies
+    """The many-row kernel (per 64 outputs: dequantize, brgemm, transposed store) multiplies
     by the weight the dense copy held (``d * q`` rounded once to bfloat16) bit for bit (times
     the identity, every output is one product with 1), and any rows within bfloat16's
     rounding of the float64 reference: output blocks of fewer than 64, row tiles past 64;
@@ -116,8 +116,8 @@ def test_q8_gemv_portable_build_matches_the_fast_one():
     """The source built without -march=native (the path of CPUs without AVX-512) gives the
     same values as this machine's build, up to float32 summation order."""
     portable = CpuExtension(
-        "asyncllm_q8_portable", q8_linear._SOURCE, ["q8_gemv", "q8_fast"], ("-O2", "-fopenmp"),
-        "portable Q8_0 kernel", "ASYNCLLM_Q8_PORTABLE",
+        "asyncllm_q8_portable", q8_linear.EXTENSION.source, ["q8_gemv", "q8_fast"],
+        ("-O2", "-fopenmp"), "portable Q8_0 kernel", "ASYNCLLM_Q8_PORTABLE",
     )  # fmt: skip
     mod = portable.load()
     if mod is None:

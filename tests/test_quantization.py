@@ -203,7 +203,7 @@ def test_int4_row_threshold_follows_the_many_row_path(fused, monkeypatch):
     """12 rows: the fused many-row path where it runs (crossover 8), torch's int4 kernel
     where only the whole-weight form does (crossover 16)."""
     if fused and not int4_dequant.fused_available():
-        pytest.skip("no AMX brgemm here")
+        pytest.skip("no bfloat16 brgemm here")
     monkeypatch.setattr(int4_dequant, "fused_available", lambda: fused)
     assert ql.int4_max_rows() == (8 if fused else 16)
     layer, _ = _int4_layer(128, 64, 32)
@@ -236,7 +236,7 @@ def _close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
 )
 def test_int4_many_row_path_tiles(n, k, gs, rows, m_tile):
     """The many-row path block by block (``int4_mm``; the fused path where oneDNN's brgemm
-    has AMX, else the whole weight and one GEMM) equals the product with the dequantized
+    runs natively, else the whole weight and one GEMM) equals the product with the dequantized
     weight within the output rounding, at any tiling, and matches the whole-weight path."""
     layer, ref_w = _int4_layer(n, k, gs)
     x = torch.randn(rows, k).bfloat16()

@@ -62,7 +62,7 @@ from typing import Any, Literal
 import torch
 
 from asyncllm.attention.backend_registry import step_metadata
-from asyncllm.worker.device import trim_host_memory
+from asyncllm.worker.device import cpu_flags, trim_host_memory
 
 logger = logging.getLogger("asyncllm")
 
@@ -176,14 +176,6 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def _cpu_flags() -> str:
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-
-
 def artifact_key(model: torch.nn.Module, num_threads: int) -> str:
     """What a compiled forward depends on, hashed: the model's structure (module tree, config,
     and every parameter's and buffer's name, shape and dtype; not the weights' values, which
@@ -203,7 +195,7 @@ def artifact_key(model: torch.nn.Module, num_threads: int) -> str:
         transformers.__version__,
         sys.version,
         _source_digest(),
-        _cpu_flags(),
+        " ".join(sorted(cpu_flags())) or platform.processor(),
     ]
     for part in parts:
         h.update(part.encode() + b"\0")

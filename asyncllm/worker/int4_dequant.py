@@ -15,12 +15,15 @@ The many-row path (``int4_mm`` in the source) never writes the whole bfloat16 we
 item is one 64-column block of ``W^T`` (the packing's row block) times up to 64 rows, and
 items run block-major, so each thread dequantizes a block once into its own scratch
 ``[K, 64]`` (72 KiB at K = 576, 192 KiB at K = 1536: it stays in the core's L2), in the packed
-("VNNI") layout of oneDNN's brgemm micro-kernel (``at::native::cpublas::brgemm``, AMX), and
+("VNNI") layout of oneDNN's brgemm micro-kernel (``at::native::cpublas::brgemm``: AMX, or
+``vdpbf16ps`` on AVX-512 BF16), and
 multiplies it with the rows on the calling thread; with few blocks (N = 192) the rows are
 split further so that both threads work. Dequantizing the whole weight and then calling one
 ``at::mm`` (the former path) wrote 2 bytes per weight to memory and read them back (about
-212 MB per decode step); it remains where brgemm lacks AMX (``could_pack``) or the scales are
-float32.
+212 MB per decode step); it remains where the CPU has no native bfloat16
+(:data:`asyncllm.worker.cpu_extension.BRGEMM_BF16_SOURCE`) or the scales are float32. On a
+Zen 5 EPYC without AMX the fused path is 1.5-2.7x the former at 4-64 rows
+(``benchmarks/int4_many_rows.py``, docs/tuning.md).
 
 The packed layout (``aten._convert_weight_to_int4pack_for_cpu(q_int32[N, K], 1)``, torch 2.13;
 checked against the codes in tests/test_quantization.py): uint8 ``[N, K/2]`` read as
@@ -55,7 +58,7 @@ from typing import Any
 
 import torch
 
-from asyncllm.worker.cpu_extension import CpuExtension
+from asyncllm.worker.cpu_extension import BRGEMM_BF16_SOURCE, CpuExtension
 
 __all__ = [
     "EXTENSION",
@@ -264,8 +267,8 @@ static inline void store64(const float* c, at::BFloat16* o) {
 #endif
 }
 
-// The fused many-row path is there: bfloat16 brgemm on a packed B (AMX), as oneDNN reports.
-static bool fused_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+// The fused many-row path is there: oneDNN's bfloat16 brgemm runs (AMX or AVX-512 BF16).
+static bool fused_available() { return brgemm_bf16_runs(); }
 
 // y [M, N] = rows [M, K] W^T (bfloat16), block by block without the whole W^T: a work item is
 // one 64-column block of W^T times m_tile rows; items run block-major, so a thread's
@@ -309,7 +312,7 @@ static void fused(const at::Tensor& rows, const at::Tensor& packed, const at::Te
 }
 
 // The many-row path on its own (also for tests and benchmarks): rows [M, K] of the scales'
-// dtype times the dequantized weight -> [M, N]. bfloat16 where brgemm has AMX: `fused` with
+// dtype times the dequantized weight -> [M, N]. bfloat16 where brgemm runs: `fused` with
 // m_tile rows per item; else (or with m_tile 0) the whole W^T into this thread's scratch and
 // one at::mm.
 at::Tensor int4_mm(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
@@ -399,7 +402,7 @@ _FUNCTIONS = [
 _GEMV_SOURCE = pathlib.Path(__file__).with_name("int4_gemv.cpp").read_text()
 EXTENSION = CpuExtension(
     "asyncllm_int4_dequant",
-    _SOURCE + _GEMV_SOURCE,
+    BRGEMM_BF16_SOURCE + _SOURCE + _GEMV_SOURCE,
     _FUNCTIONS,
     CFLAGS,
     "CPU int4 kernels",
@@ -435,7 +438,7 @@ def op_available() -> bool:
 
 @torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
 def fused_available() -> bool:
-    """The fused many-row path can run here (the extension built, brgemm with AMX); a
+    """The fused many-row path can run here (the extension built, native bfloat16 brgemm); a
     constant to Dynamo."""
     mod = kernel()
     return mod is not None and bool(mod.int4_fused_available())

@@ -14,13 +14,14 @@ logits: the default model's first answer to "What is the capital of France?" tie
   prefill): this module's C++ matrix-vector kernel over the codes, float32 arithmetic from
   the exact weights (a float16 ``d`` times a code is exact in float32). At one row it reads
   half the bytes of the bfloat16 head;
-* more rows, bfloat16 where oneDNN's brgemm has AMX (:func:`mm_available`): ``q8_mm``, per
-  block of 64 outputs the codes dequantized into a per-thread scratch (the values the dense
-  head held: ``d * q`` rounded once to bfloat16) and multiplied there by AMX, with float32
-  accumulation, no dense copy of the weight anywhere. W1 on the default model (batch 64):
-  the head 6.6 -> 3.8 ms a step, and 57 MB less resident memory than the packed copy;
-* more rows otherwise (float32 models, CPUs without AMX): oneDNN's GEMM on a packed copy of
-  the weight in the model's dtype, made by :meth:`Q8Linear.pack`
+* more rows, bfloat16 where oneDNN's brgemm runs natively (AMX or AVX-512 BF16:
+  :func:`mm_available`): ``q8_mm``, per block of 64 outputs the codes dequantized into a
+  per-thread scratch (the values the dense head held: ``d * q`` rounded once to bfloat16)
+  and multiplied there by brgemm, with float32 accumulation, no dense copy of the weight
+  anywhere. W1 on the default model (batch 64, AMX): the head 6.6 -> 3.8 ms a step, and
+  57 MB less resident memory than the packed copy (as fast as it on AVX-512 BF16);
+* more rows otherwise (float32 models, CPUs without native bfloat16): oneDNN's GEMM on a
+  packed copy of the weight in the model's dtype, made by :meth:`Q8Linear.pack`
   (:func:`asyncllm.worker.cpu_linear.pack_linears` calls it), as fast as the dense head was
   (its output widened to float32, after oneDNN's rounding to the model's dtype); without that
   copy or the kernel, the float32 weight dequantized per call.
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncllm.worker.cpu_extension import CpuExtension
+from asyncllm.worker.cpu_extension import BRGEMM_BF16_SOURCE, CpuExtension
 
 __all__ = ["EXTENSION", "MAX_ROWS", "Q8Linear", "fast", "kernel"]
 
@@ -177,8 +178,8 @@ static void dequant_rows(const int8_t* Q, const float* S, int64_t K, int64_t n0,
   }
 }
 
-// The many-row path is there: bfloat16 brgemm (AMX), as oneDNN reports.
-bool q8_mm_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+// The many-row path is there: oneDNN's bfloat16 brgemm runs (AMX or AVX-512 BF16).
+bool q8_mm_available() { return brgemm_bf16_runs(); }
 
 // y [M, N] float32 = x [M, K] bfloat16 W^T, W = q [N, K] int8 * s [N, K / 32], without a dense
 // copy of W: per block of 64 output features, W's rows are dequantized into the thread's
@@ -193,7 +194,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) 
                   s.size(0) == q.size(0) && s.size(1) == q.size(1) / BLOCK,
               "q8_mm: x bfloat16 [M, K], q int8 [N, K], scales float32 [N, K / 32], "
               "all contiguous, K % 32 == 0");
-  TORCH_CHECK(q8_mm_available(), "q8_mm: oneDNN's brgemm has no bfloat16 AMX kernel here");
+  TORCH_CHECK(q8_mm_available(), "q8_mm: oneDNN's bfloat16 brgemm does not run here");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NBLK = (N + 63) / 64;
   constexpr int64_t MT = 64;  // rows per brgemm call (C is [64, MT] float32: 16 KiB)
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -247,7 +248,7 @@ ENV_SWITCH = "ASYNCLLM_Q8_KERNEL"
 
 EXTENSION = CpuExtension(
     "asyncllm_q8_linear",
-    _SOURCE,
+    BRGEMM_BF16_SOURCE + _SOURCE,
     ["q8_gemv", "q8_fast", "q8_mm", "q8_mm_available"],
     CFLAGS,
     "CPU Q8_0 kernel",
@@ -273,7 +274,7 @@ def fast() -> bool:
 
 @functools.cache
 def mm_available() -> bool:
-    """The many-row kernel (``q8_mm``: dequantize per block of 64 outputs + oneDNN's AMX
+    """The many-row kernel (``q8_mm``: dequantize per block of 64 outputs + oneDNN's
     brgemm, bfloat16) runs here; else more than :data:`MAX_ROWS` rows take a packed dense
     copy (:meth:`Q8Linear.pack`)."""
     mod = kernel()

@@ -220,7 +220,7 @@ class Int4Linear(nn.Module):
 #: to memory and then ran one ``torch.mm``: about 2x slower than the fused path).
 INT4_KERNEL_MAX_ROWS = 8
 
-#: The crossover where the fused path cannot run (brgemm without AMX): the whole weight is
+#: The crossover where the fused path cannot run (no native bfloat16): the whole weight is
 #: dequantized to memory, then one ``torch.mm``; measured at 16 rows (2 threads) when that
 #: was the only form.
 INT4_KERNEL_MAX_ROWS_UNFUSED = 16
