@@ -396,3 +396,26 @@ def test_bench_rejects_bad_arguments_clearly(args, message, tmp_path):
     args = [str(afile) if a == "FILE" else a for a in args]
     with pytest.raises(SystemExit, match=message):
         main(["bench", "--quick", "--no-plots", *args])
+
+
+def test_counted_runs_wait_for_idle_cpus(monkeypatch):
+    """Before a counted run the harness waits until the CPUs are idle (an engine that just
+    ran may keep spinning), at most ``max_wait_s``; busy = all but idle and iowait."""
+    from asyncllm.bench import processes
+
+    def feed(samples):
+        it = iter(samples)
+        monkeypatch.setattr(processes, "_busy_jiffies", lambda: next(it))
+
+    # busy, total jiffies: 90% busy in the first window, 5% in the second
+    feed([(0, 0), (90, 100), (95, 200), (1000, 2000)])
+    waited = processes.wait_until_quiet(window_s=0.01, max_wait_s=5.0)
+    assert 0.02 <= waited < 1.0
+    feed([(100 * i, 100 * i + 1) for i in range(10_000)])  # always busy
+    waited = processes.wait_until_quiet(window_s=0.01, max_wait_s=0.1)
+    assert 0.1 <= waited < 1.0
+    monkeypatch.setattr(processes, "_busy_jiffies", lambda: None)  # no /proc/stat
+    assert processes.wait_until_quiet() == 0.0
+    monkeypatch.undo()
+    busy, total = processes._busy_jiffies() or (0, 1)
+    assert 0 <= busy <= total

@@ -26,6 +26,44 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _busy_jiffies() -> tuple[int, int] | None:
+    """(busy, total) CPU time of the whole machine so far, in jiffies (Linux /proc/stat);
+    None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_until_quiet(
+    busy_share: float = 0.1, window_s: float = 0.1, max_wait_s: float = 3.0
+) -> float:
+    """Wait until the machine's CPUs are at most ``busy_share`` busy over ``window_s``
+    seconds (or ``max_wait_s`` passed); returns the seconds waited.
+
+    Before each counted run: an engine that just ran may keep its cores busy for a while
+    (vLLM-CPU's OpenMP threads spin after a step, ~200 ms; on 2 cores its worker took
+    30-50% of the CPUs during the first part of asyncllm's W3 run after it), which would
+    be charged to the next engine's run.
+    """
+    start = time.perf_counter()
+    prev = _busy_jiffies()
+    if prev is None:
+        return 0.0
+    while time.perf_counter() - start < max_wait_s:
+        time.sleep(window_s)
+        now = _busy_jiffies()
+        assert now is not None
+        busy, total = now[0] - prev[0], now[1] - prev[1]
+        prev = now
+        if total > 0 and busy / total <= busy_share:
+            break
+    return time.perf_counter() - start
+
+
 # ---------------------------------------------------------------------------------- workers
 
 

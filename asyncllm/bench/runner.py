@@ -60,6 +60,7 @@ from asyncllm.bench.processes import (
     in_process,
     log,
     peer_commands,
+    wait_until_quiet,
 )
 from asyncllm.bench.workloads import (
     PROMPTS_FILE,
@@ -294,6 +295,9 @@ class Bench:
                 for e in order:
                     if e in slow:
                         continue
+                    quiet = wait_until_quiet()
+                    if quiet > 1.0:
+                        log(f"{tag} run {r} on {e}: waited {quiet:.1f} s for idle CPUs")
                     res = self.workers[e].run(
                         self.spec(e, wl, variant, wl.requests), self.timeout(wl)
                     )
