@@ -65,6 +65,7 @@ import torch
 from asyncllm.attention.backend_registry import AttentionBackend, AttentionMetadata
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
 from asyncllm.worker.cpu_extension import CpuExtension
+from asyncllm.worker.device import cpu_flags
 
 ENV_SWITCH = "ASYNCLLM_CPU_ATTENTION_KERNEL"
 
@@ -124,28 +125,37 @@ def available() -> bool:
     return EXTENSION.available()
 
 
+#: torch's flash attention outruns the chunk kernel on long bfloat16 chunks only where its
+#: GEMMs run on AMX tiles. On a 2-core AMD EPYC (Zen 5: AVX-512 BF16, no AMX) the kernel was
+#: the faster on every case of ``benchmarks/prefill_attention.py`` (2 threads, kernel's
+#: speed over the torch path: 1 x 512 new tokens 2.96x, 64 after 512 cached 2.09x, W2's
+#: 17 x 28 after 512 shared tokens 2.69x against 1.69x with the cascade below), so there
+#: neither routing below applies.
+_FLASH_PAYS = "amx_bf16" in cpu_flags()
+
 #: A bfloat16 prefill chunk of ``q_len`` tokens reaching ``seq_len`` tokens of context goes
 #: through the torch path where ``q_len * seq_len`` (query-position pairs, causal mask
-#: aside) is at least this: there ``scaled_dot_product_attention``'s flash kernel (bfloat16
-#: GEMMs) outruns the C++ kernel's float32 FMAs. ``benchmarks/prefill_attention.py``, the
-#: engine's 2 threads, kernel's speed over the torch path: 1 x 512 new tokens 0.62x, 64
+#: aside) is at least this (on CPUs with AMX, :data:`_FLASH_PAYS`; elsewhere never): there
+#: ``scaled_dot_product_attention``'s flash kernel (bfloat16 GEMMs) outruns the C++ kernel's
+#: float32 FMAs. ``benchmarks/prefill_attention.py``, a 2-core Xeon with AMX, the engine's
+#: 2 threads, kernel's speed over the torch path: 1 x 512 new tokens 0.62x, 64
 #: after 512 cached 0.77x, 160 new 0.96x; 48 after 512 cached 1.17x, 40 after 512 1.30x,
 #: 128 new 1.15x, 17 x 30 after 512 (W2's second step) 1.49x, 32 x 12 after 528 2.3x,
 #: 40-token prompts 3.8x. In float32 the kernel is the faster on all of them (1 x 512: 1.5x),
 #: so every chunk goes through it.
-TORCH_MIN_PAIRS = 28_000
+TORCH_MIN_PAIRS = 28_000 if _FLASH_PAYS else 1 << 62
 
 
 #: A prefix of whole blocks that two or more chunks of a bfloat16 step share, all cached
 #: before them, is attended for all their query rows at once by torch's flash attention
-#: (bfloat16 GEMMs: AMX where the CPU has it) where ``rows x prefix tokens`` is at least this;
+#: (bfloat16 GEMMs on AMX) where ``rows x prefix tokens`` is at least this;
 #: the chunk kernel goes on from that state over each sequence's other positions (cascade
 #: attention). ``benchmarks/prefill_attention.py --cases shared``, 2 threads, kernel alone /
 #: cascade: 17 x 28 rows after 512 shared tokens (W2's second step) 2.08x, 14 x 14 after 528
 #: (its third) 1.79x, 8 x 12 after 512 1.42x, 16 x 3 after 512 1.65x; with the cascade forced,
 #: 32 x 2 after 256 1.00x, 4 x 16 after 256 0.72x, 8 x 5 after 256 0.83x. Float32 steps keep
-#: the kernel (no AMX: the cascade measured 0.5-0.9x).
-MIN_SHARED_PAIRS = 24576
+#: the kernel (no AMX: the cascade measured 0.5-0.9x), and so do CPUs without AMX.
+MIN_SHARED_PAIRS = 24576 if _FLASH_PAYS else 1 << 62
 
 
 @dataclass(frozen=True)
