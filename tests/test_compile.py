@@ -449,9 +449,11 @@ def test_close_before_the_child_starts_starts_none(
 def test_close_waits_for_the_thread_that_loads_the_artifact(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:
-    """close() returns once the background thread has ended (here: loading a cached
-    artifact): a thread still running torch code when the interpreter finalizes aborts the
-    process ("terminate called without an active exception", 1 exit in ~8 of the CLI's)."""
+    """close() returns at once (an event loop closing its engine must not wait for a load);
+    close(timeout), as at interpreter exit, returns once the background thread has ended: a
+    thread still running torch code when the interpreter finalizes aborts the process
+    ("terminate called without an active exception", 1 exit in ~8 of the CLI's). A load
+    that fails after close() (at exit, imports fail) leaves the cached artifact alone."""
     monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path))
     cf = compiled_mod.CompiledForward(_FakeLM(1), torch.device("cpu"))
     cf.path.parent.mkdir(parents=True, exist_ok=True)
@@ -468,16 +470,23 @@ def test_close_waits_for_the_thread_that_loads_the_artifact(
     cf.start()
     assert cf in compiled_mod._RUNNING
     assert entered.wait(30)
+    t = time.monotonic()
     cf.close()
-    assert cf._thread is not None and not cf._thread.is_alive()
-    assert cf.done
+    assert time.monotonic() - t < 0.3 and cf._thread is not None and cf._thread.is_alive()
+    cf.close(30)
+    assert not cf._thread.is_alive()
+    assert cf.done and cf.state == "failed"
+    assert cf.path.read_bytes() == b"cached"
 
 
 def test_unclosed_compiled_forward_is_joined_at_exit(tmp_path: pathlib.Path) -> None:
     """A process that exits without closing its engine still waits for the compile thread
     (an atexit hook closes every started CompiledForward): the thread finishes its work
-    (here: a marker written after a slow load) instead of being killed mid-call."""
+    (here: a marker written after a slow load) instead of being killed mid-call, and the
+    load's failure at exit (imports that register atexit handlers fail then) does not
+    delete the cached artifact."""
     marker = tmp_path / "finished"
+    (tmp_path / "a").write_bytes(b"cached")
     code = (
         "import pathlib, time, torch\n"
         "from asyncllm.worker import compiled\n"
@@ -495,3 +504,4 @@ def test_unclosed_compiled_forward_is_joined_at_exit(tmp_path: pathlib.Path) -> 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.read_text() == "done"
+    assert (tmp_path / "a").read_bytes() == b"cached" and "does not load" not in proc.stderr

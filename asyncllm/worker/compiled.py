@@ -87,7 +87,7 @@ _RUNNING: weakref.WeakSet[CompiledForward] = weakref.WeakSet()
 def _close_at_exit() -> None:
     # atexit runs before finalization starts: a thread joined here ends cleanly.
     for compiled in list(_RUNNING):
-        compiled.close()
+        compiled.close(CLOSE_TIMEOUT)
 
 
 def keep_guard(entries: list[Any]) -> list[bool]:
@@ -384,14 +384,17 @@ class CompiledForward:
         logger.warning("asyncllm: compiled forward failed, serving eagerly (%s)", self.error)
         self._done.set()
 
-    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+    def close(self, timeout: float = 0.0) -> None:
         """Stop a compile still running in a child process, or keep one from starting (the
         engine is closing), and wait up to ``timeout`` seconds for the background thread to
-        end. A compile not ready by then ends "failed" without a warning.
+        end (0: return at once; an event loop closing an engine must not wait for an
+        artifact's load). A compile not ready by then ends "failed" without a warning, and a
+        load that fails after this call leaves the artifact file alone.
 
-        The wait matters at exit: a daemon thread still loading the artifact (or dropping the
-        model's last reference) while the interpreter finalizes is killed inside torch's C++
-        and aborts the process ("terminate called without an active exception").
+        At interpreter exit :func:`_close_at_exit` waits (:data:`CLOSE_TIMEOUT`): a daemon
+        thread still loading the artifact (or dropping the model's last reference) while the
+        interpreter finalizes is killed inside torch's C++ and aborts the process
+        ("terminate called without an active exception").
         """
         with self._child_lock:
             self._closed = True
@@ -399,7 +402,7 @@ class CompiledForward:
         if child is not None and child.poll() is None:
             child.kill()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if timeout > 0 and thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
                 logger.warning("asyncllm: the compile thread is still running after close()")
@@ -410,6 +413,8 @@ class CompiledForward:
                 try:
                     fn = self._load()
                 except Exception as e:  # truncated, another torch's, not this model's...
+                    if self._closed:  # e.g. imports failing at exit: says nothing of the file
+                        raise
                     logger.warning(
                         "asyncllm: compiled forward %s does not load (%s: %s); compiling it again",
                         self.path,
