@@ -231,9 +231,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             Range [-2, 2].
         repetition_penalty: divides positive / multiplies negative logits of tokens in the
             prompt or the output (CTRL). Range (0, 100]; 1 is off.
-        seed: makes the request's samples reproducible whatever else shares its batches
-            (see :mod:`asyncllm.worker.sampler`). Range [-2**63, 2**64 - 1]; None: the
-            engine's generator.
+        seed: gives the request its own random stream, whatever else shares its batches
+            (see :mod:`asyncllm.worker.sampler`). Its samples repeat exactly where the
+            logits do: in float32; in bfloat16 and with int4 weights the kernels depend on
+            the batch's row count (and a prefix-cache hit computes fewer rows), so the
+            logits move by up to ~0.1 and a sample near a boundary can differ (as in vLLM).
+            Range [-2**63, 2**64 - 1]; None: the engine's generator.
         stop: strings that end generation when they appear in the output text, matched
             across token boundaries; stored as a list (a str is one stop string). The text
             of a stream is held back while it could be the start of a stop string. Each
