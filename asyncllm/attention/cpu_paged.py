@@ -125,6 +125,13 @@ def available() -> bool:
     return EXTENSION.available()
 
 
+def expected() -> bool:
+    """The kernel is enabled and built, or being built in the background (never waits:
+    :meth:`~asyncllm.worker.cpu_extension.CpuExtension.expected`); the torch path runs each
+    step until it is there."""
+    return EXTENSION.expected()
+
+
 #: torch's flash attention outruns the chunk kernel on long bfloat16 chunks only where its
 #: GEMMs run on AMX tiles. On a 2-core AMD EPYC (Zen 5: AVX-512 BF16, no AMX) the kernel was
 #: the faster on every case of ``benchmarks/prefill_attention.py`` (2 threads, kernel's
@@ -429,7 +436,7 @@ def paged_attention_cpu(
     through the decode kernel, a step with prefill chunks through the chunk kernel (its
     decodes too), but for long bfloat16 chunks (:data:`TORCH_MIN_PAIRS`); everything else
     through the torch path."""
-    if not _kernel_reads(query, key_cache, value_cache):
+    if not _kernel_reads(query, key_cache, value_cache) or EXTENSION.ready() is None:
         return paged_attention(query, key_cache, value_cache, plan.base, scale)
     if plan.chunks is not None:
         chunks = plan.chunks if query.dtype == torch.float32 else plan.short_chunks
@@ -493,7 +500,7 @@ def _decode_kernel(plan: CpuPagedPlan, key_cache: torch.Tensor) -> tuple[Any, An
         or key_cache.device.type != "cpu"
     ):
         return None, None
-    mod = load()
+    mod = EXTENSION.ready()
     return (None, None) if mod is None else (mod, d.block_tables)
 
 
@@ -532,6 +539,7 @@ __all__ = [
     "chunk_attention",
     "decode_attention",
     "enabled",
+    "expected",
     "failure",
     "load",
     "paged_attention_cpu",

@@ -35,7 +35,7 @@ from asyncllm.worker.device import (
     trim_host_memory,
 )
 from asyncllm.worker.kv_cache import KVCache, size_kv_cache
-from asyncllm.worker.model_runner import ModelRunner
+from asyncllm.worker.model_runner import ModelRunner, select_attention_backend
 from asyncllm.worker.offload import CPUOffloadPool
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.step_timing import StepObserver, StepTimings
@@ -220,6 +220,9 @@ class LLMEngine:
         def build() -> LLMEngine:
             set_cpu_threads(device, config.num_threads)
             dtype = resolve_dtype(config.dtype, device)
+            # Checked before the load; on a fresh machine the CPU attention kernel builds
+            # in the background meanwhile.
+            select_attention_backend(config.attention_backend, device)
             loaded = load_model(
                 config.model,
                 dtype=dtype,

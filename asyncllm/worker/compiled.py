@@ -62,7 +62,9 @@ from typing import Any, Literal
 import torch
 
 from asyncllm.attention.backend_registry import step_metadata
+from asyncllm.worker.cpu_extension import wait_for_builds
 from asyncllm.worker.device import cpu_flags, trim_host_memory
+from asyncllm.worker.quant_linear import start_kernels
 
 logger = logging.getLogger("asyncllm")
 
@@ -234,6 +236,9 @@ def build_artifact(model: torch.nn.Module, path: pathlib.Path, num_threads: int)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     path.parent.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
+    if device.type == "cpu":  # the graph takes the kernels there are: all of them, built
+        start_kernels(model)
+        wait_for_builds()
     # Under inference mode, as the runner's steps (the input guards check it); T != K, so
     # that Dynamo gives them separate symbols. No metadata: a dry run.
     with torch.inference_mode(), step_metadata(None), rotary_computed_once(model):
@@ -270,15 +275,16 @@ def load_artifact(path: pathlib.Path, key: str) -> Callable[..., torch.Tensor]:
             renamed; truncated).
         OSError, RuntimeError, pickle errors: an unreadable or incompatible file.
     """
-    from asyncllm.worker import int4_dequant, q8_linear
+    from asyncllm.worker import int4_dequant
 
     data = path.read_bytes()
     head, _, body = data.partition(b"\n")
     if head != _HEADER + key.encode():
         raise ValueError(f"{path} is not the compiled forward of this model (key {key})")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
-    int4_dequant.kernel()  # the graph may call asyncllm_cpu::int4_linear: registered first
-    q8_linear.kernel()  # and asyncllm::q8_0_linear (registered on import) calls its kernel
+    # The engine's kernels built (the graph calls them), asyncllm_cpu::int4_linear registered.
+    wait_for_builds()
+    int4_dequant.kernel(wait=False)
     fn: Callable[..., torch.Tensor] = torch.compiler.load_compiled_function(io.BytesIO(body))
     return fn
 

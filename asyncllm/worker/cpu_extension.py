@@ -1,24 +1,35 @@
-"""Build-once, import-fast C++ CPU extensions (the decode attention and int4 dequant kernels).
+"""Build-once, import-fast C++ CPU extensions (the attention, int4 and Q8_0 kernels).
 
 Each kernel is C++ source compiled with ``torch.utils.cpp_extension.load_inline`` (g++ and
-ninja; 30-60 s, once per machine). The build is kept under asyncllm's cache directory
-(:func:`asyncllm.models.loader.cache_dir`), in a folder keyed by the source, the flags, torch,
-Python and the machine, so a change of any rebuilds it and later processes find the ``.so``
-and import it in milliseconds, without calling the compiler. Where it cannot be built (no
-compiler, no ninja, no headers...) or its switch variable is ``0``, :meth:`CpuExtension.load`
-returns None and the caller keeps its torch path; the reason is logged once.
+ninja; 20-30 s each on 2 cores, once per machine). The build is kept under asyncllm's cache
+directory (:func:`asyncllm.models.loader.cache_dir`), in a folder keyed by the source, the
+flags, torch, Python and the machine, so a change of any rebuilds it and later processes find
+the ``.so`` and import it in milliseconds, without calling the compiler. Where it cannot be
+built (no compiler, no ninja, no headers...) or its switch variable is ``0``,
+:meth:`CpuExtension.load` returns None and the caller keeps its torch path; the reason is
+logged once.
+
+An engine never waits for a build: its steps ask :meth:`CpuExtension.ready`, which imports a
+built kernel at once or starts the build in a background process (``nice`` 10, so that it
+yields the cores to the steps) and answers None until it is done; the steps run the torch
+path meanwhile (a fresh machine's first answer in seconds instead of ~70 s of compiling).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import pathlib
 import platform
+import shutil
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +37,7 @@ import torch
 
 logger = logging.getLogger("asyncllm")
 
-__all__ = ["BRGEMM_BF16_SOURCE", "CpuExtension"]
+__all__ = ["BRGEMM_BF16_SOURCE", "CpuExtension", "wait_for_builds"]
 
 #: C++ for the extensions that multiply with oneDNN's bfloat16 brgemm micro-kernel
 #: (``at::native::cpublas::brgemm``, B in the VNNI layout ``[K / 2][N][2]``):
@@ -92,6 +103,7 @@ class CpuExtension:
         self._lock = threading.Lock()
         self._module: Any = None
         self._failed: str | None = None
+        self._thread: threading.Thread | None = None
 
     def enabled(self) -> bool:
         """Not switched off with ``<env_switch>=0``."""
@@ -113,20 +125,93 @@ class CpuExtension:
         return cache_dir() / "kernels" / f"{self.name.removeprefix('asyncllm_')}-{key}"
 
     def load(self) -> Any:
-        """The compiled extension, building it on first use; None where it cannot be built
-        (the reason is logged once and kept in :meth:`failure`). Thread-safe."""
+        """The compiled extension, building it on first use (or waiting for the background
+        build that :meth:`start` began); None where it cannot be built (the reason is logged
+        once and kept in :meth:`failure`). Thread-safe."""
         if self._module is not None or self._failed is not None:
             return self._module
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
         with self._lock:
             if self._module is not None or self._failed is not None:
                 return self._module
             try:
-                self._module = self._import_built() or self._build()
+                self._module = self._import_or_none() or self._build()
             except Exception as e:  # no compiler, no ninja, no headers...
-                lines = str(e).strip().splitlines()
-                e_line = self._failed = f"{type(e).__name__}: {lines[-1] if lines else ''}"
-                logger.warning("asyncllm: %s unavailable, using torch (%s)", self.what, e_line)
+                self._fail(e)
         return self._module
+
+    def _fail(self, e: Exception) -> None:
+        lines = str(e).strip().splitlines()
+        self._failed = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+        logger.warning("asyncllm: %s unavailable, using torch (%s)", self.what, self._failed)
+
+    def ready(self) -> Any:
+        """The extension if it can be used now, else None, never waiting: a built one is
+        imported (milliseconds), a missing one starts building in the background
+        (:meth:`start`) and is returned by a later call once done. For the hot paths, which
+        run their torch path while this is None."""
+        if self._module is None and self._failed is None:
+            self.start()
+        return self._module
+
+    def expected(self) -> bool:
+        """Whether the kernel is, or is likely to become, available: enabled, not failed, and
+        built already or a C++ compiler (``$CXX``, else ``c++``) and ninja found to build it
+        (then the build starts in the background: :meth:`start`). For choices made once at
+        load time (a weight layout) that the kernel's arrival should not invalidate."""
+        if not self.enabled() or self._failed is not None:
+            return False
+        if self._module is None and not _toolchain():
+            return False
+        self.start()
+        return self._failed is None
+
+    def start(self) -> None:
+        """Import the built extension, or start building it in a child process on a background
+        thread; returns at once (while :meth:`load` holds the lock, without doing either)."""
+        if self._module is not None or self._failed is not None or self._thread is not None:
+            return
+        if not self.enabled() or not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._module is None and self._failed is None and self._thread is None:
+                self._module = self._import_or_none()
+                if self._module is None:
+                    self._thread = threading.Thread(
+                        target=self._build_in_background, name=f"{self.name}-build", daemon=True
+                    )
+                    _STARTED.append(self)
+                    self._thread.start()
+        finally:
+            self._lock.release()
+
+    def _build_in_background(self) -> None:
+        started = time.monotonic()
+        logger.info(
+            "asyncllm: building the %s in the background (once per machine; the torch path "
+            "serves meanwhile) in %s",
+            self.what,
+            self.build_dir(),
+        )
+        keys = ("name", "source", "functions", "cflags", "what", "env_switch")
+        _run_build_process({k: getattr(self, k) for k in keys})
+        # Imports what the child built; where it failed, builds here and logs the reason.
+        with self._lock:
+            if self._module is None and self._failed is None:
+                try:
+                    self._module = self._import_built() or self._build()
+                except Exception as e:
+                    self._fail(e)
+        if self._module is not None:
+            logger.info("asyncllm: %s ready after %.1f s", self.what, time.monotonic() - started)
+
+    def _import_or_none(self) -> Any:
+        try:
+            return self._import_built()
+        except Exception:  # a truncated .so (a build killed while linking): build again
+            return None
 
     def failure(self) -> str | None:
         """Why the kernel could not be built, or None."""
@@ -163,3 +248,45 @@ class CpuExtension:
             build_directory=str(d),
             verbose=False,
         )
+
+
+#: Extensions whose background build :meth:`CpuExtension.start` began, in order.
+_STARTED: list[CpuExtension] = []
+
+
+def wait_for_builds() -> None:
+    """Block until every background build started so far ended (built or failed): before
+    tracing a compiled forward, whose graph takes the kernels that are there."""
+    for ext in list(_STARTED):
+        ext.load()
+
+
+def _run_build_process(spec: dict[str, Any]) -> None:
+    """Build the extension of ``spec`` (:class:`CpuExtension`'s arguments) in a child process
+    and wait for it; its outcome is read from the build folder afterwards."""
+    with contextlib.suppress(OSError):  # no interpreter to spawn: load() builds in-process
+        subprocess.run(
+            [sys.executable, "-m", "asyncllm.worker.cpu_extension"],
+            input=json.dumps(spec).encode(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
+
+
+def _toolchain() -> bool:
+    """A C++ compiler and ninja, as ``torch.utils.cpp_extension`` looks for them."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and is_ninja_available()
+
+
+def _main() -> int:
+    """The background build's child process: the extension's arguments as JSON on stdin."""
+    os.nice(10)  # g++ yields the cores to the engine's steps
+    ext = CpuExtension(**json.loads(sys.stdin.read()))
+    return 0 if ext.load() is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

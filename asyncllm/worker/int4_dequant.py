@@ -419,13 +419,16 @@ _fake_registered = False
 _lock = threading.Lock()
 
 
-def kernel() -> Any:
-    """The built extension, or None where it is switched off or cannot be built; loading it
+def kernel(wait: bool = True) -> Any:
+    """The built extension, or None where it is switched off or cannot be built (with
+    ``wait=False`` also while it is being built: :meth:`CpuExtension.ready`); loading it
     registers the op ``asyncllm_cpu::int4_linear`` (a whole
     :class:`~asyncllm.worker.quant_linear.Int4Linear` call in C++, the row-count choice
     inside) and here its fake implementation. Cheap after the first call."""
     global _fake_registered
-    mod = EXTENSION.load() if EXTENSION.enabled() else None
+    if not EXTENSION.enabled():
+        return None
+    mod = EXTENSION.load() if wait else EXTENSION.ready()
     if mod is not None and not _fake_registered:
         with _lock:
             if not _fake_registered:
@@ -436,16 +439,17 @@ def kernel() -> Any:
 
 @torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
 def op_available() -> bool:
-    """``asyncllm_cpu::int4_linear`` can be called (:func:`kernel`); a constant to Dynamo,
-    which evaluates it once while tracing instead of tracing the extension's loading."""
-    return kernel() is not None
+    """``asyncllm_cpu::int4_linear`` can be called now (:func:`kernel`, never waiting for
+    its build); a constant to Dynamo, which evaluates it once while tracing instead of
+    tracing the extension's loading."""
+    return kernel(wait=False) is not None
 
 
 @torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
 def fused_available() -> bool:
     """The fused many-row path can run here (the extension built, native bfloat16 brgemm); a
     constant to Dynamo."""
-    mod = kernel()
+    mod = kernel(wait=False)
     return mod is not None and bool(mod.int4_fused_available())
 
 

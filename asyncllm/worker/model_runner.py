@@ -28,6 +28,7 @@ from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
 from asyncllm.worker.cpu_linear import pack_linears
 from asyncllm.worker.kv_cache import KVCache
 from asyncllm.worker.logprobs import PromptRows, prompt_logprobs
+from asyncllm.worker.quant_linear import start_kernels
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.sampler import Sampler, sample_chunks
 from asyncllm.worker.sibling_linears import fuse_siblings
@@ -37,7 +38,8 @@ from asyncllm.worker.step_timing import StepTimings
 def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
     """The backend for ``EngineConfig.attention_backend``; "auto" is Triton on CUDA (when
     installed), on CPU the torch path with the C++ decode and chunk kernels of
-    :mod:`asyncllm.attention.cpu_paged` ("cpu", when they build), torch elsewhere.
+    :mod:`asyncllm.attention.cpu_paged` ("cpu", when they are built or being built: its
+    steps take the torch path until they are there), torch elsewhere.
 
     Raises:
         ValueError: an unknown name, or "triton" without Triton, or on a device other than
@@ -47,7 +49,7 @@ def select_attention_backend(requested: str, device: torch.device) -> AttentionB
     if requested == "auto":
         if device.type == "cuda" and has_triton:
             return TRITON_BACKEND
-        if device.type == "cpu" and cpu_paged.available():
+        if device.type == "cpu" and cpu_paged.expected():
             return cpu_paged.CPU_BACKEND
         return TORCH_BACKEND
     if requested == "torch":
@@ -100,6 +102,8 @@ class ModelRunner:
         # linears (docs/benchmarks.md; off with ASYNCLLM_CPU_PACKED_LINEAR=0). Both idempotent:
         # engines may share a model.
         fuse_siblings(model)
+        if next(model.parameters()).device.type == "cpu":
+            start_kernels(model)  # a fresh machine builds them in the background
         self.num_packed_linears = pack_linears(model)
         self.model = model
         self.kv_cache = kv_cache

@@ -33,13 +33,13 @@ only where the kernel has its AVX-512 path (:func:`fast`); elsewhere the head st
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch import nn
 
 from asyncllm.worker.cpu_extension import BRGEMM_BF16_SOURCE, CpuExtension
+from asyncllm.worker.device import cpu_flags
 
 __all__ = ["EXTENSION", "MAX_ROWS", "Q8Linear", "fast", "kernel"]
 
@@ -261,23 +261,35 @@ EXTENSION = CpuExtension(
 MAX_ROWS = 8
 
 
-def kernel() -> Any:
-    """The built extension, or None where it is switched off or cannot be built."""
-    return EXTENSION.load() if EXTENSION.enabled() else None
+def kernel(wait: bool = True) -> Any:
+    """The built extension, or None where it is switched off or cannot be built (with
+    ``wait=False`` also while it is being built: :meth:`CpuExtension.ready`)."""
+    if not EXTENSION.enabled():
+        return None
+    return EXTENSION.load() if wait else EXTENSION.ready()
 
 
 def fast() -> bool:
-    """The kernel builds here with its AVX-512 path (the one worth using)."""
-    mod = kernel()
-    return mod is not None and bool(mod.q8_fast())
+    """The kernel has its AVX-512 path here (the one worth using), or will have once its
+    background build is done (``-march=native`` and the CPU's ``avx512f``): never waits."""
+    mod = kernel(wait=False)
+    if mod is not None:
+        return bool(mod.q8_fast())
+    return EXTENSION.expected() and "avx512f" in cpu_flags()
 
 
-@functools.cache
 def mm_available() -> bool:
     """The many-row kernel (``q8_mm``: dequantize per block of 64 outputs + oneDNN's
-    brgemm, bfloat16) runs here; else more than :data:`MAX_ROWS` rows take a packed dense
-    copy (:meth:`Q8Linear.pack`)."""
-    mod = kernel()
+    brgemm, bfloat16) runs here, or will once built (native bfloat16 in the CPU's flags);
+    else more than :data:`MAX_ROWS` rows take a packed dense copy (:meth:`Q8Linear.pack`).
+    Never waits."""
+    mod = kernel(wait=False)
+    if mod is not None:
+        return bool(mod.q8_mm_available())
+    return EXTENSION.expected() and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def _mm_runs(mod: Any) -> bool:
     return mod is not None and bool(mod.q8_mm_available())
 
 
@@ -303,8 +315,8 @@ def q8_0_linear(
 
     out, cols = q.shape
     rows = x.reshape(-1, cols)
-    mod = kernel()
-    if rows.shape[0] > max_rows and x.dtype == torch.bfloat16 and mm_available():
+    mod = kernel(wait=False)
+    if rows.shape[0] > max_rows and x.dtype == torch.bfloat16 and _mm_runs(mod):
         y: torch.Tensor = mod.q8_mm(rows.contiguous(), q, scale).view(*x.shape[:-1], out)
     elif packed is not None and (rows.shape[0] > max_rows or mod is None):
         dense: torch.Tensor = packed_linear_op(x, packed, bias, cols, out)
@@ -343,6 +355,10 @@ class Q8Linear(nn.Module):
     bias: torch.Tensor | None
     #: The oneDNN-packed dense copy (:meth:`pack`), or None.
     packed: torch.Tensor | None = None
+    #: The dense weight eager calls use while the kernel is not there (built in the
+    #: background on a fresh machine: the per-call dequantization of the default model's
+    #: head cost ~100 ms a token there), dropped once it is.
+    _interim: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -387,6 +403,13 @@ class Q8Linear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_HINT_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None and not torch.compiler.is_compiling():
+            if kernel(wait=False) is None:  # being built (or unbuildable): a dense copy
+                if self._interim is None:
+                    self._interim = self.weight
+                d = nn.functional.linear(x, self._interim).float()
+                return d if self.bias is None else d + self.bias.float()
+            self._interim = None
         y: torch.Tensor = q8_0_linear(x, self.q, self.scale, self.packed, self.bias, MAX_ROWS)
         return y
 

@@ -250,6 +250,20 @@ def int4_max_rows() -> int:
 INT4_GEMV_MAX_ROWS = 3
 
 
+def start_kernels(model: nn.Module | None = None, mode: str | None = None) -> None:
+    """Import the C++ kernels that ``model``'s quantized layers call (or, before the model is
+    built, a quantization ``mode``'s: "gguf" int4 and Q8_0, "int4" int4), or start building
+    them in the background (:meth:`~asyncllm.worker.cpu_extension.CpuExtension.start`):
+    their calls take the torch path until then. Returns at once."""
+    from asyncllm.worker import q8_linear
+
+    kinds = {type(m) for m in model.modules()} if model is not None else set()
+    if Int4Linear in kinds or mode in ("gguf", "int4"):
+        int4_dequant.EXTENSION.start()
+    if q8_linear.Q8Linear in kinds or mode == "gguf":
+        q8_linear.EXTENSION.start()
+
+
 #: Calls of the Python fallback :func:`int4_linear` (torch's int4 kernel), for tests.
 _PY_CALLS = collections.Counter[str]()
 
