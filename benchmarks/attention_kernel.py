@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from asyncllm.attention import cpu_paged
-from asyncllm.worker.cpu_extension import CpuExtension
+from asyncllm.worker.cpu_extension import BRGEMM_BF16_SOURCE, CpuExtension
 
 #: (batch, context tokens, tokens of it that all the batch's sequences share from the start):
 #: W3, W1 (its chat template's first 32 tokens shared), longer W1 contexts, W2 without and
@@ -46,8 +46,8 @@ def source_at(rev: str) -> str:
         return subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
 
     cpp = show("asyncllm/attention/cpu_paged.cpp")
-    if cpp.returncode == 0:
-        return cpp.stdout
+    if cpp.returncode == 0:  # since the shared-prefix GEMMs, it calls brgemm_bf16_runs()
+        return (BRGEMM_BF16_SOURCE if "brgemm_bf16_runs()" in cpp.stdout else "") + cpp.stdout
     py = show("asyncllm/attention/cpu_paged.py")
     py.check_returncode()
     for node in ast.parse(py.stdout).body:

@@ -323,6 +323,45 @@ static void tile_rows_avx512(const float* __restrict qv, const T* k, const T* v,
 
 #endif
 
+// One row of scores s[0..N) (unscaled) to bfloat16 weights p = exp(s * sc - m), m their
+// maximum (scaled) and l the sum of the rounded weights: shared_item_gemm's softmax.
+static inline void softmax_bf16_row(const float* __restrict s, int64_t N, float sc,
+                                    at::BFloat16* __restrict p, float& m, float& l) {
+#if defined(__AVX512BF16__)
+  const __m512 vsc = _mm512_set1_ps(sc);
+  __m512 vm = _mm512_set1_ps(-1e30f);
+  auto mask = [N](int64_t j) {
+    return j + 16 <= N ? static_cast<__mmask16>(0xFFFF)
+                       : static_cast<__mmask16>((1u << (N - j)) - 1u);
+  };
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 k = mask(j);
+    vm = _mm512_mask_max_ps(vm, k, vm, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), vsc));
+  }
+  m = _mm512_reduce_max_ps(vm);
+  const __m512 vmx = _mm512_set1_ps(m);
+  __m512 vl = _mm512_setzero_ps();
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 k = mask(j);
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), vsc);
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(exp16(_mm512_sub_ps(x, vmx)));
+    _mm256_mask_storeu_epi16(p + j, k, b);
+    const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    vl = _mm512_add_ps(vl, _mm512_maskz_mov_ps(k, rounded));
+  }
+  l = _mm512_reduce_add_ps(vl);
+#else
+  float mx = -1e30f, sum = 0.f;
+  for (int64_t j = 0; j < N; ++j) mx = std::max(mx, s[j] * sc);
+  for (int64_t j = 0; j < N; ++j) {
+    p[j] = static_cast<at::BFloat16>(std::exp(s[j] * sc - mx));
+    sum += to_f(p[j]);
+  }
+  m = mx;
+  l = sum;
+#endif
+}
+
 // One tile (see tile_portable): the AVX-512 one where it is compiled for D = DC.
 template <typename T, int64_t DC>
 static inline void run_tile(const float* qv, const T* k, const T* v, const T* kp, const T* vp,
@@ -475,6 +514,96 @@ struct PagedLayer {
         BT(tables.data_ptr<int64_t>()), L(lens.data_ptr<int64_t>()), O(out.data_ptr<T>()) {}
 
 
+  // The scratch of shared_item_gemm, per thread.
+  struct GemmScratch {
+    std::vector<at::BFloat16> a, kp, p, vp;
+    std::vector<float> s, o;
+  };
+
+  // Whether attend_shared's items go through shared_item_gemm: bfloat16 caches, D a multiple
+  // of 32, and oneDNN's bfloat16 brgemm at native speed here (AVX-512 BF16 or AMX).
+  static bool gemm_shared() {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same<T, at::BFloat16>::value && DC > 0 && DC % 32 == 0)
+      return brgemm_bf16_runs();
+#endif
+    return false;
+  }
+
+  // attend_shared's work item as two GEMMs (oneDNN's brgemm micro-kernel, bfloat16 in,
+  // float32 sums): S = Q K^T over the whole prefix for the item's R rows, each row's softmax
+  // over S at once, then O = P V with the weights P rounded to bfloat16 (as flash attention
+  // does; l sums the rounded weights, so O / l stays their weighted mean). K is repacked into
+  // brgemm's VNNI layout per panel of 64 positions, V once. The float32 tiles computed the
+  // same sums with FMAs at ~45 GFLOP/s a core on a Zen 5; brgemm runs vdpbf16ps
+  // (benchmarks/attention_kernel.py, W2's case).
+  void shared_item_gemm(const SharedPrefix& grp, int64_t h, int64_t s0, int64_t s1, float sc,
+                        const int64_t* slot, GemmScratch& w, RowState& st) const {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same<T, at::BFloat16>::value && DC > 0 && DC % 32 == 0) {
+      constexpr int64_t NB = 64;
+      const int64_t R = (s1 - s0) * G, N = grp.blocks * bs;
+      const int64_t* bt = BT + grp.seqs[0] * M;
+      w.a.resize(R * D);
+      w.kp.resize(D * NB);
+      w.s.resize(R * N);
+      w.p.resize(R * N);
+      w.vp.resize(N * D);
+      w.o.resize(R * D);
+      for (int64_t r = 0; r < R; ++r) {
+        const T* src = Q + grp.seqs[s0 + r / G] * qs0 + (h * G + r % G) * qs1;
+        for (int64_t d = 0; d < D; ++d) w.a[r * D + d] = src[d * qs2];
+      }
+      // VNNI K^T: [D / 2][nb][2], a (d, d + 1) pair of a K row is one 32-bit word: up to 16
+      // positions of one block gathered per pair.
+      uint32_t* __restrict kp = reinterpret_cast<uint32_t*>(w.kp.data());
+      const __m512i idx = _mm512_mullo_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_epi32(static_cast<int>(tok / 2)));
+      for (int64_t p0 = 0; p0 < N; p0 += NB) {
+        const int64_t nb = std::min(NB, N - p0);
+        for (int64_t t = 0, n; t < nb; t += n) {
+          const int64_t pos = p0 + t, j = pos / bs, in = pos - j * bs;
+          n = std::min({int64_t{16}, bs - in, nb - t});
+          const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+          const int* base = reinterpret_cast<const int*>(K + (bt[j] * bs + in) * tok + h * D);
+          for (int64_t i = 0; i < DC / 2; ++i)
+            _mm512_mask_storeu_epi32(
+                kp + i * nb + t, live,
+                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, base + i, 4));
+        }
+        at::native::cpublas::brgemm(R, nb, D, D, nb, N, false, w.a.data(), w.kp.data(),
+                                    w.s.data() + p0, true);
+      }
+      // VNNI V: [N / 2][D][2], two positions' rows interleaved (bs is even: a pair never
+      // crosses a block).
+      uint16_t* __restrict vp = reinterpret_cast<uint16_t*>(w.vp.data());
+      for (int64_t j = 0; j < grp.blocks; ++j) {
+        const uint16_t* vb = reinterpret_cast<const uint16_t*>(V + bt[j] * bs * tok + h * D);
+        for (int64_t t = 0; t < bs; t += 2) {
+          const uint16_t* __restrict v0 = vb + t * tok;
+          const uint16_t* __restrict v1 = v0 + tok;
+          uint16_t* __restrict o = vp + (j * bs + t) * DC;
+          for (int64_t d = 0; d < DC; ++d) {
+            o[2 * d] = v0[d];
+            o[2 * d + 1] = v1[d];
+          }
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t out = slot[grp.seqs[s0 + r / G]] * H + h * G + r % G;
+        softmax_bf16_row(w.s.data() + r * N, N, sc, w.p.data() + r * N, st.m[out], st.l[out]);
+      }
+      at::native::cpublas::brgemm(R, D, N, N, D, D, false, w.p.data(), w.vp.data(), w.o.data(),
+                                  true);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t out = slot[grp.seqs[s0 + r / G]] * H + h * G + r % G;
+        std::copy(w.o.begin() + r * D, w.o.begin() + (r + 1) * D, st.acc.begin() + out * D);
+      }
+    }
+#endif
+  }
+
   // Cascade attention's first part: each shared prefix's blocks attended for the query rows of
   // all its sequences at once, so that a shared block's K/V rows are read (and widened) once
   // per group and KV head, not once per sequence; the rows' state goes to st, row
@@ -496,6 +625,16 @@ struct PagedLayer {
                                                   (n * G + SHARED_ROWS - 1) / SHARED_ROWS}));
       for (int64_t h = 0; h < Hkv; ++h)
         for (int64_t p = 0; p < parts; ++p) items.push_back({gi, h, n * p / parts, n * (p + 1) / parts});
+    }
+    if (gemm_shared()) {
+      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+        static thread_local GemmScratch w;  // grown once: no zero-fill per call
+        for (int64_t i = begin; i < end; ++i)
+          shared_item_gemm(groups[items[i].g], items[i].h, items[i].s0, items[i].s1, sc, slot, w,
+                           st);
+        at::native::cpublas::brgemm_release();
+      });
+      return;
     }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       RowTiles w;

@@ -64,7 +64,7 @@ import torch
 
 from asyncllm.attention.backend_registry import AttentionBackend, AttentionMetadata
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
-from asyncllm.worker.cpu_extension import CpuExtension
+from asyncllm.worker.cpu_extension import BRGEMM_BF16_SOURCE, CpuExtension
 from asyncllm.worker.device import cpu_flags
 
 ENV_SWITCH = "ASYNCLLM_CPU_ATTENTION_KERNEL"
@@ -73,7 +73,7 @@ ENV_SWITCH = "ASYNCLLM_CPU_ATTENTION_KERNEL"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 #: The kernels' C++ (``cpu_paged.cpp`` beside this file, shipped as package data).
-_SOURCE = pathlib.Path(__file__).with_name("cpu_paged.cpp").read_text()
+_SOURCE = BRGEMM_BF16_SOURCE + pathlib.Path(__file__).with_name("cpu_paged.cpp").read_text()
 
 NAME = "asyncllm_cpu_paged"
 # -ffast-math: lets GCC vectorize expf through glibc's libmvec and reassociate the sums
