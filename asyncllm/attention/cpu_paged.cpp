@@ -362,6 +362,98 @@ static inline void softmax_bf16_row(const float* __restrict s, int64_t N, float 
 #endif
 }
 
+// The scratch of prefix_gemm, per thread.
+struct GemmScratch {
+  std::vector<at::BFloat16> a, kp, p, vp;
+  std::vector<float> s, o, m, l;
+};
+
+// Whether prefix_gemm runs for caches of type T and head size DC: bfloat16, DC a multiple of
+// 32, and oneDNN's bfloat16 brgemm at native speed here (AVX-512 BF16 or AMX).
+template <typename T, int64_t DC>
+static bool gemm_runs() {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, at::BFloat16>::value && DC > 0 && DC % 32 == 0)
+    return brgemm_bf16_runs();
+#endif
+  return false;
+}
+
+// R query rows (qrow(r): row r's DC elements, element stride qs2) attended over the first
+// `blocks` blocks of a block table bt (caches [N, bs, Hkv, DC], tok = Hkv * DC elements a
+// position, KV head h), every row seeing every position, as two GEMMs (oneDNN's brgemm
+// micro-kernel, bfloat16 in, float32 sums): S = Q K^T for all rows, each row's softmax over S
+// at once, then O = P V with the weights P rounded to bfloat16 (as flash attention does; l
+// sums the rounded weights, so O / l stays their weighted mean). store(r, m, l, acc) gets
+// row r's online-softmax state (m the maximum scaled score, acc [DC] unnormalized). K is
+// repacked into brgemm's VNNI layout per panel of 64 positions, V once. Cascade attention's
+// shared prefix: the float32 tiles summed the same products with FMAs at ~45 GFLOP/s a core
+// on a Zen 5; brgemm runs vdpbf16ps (benchmarks/attention_kernel.py, W2's case).
+template <typename T, int64_t DC, typename QRow, typename Store>
+static void prefix_gemm(const T* K, const T* V, int64_t bs, int64_t tok, const int64_t* bt,
+                        int64_t blocks, int64_t h, int64_t R, float sc, QRow&& qrow, int64_t qs2,
+                        Store&& store, GemmScratch& w) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, at::BFloat16>::value && DC > 0 && DC % 32 == 0) {
+    constexpr int64_t NB = 64, D = DC;
+    const int64_t N = blocks * bs;
+    w.a.resize(R * D);
+    w.kp.resize(D * NB);
+    w.s.resize(R * N);
+    w.p.resize(R * N);
+    w.vp.resize(N * D);
+    w.o.resize(R * D);
+    for (int64_t r = 0; r < R; ++r) {
+      const T* src = qrow(r);
+      for (int64_t d = 0; d < D; ++d) w.a[r * D + d] = src[d * qs2];
+    }
+    // VNNI K^T: [D / 2][nb][2], a (d, d + 1) pair of a K row is one 32-bit word: up to 16
+    // positions of one block gathered per pair.
+    uint32_t* __restrict kp = reinterpret_cast<uint32_t*>(w.kp.data());
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(static_cast<int>(tok / 2)));
+    for (int64_t p0 = 0; p0 < N; p0 += NB) {
+      const int64_t nb = std::min(NB, N - p0);
+      for (int64_t t = 0, n; t < nb; t += n) {
+        const int64_t pos = p0 + t, j = pos / bs, in = pos - j * bs;
+        n = std::min({int64_t{16}, bs - in, nb - t});
+        const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+        const int* base = reinterpret_cast<const int*>(K + (bt[j] * bs + in) * tok + h * D);
+        for (int64_t i = 0; i < DC / 2; ++i)
+          _mm512_mask_storeu_epi32(
+              kp + i * nb + t, live,
+              _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, base + i, 4));
+      }
+      at::native::cpublas::brgemm(R, nb, D, D, nb, N, false, w.a.data(), w.kp.data(),
+                                  w.s.data() + p0, true);
+    }
+    // VNNI V: [N / 2][D][2], two positions' rows interleaved (bs is even: a pair never
+    // crosses a block).
+    uint16_t* __restrict vp = reinterpret_cast<uint16_t*>(w.vp.data());
+    for (int64_t j = 0; j < blocks; ++j) {
+      const uint16_t* vb = reinterpret_cast<const uint16_t*>(V + bt[j] * bs * tok + h * D);
+      for (int64_t t = 0; t < bs; t += 2) {
+        const uint16_t* __restrict v0 = vb + t * tok;
+        const uint16_t* __restrict v1 = v0 + tok;
+        uint16_t* __restrict o = vp + (j * bs + t) * DC;
+        for (int64_t d = 0; d < DC; ++d) {
+          o[2 * d] = v0[d];
+          o[2 * d + 1] = v1[d];
+        }
+      }
+    }
+    w.m.resize(R);
+    w.l.resize(R);
+    for (int64_t r = 0; r < R; ++r)
+      softmax_bf16_row(w.s.data() + r * N, N, sc, w.p.data() + r * N, w.m[r], w.l[r]);
+    at::native::cpublas::brgemm(R, D, N, N, D, D, false, w.p.data(), w.vp.data(), w.o.data(),
+                                true);
+    for (int64_t r = 0; r < R; ++r) store(r, w.m[r], w.l[r], w.o.data() + r * D);
+  }
+#endif
+}
+
 // One tile (see tile_portable): the AVX-512 one where it is compiled for D = DC.
 template <typename T, int64_t DC>
 static inline void run_tile(const float* qv, const T* k, const T* v, const T* kp, const T* vp,
@@ -514,94 +606,23 @@ struct PagedLayer {
         BT(tables.data_ptr<int64_t>()), L(lens.data_ptr<int64_t>()), O(out.data_ptr<T>()) {}
 
 
-  // The scratch of shared_item_gemm, per thread.
-  struct GemmScratch {
-    std::vector<at::BFloat16> a, kp, p, vp;
-    std::vector<float> s, o;
-  };
+  // Whether attend_shared's items go through prefix_gemm: bfloat16 caches, D a multiple of
+  // 32, and oneDNN's bfloat16 brgemm at native speed here (AVX-512 BF16 or AMX).
+  static bool gemm_shared() { return gemm_runs<T, DC>(); }
 
-  // Whether attend_shared's items go through shared_item_gemm: bfloat16 caches, D a multiple
-  // of 32, and oneDNN's bfloat16 brgemm at native speed here (AVX-512 BF16 or AMX).
-  static bool gemm_shared() {
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same<T, at::BFloat16>::value && DC > 0 && DC % 32 == 0)
-      return brgemm_bf16_runs();
-#endif
-    return false;
-  }
-
-  // attend_shared's work item as two GEMMs (oneDNN's brgemm micro-kernel, bfloat16 in,
-  // float32 sums): S = Q K^T over the whole prefix for the item's R rows, each row's softmax
-  // over S at once, then O = P V with the weights P rounded to bfloat16 (as flash attention
-  // does; l sums the rounded weights, so O / l stays their weighted mean). K is repacked into
-  // brgemm's VNNI layout per panel of 64 positions, V once. The float32 tiles computed the
-  // same sums with FMAs at ~45 GFLOP/s a core on a Zen 5; brgemm runs vdpbf16ps
-  // (benchmarks/attention_kernel.py, W2's case).
+  // attend_shared's work item through prefix_gemm, its rows' state into st.
   void shared_item_gemm(const SharedPrefix& grp, int64_t h, int64_t s0, int64_t s1, float sc,
                         const int64_t* slot, GemmScratch& w, RowState& st) const {
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same<T, at::BFloat16>::value && DC > 0 && DC % 32 == 0) {
-      constexpr int64_t NB = 64;
-      const int64_t R = (s1 - s0) * G, N = grp.blocks * bs;
-      const int64_t* bt = BT + grp.seqs[0] * M;
-      w.a.resize(R * D);
-      w.kp.resize(D * NB);
-      w.s.resize(R * N);
-      w.p.resize(R * N);
-      w.vp.resize(N * D);
-      w.o.resize(R * D);
-      for (int64_t r = 0; r < R; ++r) {
-        const T* src = Q + grp.seqs[s0 + r / G] * qs0 + (h * G + r % G) * qs1;
-        for (int64_t d = 0; d < D; ++d) w.a[r * D + d] = src[d * qs2];
-      }
-      // VNNI K^T: [D / 2][nb][2], a (d, d + 1) pair of a K row is one 32-bit word: up to 16
-      // positions of one block gathered per pair.
-      uint32_t* __restrict kp = reinterpret_cast<uint32_t*>(w.kp.data());
-      const __m512i idx = _mm512_mullo_epi32(
-          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-          _mm512_set1_epi32(static_cast<int>(tok / 2)));
-      for (int64_t p0 = 0; p0 < N; p0 += NB) {
-        const int64_t nb = std::min(NB, N - p0);
-        for (int64_t t = 0, n; t < nb; t += n) {
-          const int64_t pos = p0 + t, j = pos / bs, in = pos - j * bs;
-          n = std::min({int64_t{16}, bs - in, nb - t});
-          const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
-          const int* base = reinterpret_cast<const int*>(K + (bt[j] * bs + in) * tok + h * D);
-          for (int64_t i = 0; i < DC / 2; ++i)
-            _mm512_mask_storeu_epi32(
-                kp + i * nb + t, live,
-                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, base + i, 4));
-        }
-        at::native::cpublas::brgemm(R, nb, D, D, nb, N, false, w.a.data(), w.kp.data(),
-                                    w.s.data() + p0, true);
-      }
-      // VNNI V: [N / 2][D][2], two positions' rows interleaved (bs is even: a pair never
-      // crosses a block).
-      uint16_t* __restrict vp = reinterpret_cast<uint16_t*>(w.vp.data());
-      for (int64_t j = 0; j < grp.blocks; ++j) {
-        const uint16_t* vb = reinterpret_cast<const uint16_t*>(V + bt[j] * bs * tok + h * D);
-        for (int64_t t = 0; t < bs; t += 2) {
-          const uint16_t* __restrict v0 = vb + t * tok;
-          const uint16_t* __restrict v1 = v0 + tok;
-          uint16_t* __restrict o = vp + (j * bs + t) * DC;
-          for (int64_t d = 0; d < DC; ++d) {
-            o[2 * d] = v0[d];
-            o[2 * d + 1] = v1[d];
-          }
-        }
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t out = slot[grp.seqs[s0 + r / G]] * H + h * G + r % G;
-        softmax_bf16_row(w.s.data() + r * N, N, sc, w.p.data() + r * N, st.m[out], st.l[out]);
-      }
-      at::native::cpublas::brgemm(R, D, N, N, D, D, false, w.p.data(), w.vp.data(), w.o.data(),
-                                  true);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t out = slot[grp.seqs[s0 + r / G]] * H + h * G + r % G;
-        std::copy(w.o.begin() + r * D, w.o.begin() + (r + 1) * D, st.acc.begin() + out * D);
-      }
-    }
-#endif
+    prefix_gemm<T, DC>(
+        K, V, bs, tok, BT + grp.seqs[0] * M, grp.blocks, h, (s1 - s0) * G, sc,
+        [&](int64_t r) { return Q + grp.seqs[s0 + r / G] * qs0 + (h * G + r % G) * qs1; }, qs2,
+        [&](int64_t r, float m, float l, const float* acc) {
+          const int64_t out = slot[grp.seqs[s0 + r / G]] * H + h * G + r % G;
+          st.m[out] = m;
+          st.l[out] = l;
+          std::copy(acc, acc + D, st.acc.begin() + out * D);
+        },
+        w);
   }
 
   // Cascade attention's first part: each shared prefix's blocks attended for the query rows of
@@ -807,6 +828,72 @@ static void dispatch(const at::Tensor& q, const at::Tensor& key_cache,
     case 128: return PagedLayer<T, 128>(q, key_cache, value_cache, tables, lens, out).decode(sc);
     default: return PagedLayer<T, 0>(q, key_cache, value_cache, tables, lens, out).decode(sc);
   }
+}
+
+// Cascade attention's shared part for prefill chunks: query rows `rows` [Tg] int64 of q
+// [R, H, D] attended over the blocks `blocks` [nb] int64 of the caches [N, bs, Hkv, D] (every
+// row sees every position: a prefix cached before all the chunks), by prefix_gemm per KV head
+// and part of the rows; out [R, H, D] and lse [R, H] (float32, contiguous) get those rows'
+// normalized outputs and log-sum-exps of the scaled scores (paged_prefill's init_out and
+// init_lse), the other rows left as they are. q and caches bfloat16, D 64 or 128, and brgemm
+// native here (shared_prefix_gemm_available).
+template <int64_t DC>
+static void shared_prefix_rows(const at::Tensor& q, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& blocks,
+                               const at::Tensor& rows, float sc, at::Tensor& out,
+                               at::Tensor& lse) {
+  using BF = at::BFloat16;
+  const int64_t H = q.size(1), Hkv = key_cache.size(2), G = H / Hkv, bs = key_cache.size(1);
+  const int64_t tok = Hkv * DC, nb = blocks.size(0), Tg = rows.size(0);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const BF *Q = q.data_ptr<BF>(), *K = key_cache.data_ptr<BF>(), *V = value_cache.data_ptr<BF>();
+  const int64_t *bt = blocks.data_ptr<int64_t>(), *RW = rows.data_ptr<int64_t>();
+  float *O = out.data_ptr<float>(), *LS = lse.data_ptr<float>();
+  const int64_t per = std::max<int64_t>(1, 64 / G);  // query tokens per item: <= 64 rows
+  const int64_t parts = (Tg + per - 1) / per;
+  at::parallel_for(0, Hkv * parts, 1, [&](int64_t begin, int64_t end) {
+    static thread_local GemmScratch w;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / parts, t0 = (i % parts) * per, nt = std::min(per, Tg - t0);
+      prefix_gemm<BF, DC>(
+          K, V, bs, tok, bt, nb, h, nt * G, sc,
+          [&](int64_t r) { return Q + RW[t0 + r / G] * qs0 + (h * G + r % G) * qs1; }, qs2,
+          [&](int64_t r, float m, float l, const float* acc) {
+            const int64_t row = RW[t0 + r / G] * H + h * G + r % G;
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            for (int64_t d = 0; d < DC; ++d) O[row * DC + d] = acc[d] * inv;
+            LS[row] = m + std::log(l);
+          },
+          w);
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+bool shared_prefix_gemm_available(int64_t head_size) {
+  return head_size == 64 ? gemm_runs<at::BFloat16, 64>()
+                         : head_size == 128 && gemm_runs<at::BFloat16, 128>();
+}
+
+void shared_prefix_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& blocks,
+                             const at::Tensor& rows, double scale, at::Tensor& out,
+                             at::Tensor& lse) {
+  const int64_t D = q.size(2);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
+                  value_cache.scalar_type() == at::kBFloat16 && shared_prefix_gemm_available(D),
+              "shared_prefix_attention: bfloat16, head size 64 or 128 and native brgemm only");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && q.dim() == 3 &&
+                  D == key_cache.size(3) && q.size(1) % key_cache.size(2) == 0 &&
+                  key_cache.size(1) % 2 == 0 && out.is_contiguous() && lse.is_contiguous() &&
+                  out.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat &&
+                  out.sizes() == q.sizes() && lse.size(0) == q.size(0) &&
+                  lse.size(1) == q.size(1) && blocks.scalar_type() == at::kLong &&
+                  rows.scalar_type() == at::kLong,
+              "shared_prefix_attention: shapes or dtypes do not match");
+  const float sc = static_cast<float>(scale);
+  if (D == 64) return shared_prefix_rows<64>(q, key_cache, value_cache, blocks, rows, sc, out, lse);
+  return shared_prefix_rows<128>(q, key_cache, value_cache, blocks, rows, sc, out, lse);
 }
 
 void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,

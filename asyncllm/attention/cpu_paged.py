@@ -91,6 +91,8 @@ EXTENSION = CpuExtension(
         "arm_decode",
         "disarm_decode",
         "decode_armed",
+        "shared_prefix_attention",
+        "shared_prefix_gemm_available",
     ],
     CFLAGS,
     "CPU attention kernel",
@@ -140,6 +142,9 @@ def expected() -> bool:
 #: neither routing below applies.
 _FLASH_PAYS = "amx_bf16" in cpu_flags()
 
+#: Where the kernel's shared-prefix GEMMs run (native bfloat16 brgemm without AMX).
+_GEMM_PAYS = not _FLASH_PAYS and "avx512_bf16" in cpu_flags()
+
 #: A bfloat16 prefill chunk of ``q_len`` tokens reaching ``seq_len`` tokens of context goes
 #: through the torch path where ``q_len * seq_len`` (query-position pairs, causal mask
 #: aside) is at least this (on CPUs with AMX, :data:`_FLASH_PAYS`; elsewhere never): there
@@ -162,7 +167,13 @@ TORCH_MIN_PAIRS = 28_000 if _FLASH_PAYS else 1 << 62
 #: (its third) 1.79x, 8 x 12 after 512 1.42x, 16 x 3 after 512 1.65x; with the cascade forced,
 #: 32 x 2 after 256 1.00x, 4 x 16 after 256 0.72x, 8 x 5 after 256 0.83x. Float32 steps keep
 #: the kernel (no AMX: the cascade measured 0.5-0.9x), and so do CPUs without AMX.
-MIN_SHARED_PAIRS = 24576 if _FLASH_PAYS else 1 << 62
+#: Without AMX but with AVX-512 BF16 (:data:`_GEMM_PAYS`) the group's rows go through the
+#: kernel's own GEMMs instead (``shared_prefix_attention``: oneDNN's brgemm on
+#: ``vdpbf16ps``): on a 2-core Zen 5 (1 thread, kernel alone / cascade) 17 x 28 after 512
+#: 1.75x, 14 x 14 after 528 1.77x, 8 x 12 after 512 1.55x, 16 x 3 after 512 2.6x; forced
+#: below the threshold, 32 x 2 after 256 3.6x and 4 x 16 after 256 1.45x (the smallest
+#: measured: 16384 pairs).
+MIN_SHARED_PAIRS = 24576 if _FLASH_PAYS else 16384 if _GEMM_PAYS else 1 << 62
 
 
 @dataclass(frozen=True)
@@ -217,13 +228,26 @@ class SharedChunks:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each group's rows of ``query [R, H, D]`` over its prefix: ``(out [R, H, D],
         lse [R, H])`` float32 (softmax-normalized output and log-sum-exp of the scaled
-        scores; rows of no group are left unset), by
+        scores; rows of no group are left unset), by the kernel's bfloat16 GEMMs
+        (``shared_prefix_attention``) where they run and AMX does not, else by
         ``aten._scaled_dot_product_flash_attention_for_cpu`` in the query's dtype, a group's
         ``G`` query heads per KV head as more rows of that head."""
         R, H, D = query.shape
         hkv = key_cache.shape[2]
         out = torch.empty((R, H, D), dtype=torch.float32, device=query.device)
         lse = torch.empty((R, H), dtype=torch.float32, device=query.device)
+        mod = EXTENSION.ready()
+        if (
+            not _FLASH_PAYS
+            and mod is not None
+            and query.dtype == key_cache.dtype == torch.bfloat16
+            and mod.shared_prefix_gemm_available(D)
+        ):
+            for blocks, rows in self.groups:
+                mod.shared_prefix_attention(
+                    query, key_cache, value_cache, blocks, rows, float(scale), out, lse
+                )
+            return out, lse
         for blocks, rows in self.groups:
             t = rows.numel()
             q = query.index_select(0, rows).view(t, hkv, H // hkv, D).transpose(0, 1)
