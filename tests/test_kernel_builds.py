@@ -50,30 +50,70 @@ def test_a_missing_kernel_builds_in_a_background_process(tmp_path, monkeypatch):
 
 
 def test_a_background_build_that_fails_is_reported_once(tmp_path, monkeypatch, caplog):
-    """A build process that leaves no module: the kernel is built in-process once more for
-    its error, which is logged once and kept; ready() stays None, expected() turns False."""
+    """A build process that fails: its reason is logged once and kept, without a second build
+    in the engine's process; ready() stays None and expected() turns False."""
     ext = _extension(tmp_path, monkeypatch)
-    monkeypatch.setattr(cpu_extension, "_run_build_process", lambda spec: None)
+    why = "RuntimeError: Error building extension 'asyncllm_bg'"
+    monkeypatch.setattr(cpu_extension, "_run_build_process", lambda spec: why)
     monkeypatch.setattr(ext, "_import_built", lambda: None)
-
-    def broken():  # type: ignore[no-untyped-def]
-        raise RuntimeError("Error building extension 'asyncllm_bg'")
-
-    monkeypatch.setattr(ext, "_build", broken)
+    monkeypatch.setattr(ext, "_build", lambda: pytest.fail("built in the calling process"))
     with caplog.at_level("WARNING", logger="asyncllm"):
         assert ext.ready() is None
         assert ext.load() is None
         assert ext.ready() is None and not ext.expected()
-    assert ext.failure() == "RuntimeError: Error building extension 'asyncllm_bg'"
+    assert ext.failure() == f"RuntimeError: {why}"
     assert caplog.text.count("bg kernel unavailable") == 1
 
 
-def test_no_compiler_means_no_kernel_expected(tmp_path, monkeypatch):
-    """Without a compiler nothing is started and the layout choices take the torch paths."""
+def test_a_stale_torch_lock_does_not_stop_the_build(tmp_path, monkeypatch):
+    """torch's ``lock`` file, left in the build folder by a builder that was killed, is removed
+    under asyncllm's own lock (an OS lock, freed with its holder) instead of being waited on
+    forever."""
+    from torch.utils import cpp_extension
+
+    ext = _extension(tmp_path, monkeypatch)
+    ext.build_dir().mkdir(parents=True)
+    (ext.build_dir() / "lock").touch()
+    seen = []
+
+    def load_inline(**kwargs):  # type: ignore[no-untyped-def]
+        seen.append((ext.build_dir() / "lock").exists())
+        return types.SimpleNamespace(name="built")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    assert ext.load().name == "built"
+    assert seen == [False]
+
+
+def test_no_compiler_means_no_kernel_expected(tmp_path, monkeypatch, caplog):
+    """Without a compiler nothing is started, the layout choices take the torch paths and a
+    kernel asked for says why, once."""
     ext = _extension(tmp_path, monkeypatch)
     monkeypatch.setattr(cpu_extension, "_toolchain", lambda: False)
     monkeypatch.setattr(cpu_extension, "_run_build_process", lambda s: pytest.fail("started"))
     assert not ext.expected()
+    with caplog.at_level("WARNING", logger="asyncllm"):
+        assert ext.ready() is None and ext.ready() is None
+    assert "no C++ compiler" in (ext.failure() or "")
+    assert caplog.text.count("bg kernel unavailable") == 1
+
+
+def test_wait_for_builds_gives_up_when_its_caller_closes(tmp_path, monkeypatch):
+    """A compiled forward waiting for the kernels stops waiting once its engine closes (an
+    exit does not wait for a build)."""
+    ext = _extension(tmp_path, monkeypatch)
+    release = threading.Event()
+    monkeypatch.setattr(cpu_extension, "_run_build_process", lambda spec: release.wait(60) and None)
+    monkeypatch.setattr(ext, "_import_built", lambda: None)
+    monkeypatch.setattr(ext, "_build", lambda: None)
+    ext.start()
+    try:
+        assert cpu_extension.wait_for_builds(lambda: True) is False
+    finally:
+        release.set()
+        assert ext._thread is not None
+        ext._thread.join()
+        cpu_extension._STARTED.remove(ext)
 
 
 @contextlib.contextmanager

@@ -415,6 +415,9 @@ class CompiledForward:
 
     def _prepare(self) -> None:
         try:
+            # The kernels being built first (the graph calls them), unless the engine closes.
+            if not wait_for_builds(lambda: self._closed):
+                raise RuntimeError("closed while the kernels were being built")
             if self.path.is_file():
                 try:
                     fn = self._load()

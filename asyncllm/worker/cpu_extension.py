@@ -17,7 +17,6 @@ path meanwhile (a fresh machine's first answer in seconds instead of ~70 s of co
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -30,10 +29,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 logger = logging.getLogger("asyncllm")
 
@@ -178,7 +178,9 @@ class CpuExtension:
         try:
             if self._module is None and self._failed is None and self._thread is None:
                 self._module = self._import_or_none()
-                if self._module is None:
+                if self._module is None and not _toolchain():
+                    self._fail(RuntimeError("no C++ compiler ($CXX, else c++) or no ninja found"))
+                elif self._module is None:
                     self._thread = threading.Thread(
                         target=self._build_in_background, name=f"{self.name}-build", daemon=True
                     )
@@ -196,12 +198,18 @@ class CpuExtension:
             self.build_dir(),
         )
         keys = ("name", "source", "functions", "cflags", "what", "env_switch")
-        _run_build_process({k: getattr(self, k) for k in keys})
-        # Imports what the child built; where it failed, builds here and logs the reason.
+        error = _run_build_process({k: getattr(self, k) for k in keys})
+        # Imports what the child built; where it failed, its reason (no second build here,
+        # at the engine's priority: the next process tries again).
         with self._lock:
             if self._module is None and self._failed is None:
                 try:
-                    self._module = self._import_built() or self._build()
+                    if error is None or error.startswith("OSError"):  # no child: build here
+                        self._module = self._import_built() or self._build()
+                    else:
+                        self._module = self._import_built()
+                        if self._module is None:
+                            raise RuntimeError(error)
                 except Exception as e:
                     self._fail(e)
         if self._module is not None:
@@ -234,44 +242,74 @@ class CpuExtension:
         return mod
 
     def _build(self) -> Any:
+        """Build and import the extension. Builders of one folder take turns on an OS lock
+        (``filelock``: released when its holder dies, however it dies), under which torch's
+        own lock file (``lock``, which a builder killed mid-build leaves behind, and on
+        which every later build would wait forever) can only be stale, and is removed."""
         from torch.utils.cpp_extension import load_inline
 
+        if not _toolchain():
+            raise RuntimeError("no C++ compiler ($CXX, else c++) or no ninja found")
         d = self.build_dir()
         d.mkdir(parents=True, exist_ok=True)
         logger.info("asyncllm: building the %s once (about a minute) in %s", self.what, d)
-        return load_inline(  # type: ignore[no-untyped-call]
-            name=self.name,
-            cpp_sources=[self.source],
-            functions=self.functions,
-            extra_cflags=self.cflags,
-            extra_ldflags=["-fopenmp"] if "-fopenmp" in self.cflags else [],
-            build_directory=str(d),
-            verbose=False,
-        )
+        with FileLock(d / "asyncllm-build.lock"):
+            (d / "lock").unlink(missing_ok=True)
+            return load_inline(  # type: ignore[no-untyped-call]
+                name=self.name,
+                cpp_sources=[self.source],
+                functions=self.functions,
+                extra_cflags=self.cflags,
+                extra_ldflags=["-fopenmp"] if "-fopenmp" in self.cflags else [],
+                build_directory=str(d),
+                verbose=False,
+            )
 
 
 #: Extensions whose background build :meth:`CpuExtension.start` began, in order.
 _STARTED: list[CpuExtension] = []
 
 
-def wait_for_builds() -> None:
+def wait_for_builds(stop: Callable[[], bool] | None = None) -> bool:
     """Block until every background build started so far ended (built or failed): before
-    tracing a compiled forward, whose graph takes the kernels that are there."""
+    tracing or loading a compiled forward, whose graph takes the kernels that are there.
+
+    Returns:
+        True; False as soon as ``stop()`` turns true (its caller is closing), checked twice a
+        second.
+    """
     for ext in list(_STARTED):
+        thread = ext._thread
+        while thread is not None and thread.is_alive():
+            if stop is not None and stop():
+                return False
+            thread.join(0.5)
         ext.load()
+    return True
 
 
-def _run_build_process(spec: dict[str, Any]) -> None:
+def _run_build_process(spec: dict[str, Any]) -> str | None:
     """Build the extension of ``spec`` (:class:`CpuExtension`'s arguments) in a child process
-    and wait for it; its outcome is read from the build folder afterwards."""
-    with contextlib.suppress(OSError):  # no interpreter to spawn: load() builds in-process
-        subprocess.run(
+    and wait for it (the built module is then imported from the build folder).
+
+    Returns:
+        None once the child built it; else why not: its last line of error output, its exit
+        status, or "OSError: ..." where no child could be started.
+    """
+    try:
+        done = subprocess.run(
             [sys.executable, "-m", "asyncllm.worker.cpu_extension"],
             input=json.dumps(spec).encode(),
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             check=False,
         )
+    except OSError as e:
+        return f"OSError: {e}"
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else f"the build process exited with status {done.returncode}"
 
 
 def _toolchain() -> bool:
@@ -282,10 +320,14 @@ def _toolchain() -> bool:
 
 
 def _main() -> int:
-    """The background build's child process: the extension's arguments as JSON on stdin."""
+    """The background build's child process: the extension's arguments as JSON on stdin;
+    the reason of a failure as the last line on stderr."""
     os.nice(10)  # g++ yields the cores to the engine's steps
     ext = CpuExtension(**json.loads(sys.stdin.read()))
-    return 0 if ext.load() is not None else 1
+    if ext.load() is not None:
+        return 0
+    print(ext.failure(), file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
