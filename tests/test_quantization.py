@@ -633,6 +633,40 @@ def test_cache_that_does_not_fit_is_converted_again(
     assert own.read_bytes() == good  # converted again and cached again
 
 
+def test_a_gguf_file_is_parsed_once_per_load(quant_cache, monkeypatch, default_model_dir):
+    """gguf-py parses every metadata field per reader (~3 s for the default model): a first
+    load on an empty cache (transformers' conversion: config, weights, tokenizer; then the
+    quantization's tensor types and blocks) parses the file once, restores gguf-py as it was,
+    and converts to the same weights and tokenizer as the cached conversion."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    parses: list[str] = []
+    init = gguf.GGUFReader.__init__
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counting(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        parses.append(pathlib.Path(path).name)
+        init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting)
+    cpu = torch.device("cpu")
+    loaded = load_model("default", dtype=torch.bfloat16, device=cpu, quantization="auto")
+    assert parses == [_default_gguf_path().name]
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
+    assert loaded.model_dir.is_relative_to(quant_cache) and "Q4_1" in loaded.precision
+    want = load_file(default_model_dir / "model.safetensors")
+    got = load_file(loaded.model_dir / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    text = "Hello world, résumé 123 <|im_start|>"
+    ref = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+    assert loaded.tokenizer(text).input_ids == ref(text).input_ids
+    # A second load in the same process: the conversion and the packed weights are cached.
+    load_model("default", dtype=torch.bfloat16, device=cpu, quantization="auto")
+    assert len(parses) == 1
+
+
 def test_gguf_tensor_kinds_are_cached(tmp_path, monkeypatch):
     """An engine start needs only the GGUF tensors' types: the first read (gguf-py parses
     every metadata field) is kept, later starts read the small file; a changed GGUF file

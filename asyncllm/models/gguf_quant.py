@@ -29,7 +29,9 @@ import tempfile
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, dequantize
+from gguf import GGMLQuantizationType, dequantize
+
+from asyncllm.models.gguf_parse import reader
 
 __all__ = [
     "KERNEL_TYPES",
@@ -128,10 +130,10 @@ class GGUFTensor:
 
 
 def read_tensors(path: pathlib.Path) -> list[GGUFTensor]:
-    """The 2-D tensors of the GGUF file ``path`` (memory-mapped; nothing dequantized)."""
-    reader = GGUFReader(path)
+    """The 2-D tensors of the GGUF file ``path`` (memory-mapped; nothing dequantized; the
+    file parsed once per :func:`asyncllm.models.gguf_parse.parsed_once` block)."""
     out = []
-    for t in reader.tensors:
+    for t in reader(path).tensors:
         dims = [int(x) for x in t.shape]
         if len(dims) != 2:
             continue

@@ -15,6 +15,7 @@ Nothing here touches the network: every ``from_pretrained`` call passes ``local_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -245,6 +246,36 @@ def load_model(
         ValueError: a quantization setting the model or device cannot run (naming the
             setting, tensor or layer).
     """
+    with _gguf_parsed_once(model):
+        return _load_model(
+            model,
+            dtype=dtype,
+            device=device,
+            attn_implementation=attn_implementation,
+            quantization=quantization,
+            quantization_group_size=quantization_group_size,
+        )
+
+
+def _gguf_parsed_once(model: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
+    """For a GGUF model, one parse of the file for its conversion (transformers reads it three
+    times) and its quantization (:mod:`asyncllm.models.gguf_parse`); nothing otherwise."""
+    if not (model == DEFAULT_MODEL or os.fspath(model).lower().endswith(".gguf")):
+        return contextlib.nullcontext()
+    from asyncllm.models.gguf_parse import parsed_once
+
+    return parsed_once()
+
+
+def _load_model(
+    model: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str,
+    quantization: str | None,
+    quantization_group_size: int,
+) -> LoadedModel:
     model_dir = resolve_model_dir(model)
     device = torch.device(device)
     config = _read_config(model_dir)
@@ -480,11 +511,14 @@ def _write_converted(path: pathlib.Path, out: pathlib.Path) -> None:
         if hasattr(transformers, "GgufConfig")
         else {}
     )
+    from asyncllm.models.gguf_parse import parsed_once
+
     try:
-        lm = AutoModelForCausalLM.from_pretrained(
-            path.parent, dtype=torch.float32, **quantization, **kwargs
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+        with parsed_once():
+            lm = AutoModelForCausalLM.from_pretrained(
+                path.parent, dtype=torch.float32, **quantization, **kwargs
+            )
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
     except (MemoryError, torch.OutOfMemoryError):
         raise
     except ValueError as exc:
