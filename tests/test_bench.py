@@ -113,6 +113,13 @@ def test_floors():
     f = ceilings.floors({"copy_gbs": 10.0, "matmul_gflops": 100.0}, 10**9, 10**8, 64)
     assert f["bandwidth_s"] == pytest.approx(0.1) and f["compute_s"] == pytest.approx(0.128)
     assert f["floor_s"] == f["compute_s"]
+    # A bfloat16 engine is bounded by the bfloat16 GEMM ceiling, where one was measured.
+    c = {"copy_gbs": 10.0, "matmul_gflops": 100.0, "bf16_matmul_gflops": 400.0}
+    f = ceilings.floors(c, 10**8, 10**8, 64, "bfloat16")
+    assert f["compute_s"] == pytest.approx(0.032) and f["bandwidth_s"] == pytest.approx(0.01)
+    assert ceilings.floors(c, 10**8, 10**8, 64)["compute_s"] == pytest.approx(0.128)
+    best = ceilings.best_of([{"2": c}, {"2": {**c, "bf16_matmul_gflops": 500.0}}])
+    assert best["2"]["bf16_matmul_gflops"] == 500
 
 
 def test_asyncllm_worker_traces_and_restores(tiny_llama_dir):

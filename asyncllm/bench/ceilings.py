@@ -2,13 +2,16 @@
 
 - copy bandwidth: ``dst.copy_(src)`` of a 256 MiB float32 tensor (8x the L3 of most
   machines), bytes read + written per second, best of several;
-- matmul FLOP/s: float32 ``[m, k] @ [k, n]`` with m = k = n = 1024 (a large GEMM: the peak
-  the BLAS reaches), best of several;
+- matmul FLOP/s: ``[m, k] @ [k, n]`` with m = k = n = 1024 (a large GEMM: the peak the BLAS
+  reaches), best of several, in float32 (``matmul_gflops``) and bfloat16
+  (``bf16_matmul_gflops``: an engine whose matmuls take bfloat16 activations, as the int4 and
+  Q8_0 kernels do, is bounded by this one);
 - the same at the model's shapes at batch 64 is not used as the ceiling (it is what the engine
   reaches, not what the machine can do).
 
 The floors derived from them (``floors``): a decode step cannot take less than the weights'
-bytes over the copy bandwidth, nor less than 2 x parameters x tokens over the FLOP/s.
+bytes over the copy bandwidth, nor less than 2 x parameters x tokens over the FLOP/s of its
+compute dtype.
 """
 
 from __future__ import annotations
@@ -71,16 +74,18 @@ def copy_bandwidth(threads: int, mib: int = 256, reps: int = 7) -> float:
         torch.set_num_threads(prev)
 
 
-def matmul_flops(threads: int, size: int = 1024, reps: int = 5) -> float:
-    """Best float32 GEMM FLOP/s (``size``-cubed) with ``threads`` torch threads."""
+def matmul_flops(threads: int, size: int = 1024, reps: int = 5, dtype: str = "float32") -> float:
+    """Best GEMM FLOP/s (``size``-cubed, ``dtype`` "float32" or "bfloat16") with ``threads``
+    torch threads."""
     import torch
 
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a = torch.randn(size, size)
-        b = torch.randn(size, size)
-        out = torch.empty(size, size)
+        dt = getattr(torch, dtype)
+        a = torch.randn(size, size).to(dt)
+        b = torch.randn(size, size).to(dt)
+        out = torch.empty(size, size, dtype=dt)
         torch.mm(a, b, out=out)
         best = float("inf")
         for _ in range(reps):
@@ -94,13 +99,14 @@ def matmul_flops(threads: int, size: int = 1024, reps: int = 5) -> float:
 
 
 def measure(threads: list[int], mib: int = 256) -> dict[str, dict[str, float]]:
-    """``{str(threads): {"copy_gbs": ..., "matmul_gflops": ...}}`` (``mib``: the copied
-    tensor's size; tests pass a small one)."""
+    """``{str(threads): {"copy_gbs": ..., "matmul_gflops": ..., "bf16_matmul_gflops": ...}}``
+    (``mib``: the copied tensor's size; tests pass a small one)."""
     size = 1024 if mib >= 64 else 256
     return {
         str(t): {
             "copy_gbs": copy_bandwidth(t, mib) / 1e9,
             "matmul_gflops": matmul_flops(t, size) / 1e9,
+            "bf16_matmul_gflops": matmul_flops(t, size, dtype="bfloat16") / 1e9,
         }
         for t in threads
     }
@@ -112,21 +118,37 @@ def best_of(samples: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, f
     out: dict[str, dict[str, float]] = {}
     for s in samples:
         for t, v in s.items():
-            cur = out.setdefault(t, {"copy_gbs": 0.0, "matmul_gflops": 0.0})
-            cur["copy_gbs"] = max(cur["copy_gbs"], v["copy_gbs"])
-            cur["matmul_gflops"] = max(cur["matmul_gflops"], v["matmul_gflops"])
+            cur = out.setdefault(t, {})
+            for k, x in v.items():
+                cur[k] = max(cur.get(k, 0.0), x)
     return out
 
 
+def gflops(ceiling: dict[str, float], dtype: str | None) -> float:
+    """The GEMM GFLOP/s bounding an engine whose matmuls run in ``dtype`` (its activations:
+    "bfloat16" for the bfloat16 and int4/Q8_0 engines); float32's for anything else."""
+    if dtype == "bfloat16" and "bf16_matmul_gflops" in ceiling:
+        return ceiling["bf16_matmul_gflops"]
+    return ceiling["matmul_gflops"]
+
+
 def floors(
-    ceiling: dict[str, float], weight_bytes: int, num_params: int, tokens: int
+    ceiling: dict[str, float],
+    weight_bytes: int,
+    num_params: int,
+    tokens: int,
+    dtype: str | None = "float32",
 ) -> dict[str, float]:
     """Lower bounds (s) of one forward over ``tokens`` tokens (decode: one per sequence).
+
+    Args:
+        weight_bytes: bytes of weights the forward reads (the engine's, quantized or not).
+        dtype: the dtype its matmuls compute in (``gflops``).
 
     Returns:
         ``bandwidth_s`` (weights bytes / copy bandwidth), ``compute_s`` (2 x params x tokens
         / FLOP/s) and ``floor_s``, the larger.
     """
     bw = weight_bytes / (ceiling["copy_gbs"] * 1e9)
-    fl = 2 * num_params * tokens / (ceiling["matmul_gflops"] * 1e9)
+    fl = 2 * num_params * tokens / (gflops(ceiling, dtype) * 1e9)
     return {"bandwidth_s": bw, "compute_s": fl, "floor_s": max(bw, fl)}

@@ -270,8 +270,10 @@ def _targets_and_breakdown(s: dict[str, Any]) -> list[str]:
             f"(main thread CPU {mean['loop_cpu'] * 1e3:.2f} ms per step, of which "
             f"{mean['delivery'] * 1e3:.2f} ms outside dispatch).",
             f"Forward {mean['forward'] * 1e3:.1f} ms vs floor {b['floor']['floor_s'] * 1e3:.1f} ms "
-            f"(bandwidth {b['floor']['bandwidth_s'] * 1e3:.1f} ms, compute "
-            f"{b['floor']['compute_s'] * 1e3:.1f} ms): {b['forward_over_floor']:.2f}× the floor.",
+            f"(bandwidth {b['floor']['bandwidth_s'] * 1e3:.1f} ms for "
+            f"{b['floor'].get('weight_bytes', 0) / 1e6:.0f} MB of weights, compute "
+            f"{b['floor']['compute_s'] * 1e3:.1f} ms at the {b['floor'].get('dtype', 'float32')} "
+            f"matmul ceiling): {b['forward_over_floor']:.2f}× the floor.",
         ]
     return lines
 

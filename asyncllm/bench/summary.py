@@ -244,13 +244,16 @@ def _breakdown(
     mean = {k: statistics.fmean(v) for k, v in comp.items()}
     threads = str(bench.args.threads)
     c = ceil.get(threads) or next(iter(ceil.values()))
-    fl = ceilings.floors(c, model["weight_bytes"], model["num_params"], int(peak))
+    info = bench.workers["asyncllm"].info if "asyncllm" in bench.workers else {}
+    weight_bytes = info.get("weight_bytes") or model["weight_bytes"]
+    dtype = info.get("dtype", "float32")
+    fl = ceilings.floors(c, weight_bytes, model["num_params"], int(peak), dtype)
     overhead = mean["schedule"] + mean["update"] + mean["prep"] + mean["sample"] + mean["detok"]
     return {
         "batch": peak,
         "steps": len(idx),
         "mean_s": mean,
-        "floor": fl,
+        "floor": {**fl, "dtype": dtype, "weight_bytes": weight_bytes},
         "forward_over_floor": mean["forward"] / fl["floor_s"],
         "overhead_fraction": overhead / mean["cycle"],
         "threads": bench.args.threads,
@@ -336,14 +339,18 @@ def _targets(s: dict[str, Any], threads: int) -> list[dict[str, Any]]:
     vprec = (s["engines"].get(vllm, {}).get("info") or {}).get("precision")
     note = "vLLM not measured in this run" if r is None else f"vLLM in {vprec}"
     add("W1 throughput / vLLM-CPU's", r, ">= 1.5", None if r is None else r >= 1.5, note)
+    info = s["engines"].get("asyncllm", {}).get("info") or {}
     if ceil and w1:
-        roof = ceil["matmul_gflops"] * 1e9 / (2 * model["num_params"])
-        gf = ceil["matmul_gflops"]
-        note = f"roofline {roof:.0f} tokens/s: {gf:.0f} GFLOP/s, {threads} thread(s)"
+        gf = ceilings.gflops(ceil, info.get("dtype"))
+        roof = gf * 1e9 / (2 * model["num_params"])
+        note = (
+            f"roofline {roof:.0f} tokens/s: {gf:.0f} GFLOP/s {info.get('dtype', 'float32')}, "
+            f"{threads} thread(s)"
+        )
         add("W1 throughput / matmul roofline", w1 / roof, ">= 0.85", w1 / roof >= 0.85, note)
     tpot = _fig(s, "asyncllm", "W3", "tpot_mean_s")
     if ceil and tpot:
-        floor = ceil["copy_gbs"] * 1e9 / model["weight_bytes"]
+        floor = ceil["copy_gbs"] * 1e9 / (info.get("weight_bytes") or model["weight_bytes"])
         frac = (1 / tpot) / floor
         note = (
             f"floor {floor:.1f} tokens/s: {ceil['copy_gbs']:.1f} GB/s copy, {threads} thread(s); "
