@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -663,3 +664,35 @@ def test_pack_linears_keeps_tied_weights(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv(cpu_linear.ENV_DISABLE, "0")
     fresh = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
     assert cpu_linear.pack_linears(fresh) == 0
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "default_model_dir"])
+def test_packing_releases_the_weight_file(model_dir, request):
+    """transformers maps the safetensors file and the weights point into it. After packing,
+    the embedding, the norms and a tied head still did, and kept the whole mapping (every
+    weight's pages, read by the packing) resident: a float32 engine held its weights twice.
+    Packing copies them out (a tie kept: the default model's head) and the file is unmapped."""
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue(model_dir)
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(str(path) in line for line in f)
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    assert mapped() > 0
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == (model_dir == "default_model_dir")
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.inference_mode():
+        ref = model(ids).logits
+        assert cpu_linear.pack_linears(model) > 0
+        out = model(ids).logits
+    gc.collect()
+    assert mapped() == 0
+    assert all(p.untyped_storage().resizable() for p in model.parameters())
+    if tied:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=5e-3)  # oneDNN's summation order
+    assert cpu_linear.own_weights(model) == 0  # nothing left to copy
