@@ -116,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # our typed errors: bad model path, bad parameters
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the engine closed on the way out; no traceback
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

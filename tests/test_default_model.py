@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 
@@ -119,3 +120,33 @@ def test_cli_reports_bad_model_path(tmp_path):
     )
     assert proc.returncode == 2
     assert str(tmp_path / "x") in proc.stderr
+
+
+def test_cli_ctrl_c_ends_without_a_traceback(default_model_dir):
+    """Ctrl-C while the answer streams: exit status 130 and one line, not asyncio's chained
+    CancelledError / KeyboardInterrupt tracebacks."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncllm",
+            "generate",
+            "Write a long story about a robot.",
+            "--max-tokens",
+            "400",
+            "--temperature",
+            "1.0",
+            "--seed",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.read(1)  # the answer is streaming
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()
+    assert "Traceback" not in err.decode() and err.decode().rstrip().endswith("interrupted")
