@@ -277,9 +277,11 @@ def test_decode_kernel_with_shared_prefixes_matches_torch(dtype, hkv, group, dim
 #: (query_lens, seq_lens) of steps with prefill chunks: fresh prompts of one token, of a
 #: block, across blocks and across the kernel's 16-token query tiles; chunks after a
 #: prefix-cache hit (a whole number of blocks cached) and after a chunk boundary inside a
-#: block; decodes mixed in.
+#: block; decodes mixed in; a fresh prompt long enough that its later query tiles see whole
+#: blocks of its own (attended by a GEMM where brgemm runs).
 CHUNK_STEPS = [
     ([1, 37, 1, 9, 1], [70, 37, 1, 9 + 40, 16]),
+    ([130, 3], [130, 64 + 3]),
     ([16, 17, 2, 33], [16, 17, 2, 33]),
     ([12, 12, 28, 5], [12 + 528, 12 + 32, 28 + 512, 5 + 11]),
     ([50, 1, 1], [50 + 7, 300, 2]),

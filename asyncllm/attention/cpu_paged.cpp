@@ -584,6 +584,11 @@ constexpr int64_t SHARED_ROWS = 64;
 // for the QT * G query rows of QT tokens and the G heads that share its KV head.
 constexpr int64_t QT = 16;
 
+// A prefill item's positions that all its rows see whole (the blocks before its first
+// token's block), at least this many, go through prefix_gemm where it runs
+// (benchmarks/prefill_attention.py, "1x512" and the "+512" cases).
+constexpr int64_t PREFILL_GEMM_MIN = 64;
+
 // One layer's attention over the paged cache, its tensors as sizes and pointers: q [R, H, D]
 // (rows may be strided: qs0, qs1, qs2), caches [N, bs, Hkv, D] contiguous (tok = Hkv * D
 // elements a position), tables [B, M] int64, lens [B] int64, out [R, H, D] contiguous; q,
@@ -773,8 +778,10 @@ struct PagedLayer {
     const int64_t N = static_cast<int64_t>(items.size());
     std::atomic<int64_t> next{0};
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N));
+    const bool gemm = gemm_shared();
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       RowTiles w;
+      static thread_local GemmScratch gw;  // grown once: no zero-fill per call
       std::vector<int64_t> nv(QT * G);
       for (int64_t i = next.fetch_add(1); i < N; i = next.fetch_add(1)) {
         const Item it = items[i];
@@ -792,8 +799,27 @@ struct PagedLayer {
           w.m[r] = IL[row];
           w.l[r] = 1.f;
         }
+        // The blocks every row sees whole (before the first token's block): one GEMM,
+        // merged into the rows' state (cascade attention within the sequence).
+        int64_t from = skip;
+        const int64_t whole = (last + 1) / bs;
+        if (gemm && (whole - skip) * bs >= PREFILL_GEMM_MIN) {
+          prefix_gemm<T, DC>(
+              K, V, bs, tok, BT + b * M + skip, whole - skip, h, w.R, sc,
+              [&](int64_t r) { return Q + (first + r / G) * qs0 + (h * G + r % G) * qs1; }, qs2,
+              [&](int64_t r, float m2, float l2, const float* acc2) {
+                const float mx = std::max(w.m[r], m2);
+                const float c1 = std::exp(w.m[r] - mx), c2 = std::exp(m2 - mx);
+                float* acc = w.acc.data() + r * D;
+                for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * c1 + acc2[d] * c2;
+                w.l[r] = w.l[r] * c1 + l2 * c2;
+                w.m[r] = mx;
+              },
+              gw);
+          from = whole;
+        }
         const int64_t len = last + nt;  // positions the item's last token sees
-        for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1, skip,
+        for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1, from,
                       [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
                           int64_t p0) {
                         // Rows that see only part of the tile: the causal mask's diagonal.
@@ -814,6 +840,7 @@ struct PagedLayer {
           for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(w.acc[r * D + d] * inv);
         }
       }
+      if (gemm) at::native::cpublas::brgemm_release();
     });
   }
 };

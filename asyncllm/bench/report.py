@@ -117,11 +117,16 @@ def _head(s: dict[str, Any]) -> list[str]:
         "Ceilings measured by the harness (best of the samples at the start and the end of the "
         "run):",
         "",
-        "| torch threads | copy bandwidth | matmul (1024³ float32) |",
-        "|---|---|---|",
+        "| torch threads | copy bandwidth | matmul (1024³ float32) | matmul (1024³ bfloat16) |",
+        "|---|---|---|---|",
     ]
     for t, c in sorted(s["ceilings"].items()):
-        lines.append(f"| {t} | {c['copy_gbs']:.1f} GB/s | {c['matmul_gflops']:.0f} GFLOP/s |")
+        bf16 = c.get("bf16_matmul_gflops")
+        lines.append(
+            f"| {t} | {c['copy_gbs']:.1f} GB/s | {c['matmul_gflops']:.0f} GFLOP/s | "
+            + ("–" if bf16 is None else f"{bf16:.0f} GFLOP/s")
+            + " |"
+        )
     return lines
 
 
