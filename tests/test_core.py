@@ -200,3 +200,43 @@ def test_aborting_every_unforked_sample_aborts_the_prefix():
     assert "s0\x1fprefix" in sched.requests
     sched.abort_request("s1")
     assert not sched.requests and bm.num_free_blocks == 20
+
+
+def test_a_block_computed_in_this_step_is_waited_for_not_computed_again():
+    """Requests sent together after one system prompt: the first one's chunk completes the
+    prompt's last shared block; the others wait one step and hit it then, instead of
+    computing it again beside it. A request that needs no block in flight is admitted at
+    once; the outputs equal those without prefix caching."""
+    shared = list(range(1, 23))  # blocks of 4: five full shared blocks, then 2 tokens
+
+    def requests() -> list[Request]:
+        prompts = [[*shared, 100 + i, 200 + i, 300 + i] for i in range(3)] + [[7, 8, 9, 10, 11]]
+        return [
+            Request(f"r{i}", p, max_tokens=4, max_model_len=1000, arrival_time=float(i))
+            for i, p in enumerate(prompts)
+        ]
+
+    sched = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=16)
+    reqs = requests()
+    for r in reqs:
+        sched.add_request(r)
+    steps = []
+    while sched.num_unfinished:
+        plan = sched.schedule()
+        steps.append([(c.request_id, len(c.token_ids)) for c in plan.chunks])
+        sampled = {c.request_id: 5 for c in plan.chunks if c.sample}
+        sched.update_from_output(plan, sampled)
+        sched.block_manager.check_invariants()
+    assert steps[0] == [("r0", 16)]
+    # r0 completes shared blocks 4 and 5 (its own): r1 and r2 wait for block 4, r3 goes on.
+    assert steps[1] == [("r0", 9), ("r3", 5)]
+    assert steps[2] == [("r0", 1), ("r3", 1), ("r1", 5), ("r2", 5)]
+    assert [r.num_cached_tokens for r in reqs] == [0, 20, 20, 0]
+
+    outs = {}
+    for caching in (True, False):
+        reqs = requests()
+        bm = BlockManager(100, 4, enable_caching=caching)
+        _run(Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16), reqs)
+        outs[caching] = [r.output_token_ids for r in reqs]
+    assert outs[True] == outs[False]

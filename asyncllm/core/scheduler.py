@@ -7,7 +7,10 @@ Each step the scheduler decides, from scratch, which requests compute how many t
    the budget (chunked prefill, as in vLLM and Sarathi-Serve, Agrawal et al., OSDI 2024);
 3. waiting requests are admitted in arrival order while the budget, ``max_num_seqs`` and the
    free blocks allow; the longest cached prefix of full blocks is shared (prefix caching) and
-   only the rest is computed; a long prompt's first chunk fills the rest of the budget.
+   only the rest is computed; a long prompt's first chunk fills the rest of the budget. A
+   request whose next uncached block is one that a request scheduled in this step computes
+   (agents sent together with one system prompt: the first one's last prompt blocks) waits
+   for the next step and hits it then, rather than computing the same block again.
 
 Priorities: a lower ``priority`` value is served first, ties by earlier arrival (vLLM's
 convention); the waiting queue is admitted in that order and running requests get the budget
@@ -280,6 +283,7 @@ class Scheduler:
         order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
         decodes = [r for r in order if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in order if r.num_tokens - r.num_computed_tokens > 1]
+        computing: set[bytes] = set()  # hashes of the blocks this step's chunks complete
         for request in decodes + prefills:
             if budget == 0:
                 break
@@ -290,23 +294,50 @@ class Scheduler:
                 out.chunks.append(self._chunk(request, n))
                 scheduled.add(request.request_id)
                 budget -= n
+                if n > 1:
+                    self._note_computing(request, n, computing)
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[i]
+            if computing and self._waits_for_computing(request, computing):
+                i += 1
+                continue
             n = self._admit(request, budget, out)
             if n == 0:
                 if self._release_waiting_blocks(request):
                     continue
                 break
-            del self.waiting[0]
+            del self.waiting[i]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, n))
             budget -= n
+            self._note_computing(request, n, computing)
             if self.groups.admitted(request):
                 # Its call's other waiting samples are now above the share: others first.
                 self.waiting.sort(key=self._admission_key)
+                i = 0
         return out
+
+    def _note_computing(self, request: Request, n: int, computing: set[bytes]) -> None:
+        """Add the hashes of the blocks that ``request``'s chunk of ``n`` tokens fills."""
+        bm = self.block_manager
+        if not bm.enable_caching:
+            return
+        start = request.num_computed_tokens
+        hashes = bm.block_hashes(request.request_id, request, request.cache_salt, start + n)
+        computing.update(hashes[start // bm.block_size : (start + n) // bm.block_size])
+
+    def _waits_for_computing(self, request: Request, computing: set[bytes]) -> bool:
+        """Whether a fresh waiting request's next uncached block is in ``computing``."""
+        bm = self.block_manager
+        rid = request.request_id
+        if request.cpu_blocks is not None or bm.block_table(rid):
+            return False  # swapped out or forked: it has its blocks
+        cached = bm.find_cached_prefix(rid, request, request.num_tokens, request.cache_salt)
+        hashes = bm.block_hashes(rid, request, request.cache_salt, request.num_tokens - 1)
+        return len(cached) < len(hashes) and hashes[len(cached)] in computing
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """Give a waiting request its blocks for its next chunk; return the chunk's size in
