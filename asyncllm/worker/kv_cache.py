@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import mmap
 import os
@@ -132,14 +131,14 @@ def zeros_on_demand(
 ) -> torch.Tensor:
     """A zero tensor whose host memory is committed page by page as it is written.
 
-    On CPU the tensor lies in an anonymous ``mmap``: the kernel hands out zero pages on
-    first touch, so a process's resident memory (RSS) grows with the KV blocks actually
-    used, not with the budget (``torch.zeros`` writes every page up front). The mapping is
-    advised ``MADV_HUGEPAGE`` before any write: decode attention reads each sequence's
-    blocks from scattered places in the pool, and with 4 KiB pages nearly every block
-    costs TLB misses, which also stop software prefetches; with transparent huge pages in
-    "madvise" mode (a common default) only advised memory gets 2 MiB pages. Where the
-    advice is refused the tensor keeps ordinary pages. Elsewhere: ``torch.zeros``.
+    On CPU the tensor lies in a private anonymous ``mmap``: the kernel hands out zero pages
+    on first touch, so a process's resident memory (RSS) grows with the KV blocks actually
+    used, not with the budget (``torch.zeros`` writes every page up front). Not shared:
+    ``mmap``'s default, a shared mapping, is shmem (RssShmem, and seen by a forked child).
+    Not advised ``MADV_HUGEPAGE``: 2 MiB pages made decode attention 5-13% faster (1-2% of a
+    step) but zero 2 MiB of every layer's K and V at the first write of a block into a new
+    huge page (~120 MB at once for the default model) and grow RSS in those steps
+    (``benchmarks/kv_huge_pages.py``, docs/tuning.md). Elsewhere: ``torch.zeros``.
 
     Raises:
         ValueError: the host refuses to reserve the mapping (more than its memory and
@@ -148,16 +147,16 @@ def zeros_on_demand(
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    private = (
+        {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+    )
     try:
-        buf = mmap.mmap(-1, max(nbytes, 1))
+        buf = mmap.mmap(-1, max(nbytes, 1), **private)
     except OSError as exc:  # ENOMEM: past what the kernel's overcommit lets one reserve
         raise ValueError(
             f"cannot reserve {nbytes} bytes of host memory for the KV cache ({exc}): lower "
             "EngineConfig.kv_cache_bytes (or leave it None)"
         ) from exc
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
-        with contextlib.suppress(OSError):
-            buf.madvise(mmap.MADV_HUGEPAGE)
     # The tensor keeps the mapping alive (frombuffer holds a reference to ``buf``).
     flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
     return flat.view(dtype).view(shape)
@@ -167,8 +166,7 @@ class KVCache:
     """One K and one V tensor per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
     Allocated once, zero-filled so that never-written slots read as finite numbers; on CPU
-    committed page by page as blocks are first written, with transparent huge pages asked
-    for (:func:`zeros_on_demand`).
+    committed page by page as blocks are first written (:func:`zeros_on_demand`).
 
     Args:
         spec: the per-token shape.
