@@ -354,6 +354,25 @@ async def test_all_torch_work_runs_on_the_compute_thread(tiny_llama_dir, make_en
     assert len(threads) == 1 and threads.pop().startswith("asyncllm-step")
 
 
+async def test_a_new_compute_thread_keeps_the_configured_thread_count(tiny_llama_dir, make_engine):
+    """Each ``async with`` ends by joining the compute thread and the next one starts a new
+    thread. That thread took torch's process-wide count at its first parallel op, which any
+    ``torch.set_num_threads`` of the application (here 1) had changed; now it sets its own."""
+    import torch
+
+    engine = make_engine(tiny_llama_dir, max_model_len=64, kv_cache_bytes=2**20, num_threads=2)
+    core = engine._engine
+    before = torch.get_num_threads()
+    try:
+        for _ in range(2):
+            async with engine:
+                await engine.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))
+                assert core.compute_thread.submit(torch.get_num_threads).result() == 2
+            torch.set_num_threads(1)  # the application's, on its own thread
+    finally:
+        torch.set_num_threads(before)
+
+
 async def test_a_dropped_engine_leaves_no_thread(tiny_llama_dir):
     import gc
     import threading

@@ -188,9 +188,14 @@ class LLMEngine:
 
     @property
     def compute_thread(self) -> ComputeThread:
-        """The thread that runs :meth:`step` (and the async front end's steps)."""
+        """The thread that runs :meth:`step` (and the async front end's steps). A new one
+        (after :meth:`stop_compute_thread`) gets ``config.num_threads`` itself: a thread
+        takes torch's process-wide count at its first parallel op, which any thread's
+        ``torch.set_num_threads`` changes."""
         if self._compute_thread is None:
-            self._compute_thread = ComputeThread()
+            thread = ComputeThread()
+            thread.submit(set_cpu_threads, self.device, self.config.num_threads).result()
+            self._compute_thread = thread
         return self._compute_thread
 
     def stop_compute_thread(self) -> None:
