@@ -118,6 +118,9 @@ def test_floors():
     f = ceilings.floors(c, 10**8, 10**8, 64, "bfloat16")
     assert f["compute_s"] == pytest.approx(0.032) and f["bandwidth_s"] == pytest.approx(0.01)
     assert ceilings.floors(c, 10**8, 10**8, 64)["compute_s"] == pytest.approx(0.128)
+    # The attention's KV reads add to the matmul floor (they run between a layer's matmuls).
+    f = ceilings.floors(c, 10**8, 10**8, 64, "bfloat16", kv_bytes=5 * 10**7)
+    assert f["kv_s"] == pytest.approx(0.005) and f["floor_with_kv_s"] == pytest.approx(0.037)
     best = ceilings.best_of([{"2": c}, {"2": {**c, "bf16_matmul_gflops": 500.0}}])
     assert best["2"]["bf16_matmul_gflops"] == 500
 

@@ -138,17 +138,28 @@ def floors(
     num_params: int,
     tokens: int,
     dtype: str | None = "float32",
+    kv_bytes: float = 0.0,
 ) -> dict[str, float]:
     """Lower bounds (s) of one forward over ``tokens`` tokens (decode: one per sequence).
 
     Args:
         weight_bytes: bytes of weights the forward reads (the engine's, quantized or not).
         dtype: the dtype its matmuls compute in (``gflops``).
+        kv_bytes: bytes of KV cache its attention reads (each cached slot once per layer).
 
     Returns:
         ``bandwidth_s`` (weights bytes / copy bandwidth), ``compute_s`` (2 x params x tokens
-        / FLOP/s) and ``floor_s``, the larger.
+        / FLOP/s), ``floor_s``, the larger (the matmul floor); ``kv_s`` (``kv_bytes`` / copy
+        bandwidth) and ``floor_with_kv_s`` = ``floor_s + kv_s``: attention, memory-bound at
+        decode, runs between a layer's matmuls, not beside them.
     """
     bw = weight_bytes / (ceiling["copy_gbs"] * 1e9)
     fl = 2 * num_params * tokens / (gflops(ceiling, dtype) * 1e9)
-    return {"bandwidth_s": bw, "compute_s": fl, "floor_s": max(bw, fl)}
+    kv = kv_bytes / (ceiling["copy_gbs"] * 1e9)
+    return {
+        "bandwidth_s": bw,
+        "compute_s": fl,
+        "floor_s": max(bw, fl),
+        "kv_s": kv,
+        "floor_with_kv_s": max(bw, fl) + kv,
+    }

@@ -280,6 +280,14 @@ def _targets_and_breakdown(s: dict[str, Any]) -> list[str]:
             f"{b['floor']['compute_s'] * 1e3:.1f} ms at the {b['floor'].get('dtype', 'float32')} "
             f"matmul ceiling): {b['forward_over_floor']:.2f}× the floor.",
         ]
+        fl = b["floor"]
+        if fl.get("kv_bytes"):
+            lines.append(
+                f"Its attention reads {fl['kv_bytes'] / 1e6:.0f} MB of KV cache per step "
+                f"({fl['kv_s'] * 1e3:.1f} ms at copy bandwidth); with them the floor is "
+                f"{fl['floor_with_kv_s'] * 1e3:.1f} ms: "
+                f"{b['forward_over_floor_with_kv']:.2f}× that."
+            )
     return lines
 
 

@@ -247,14 +247,17 @@ def _breakdown(
     info = bench.workers["asyncllm"].info if "asyncllm" in bench.workers else {}
     weight_bytes = info.get("weight_bytes") or model["weight_bytes"]
     dtype = info.get("dtype", "float32")
-    fl = ceilings.floors(c, weight_bytes, model["num_params"], int(peak), dtype)
+    kv_tokens = statistics.fmean(steps[i].get("tokens_in_use", 0.0) for i in idx)
+    kv_bytes = kv_tokens * t["trace"].get("bytes_per_token", 0)
+    fl = ceilings.floors(c, weight_bytes, model["num_params"], int(peak), dtype, kv_bytes)
     overhead = mean["schedule"] + mean["update"] + mean["prep"] + mean["sample"] + mean["detok"]
     return {
         "batch": peak,
         "steps": len(idx),
         "mean_s": mean,
-        "floor": {**fl, "dtype": dtype, "weight_bytes": weight_bytes},
+        "floor": {**fl, "dtype": dtype, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes},
         "forward_over_floor": mean["forward"] / fl["floor_s"],
+        "forward_over_floor_with_kv": mean["forward"] / fl["floor_with_kv_s"],
         "overhead_fraction": overhead / mean["cycle"],
         "threads": bench.args.threads,
         "loop_lag_ms": t.get("loop_lag_ms"),
