@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 
 from asyncllm import EngineConfig, SamplingParams
 from asyncllm.models import quantization as qz
-from asyncllm.models.gguf_quant import GGUFTensor, read_tensors, unpack
+from asyncllm.models.gguf_quant import GGUFTensor, content_key, match_rows, read_tensors, unpack
 from asyncllm.models.loader import _default_gguf_path, load_model
 from asyncllm.worker import int4_dequant, q8_linear
 from asyncllm.worker import quant_linear as ql
@@ -49,6 +49,28 @@ def test_q4_1_blocks_repack_without_loss():
         assert torch.equal(blocks.dequantize(), ref), t.name
         layer = ql.Int4Linear(blocks.q, blocks.scale, blocks.offset, 32, None, torch.float32)
         assert torch.equal(_identity_dequant(layer, t.shape[1], torch.float32), ref), t.name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+@pytest.mark.parametrize("cols", [64, 33])
+def test_content_key_and_match_rows_find_a_row_permutation(dtype, cols):
+    """A weight matches its GGUF tensor with rows reordered (llama.cpp's q/k), in the
+    model's dtype (bfloat16 included: no numpy dtype) and at an odd byte count per row;
+    a changed row, another dtype or shape does not match."""
+    torch.manual_seed(cols)
+    w = (torch.randn(96, cols) * 50).to(dtype)
+    perm = torch.randperm(96)
+    assert content_key(w[perm]) == content_key(w)
+    idx = match_rows(w, w[perm])
+    assert idx is not None and torch.equal(w[perm][idx], w)
+    assert torch.equal(match_rows(w, w.clone()), torch.arange(96))
+    other = w.clone()
+    other[5, 3] = other[5, 3] + 1
+    assert content_key(other) != content_key(w)
+    assert match_rows(other, w[perm]) is None
+    assert match_rows(w, w[:95]) is None
+    wider = torch.float64 if dtype != torch.float64 else torch.float32
+    assert match_rows(w.to(wider), w) is None
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])

@@ -178,28 +178,49 @@ def tensor_kinds(path: pathlib.Path, cache: pathlib.Path) -> list[TensorKind]:
     return kinds
 
 
+def _row_bytes(weight: torch.Tensor) -> np.ndarray:
+    """``weight`` [rows, cols] of any dtype as uint8 [rows, cols * itemsize] (its bytes)."""
+    return weight.detach().cpu().contiguous().view(torch.uint8).numpy()
+
+
+#: Rows per slice of :func:`content_key`'s integer pass (bounds its int64 temporary).
+_KEY_ROWS = 4096
+
+
 def content_key(weight: torch.Tensor) -> tuple[tuple[int, ...], int]:
-    """A key equal for two tensors that hold the same rows in any order: the shape and a
-    hash of the sorted hashes of the rows' bytes (one pass over the tensor)."""
-    rows = weight.detach().cpu().numpy()
-    return tuple(weight.shape), hash(tuple(sorted(hash(r.tobytes()) for r in rows)))
+    """A key equal for two tensors of one dtype that hold the same rows in any order: the
+    shape and a hash of the rows' sorted signatures. A row's signature is an exact integer
+    function of its bytes: their 16-bit words times fixed pseudo-random multipliers below
+    2**20, summed by a float64 matrix-vector product, exact in any order while every partial
+    sum stays below 2**53 (rows of up to 2**17 words). The same row gives the same signature
+    wherever it sits. Equal keys are not proof: :func:`match_rows` compares the bytes."""
+    raw = _row_bytes(weight)
+    if raw.shape[1] % 2 or raw.shape[1] > 1 << 18:  # hash each row's bytes instead
+        return tuple(weight.shape), hash(tuple(sorted(hash(r.tobytes()) for r in raw)))
+    words = torch.from_numpy(raw.view(np.int16))
+    gen = torch.Generator().manual_seed(words.shape[1])
+    mult = torch.randint(1, 1 << 20, (words.shape[1],), generator=gen).double()
+    sig = torch.cat(
+        [words[i : i + _KEY_ROWS].double() @ mult for i in range(0, len(words), _KEY_ROWS)]
+    )
+    return tuple(weight.shape), hash(tuple(sig.sort().values.tolist()))
 
 
 def match_rows(weight: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor | None:
     """The row order that turns ``candidate`` into ``weight`` exactly, or None.
 
     Returns an index tensor ``idx`` with ``candidate[idx]`` equal to ``weight`` (rows compared
-    bit for bit), or None when the two hold different rows.
+    bit for bit), or None when the two hold different rows (or differ in shape or dtype).
     """
-    if weight.shape != candidate.shape:
+    if weight.shape != candidate.shape or weight.dtype != candidate.dtype:
         return None
     if torch.equal(weight, candidate):
         return torch.arange(weight.shape[0])
     where: dict[bytes, int] = {}
-    for i, row in enumerate(candidate.numpy()):
+    for i, row in enumerate(_row_bytes(candidate)):
         where.setdefault(row.tobytes(), i)
     idx = []
-    for row in weight.numpy():
+    for row in _row_bytes(weight):
         j = where.get(row.tobytes())
         if j is None:
             return None
