@@ -36,4 +36,5 @@ class EngineNotRunningError(AsyncLLMError, RuntimeError):
 class QueueFull(AsyncLLMError, RuntimeError):
     """The waiting queue holds ``EngineConfig.max_waiting`` requests (parallel samples count
     one each); try again later (the server answers 429). Raised when the request is
-    submitted."""
+    submitted. A call with more samples than ``max_waiting`` alone raises
+    ``InvalidRequestError`` instead (400): it is never taken."""

@@ -516,6 +516,24 @@ async def test_queue_full_past_max_waiting(tiny_llama_dir, make_engine):
             assert (await extra.result()).finish_reason == "length"
 
 
+async def test_a_call_larger_than_max_waiting_is_invalid_not_queue_full(
+    tiny_llama_dir, make_engine
+):
+    """n samples beyond max_waiting are never taken, even by an idle engine: an
+    InvalidRequestError (400), not QueueFull ("try again later", which a retrying caller
+    repeats forever), for text and token-id prompts; n within it is served."""
+    engine = make_engine(tiny_llama_dir, max_num_seqs=4, max_waiting=2, **SMALL)
+    async with engine:
+        for prompt in ("hello there", _prompts()[0]):
+            with pytest.raises(InvalidRequestError, match="max_waiting=2") as info:
+                await engine.generate(prompt, SamplingParams(n=3, max_tokens=2))
+            assert not isinstance(info.value, QueueFull)
+        out = await engine.generate(_prompts()[0], SamplingParams(n=2, max_tokens=2))
+        assert out.samples is not None and len(out.samples) == 2
+        await wait_until(lambda: not engine._engine.has_unfinished())
+        check_pool_whole(engine)
+
+
 async def test_timeout_ends_running_and_waiting_requests(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, max_num_seqs=1, **SMALL)
     _slow_steps(engine, 0.01)
@@ -766,6 +784,28 @@ def test_llm_facade_retries_past_a_bounded_queue(tiny_llama_dir):
     with LLM(str(tiny_llama_dir), max_num_seqs=1, max_waiting=1, **SMALL) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)
+        check_pool_whole(llm.engine)
+
+
+def test_llm_facade_refuses_a_call_larger_than_max_waiting(tiny_llama_dir):
+    """The facade retries on QueueFull; a call that can never be taken must raise instead
+    of retrying forever."""
+    errors: list[BaseException] = []
+    with LLM(str(tiny_llama_dir), max_num_seqs=4, max_waiting=2, **SMALL) as llm:
+
+        def call() -> None:
+            try:
+                llm.generate(["hi"], SamplingParams(n=3, max_tokens=2), use_tqdm=False)
+            except BaseException as e:
+                errors.append(e)
+
+        worker = threading.Thread(target=call, daemon=True)
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "LLM.generate kept retrying a call it can never make"
+        assert len(errors) == 1 and isinstance(errors[0], InvalidRequestError)
+        (out,) = llm.generate(["hi"], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+        assert out.samples is not None and len(out.samples) == 2
         check_pool_whole(llm.engine)
 
 

@@ -396,11 +396,25 @@ def test_errors_use_openai_shape(served: tuple[str, AsyncEngine], client: openai
     assert r.status_code == 404 and r.json()["error"]["message"]
 
     # a full waiting queue answers 429
-    engine.config.max_waiting = 0
+    engine._num_waiting = lambda: 1024  # type: ignore[method-assign]
     try:
         with pytest.raises(openai.RateLimitError) as limited:
             client.completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert limited.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
+    finally:
+        del engine._num_waiting
+    # a call the queue could never hold (n x prompts > max_waiting) is a 400, not a 429 that
+    # a retrying client would repeat forever; one that fits is served
+    engine.config.max_waiting = 2
+    try:
+        for kwargs in ({"prompt": "x", "n": 3}, {"prompt": ["a", "b", "c"]}):
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.completions.create(model=MODEL, max_tokens=2, **kwargs)
+            assert bad.value.body["param"] == "n"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=3)
+        fits = client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+        assert len(fits.choices) == 2
     finally:
         engine.config.max_waiting = 1024
     wait_for(lambda: idle(engine))
@@ -589,8 +603,33 @@ def test_serve_command(tiny_llama_dir: Any) -> None:
         assert httpx.get(f"{base}/health").status_code == 200
         assert httpx.get(f"{base}/v1/models").status_code == 401
         assert httpx.get(f"{base}/metrics").status_code == 401
+        # stopped with a stream in flight: the request is aborted at once, the stream ends
+        # with its final event and [DONE], the log has no traceback (it was cut off after
+        # uvicorn's grace period, "Exception in ASGI application")
+        events: list[str] = []
+
+        def read_stream() -> None:
+            body = {"model": name, "prompt": "Once", "max_tokens": 5000, "ignore_eos": True,
+                    "stream": True}  # fmt: skip
+            auth = {"Authorization": "Bearer k1"}
+            with httpx.stream(
+                "POST", f"{base}/v1/completions", json=body, headers=auth, timeout=60
+            ) as r:
+                events.extend(x[6:] for x in r.iter_lines() if x.startswith("data: "))
+
+        reader = threading.Thread(target=read_stream, daemon=True)
+        reader.start()
+        while len(events) < 3 and reader.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stopped = time.monotonic()
         proc.send_signal(signal.SIGINT)
+        reader.join(30)
+        assert not reader.is_alive() and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
         assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - stopped < 4  # not uvicorn's 5 s grace period
+        log = "".join(lines.get_nowait() for _ in range(lines.qsize()))
+        assert "Traceback" not in log and "Exception in ASGI" not in log, log
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -42,7 +42,7 @@ from asyncllm.engine.step_output import StepOutput
 from asyncllm.engine.streams import RequestStream, collect, stream_method
 from asyncllm.engine.tool_calls import ChatTools
 from asyncllm.engine.wakeup import Wakeup, wait_future
-from asyncllm.errors import EngineDeadError, EngineNotRunningError, QueueFull
+from asyncllm.errors import EngineDeadError, EngineNotRunningError, InvalidRequestError, QueueFull
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -157,11 +157,9 @@ class AsyncEngine:
         tg = self._tg
         if tg is None:
             return
-        self._closing = True
-        if self.config.shutdown_mode != "drain" or exc_type is not None:
-            self._requests.abort_all()
-        self._wakeup.set()
+        self.begin_shutdown()
         if exc_type is not None:
+            self._requests.abort_all()
             tg.cancel_scope.cancel()  # the step loop aborts what is left (_run)
         try:
             # Joins the loop (a cancellation here cancels it first). The block's own
@@ -173,6 +171,22 @@ class AsyncEngine:
             self._engine.driven_by_async = False
             if self._dead is not None:
                 self._release_core()
+
+    def begin_shutdown(self) -> None:
+        """What leaving ``async with`` does first, now: new calls raise
+        :class:`EngineNotRunningError` and, with ``shutdown_mode="abort"``, the in-flight
+        requests are aborted (each stream ends with finish reason "abort"); with "drain"
+        they run on. For a server that must end its responses before it leaves the block:
+        uvicorn waits for open connections before it ends the app's lifespan, so
+        ``python -m asyncllm serve`` calls this when a shutdown starts. Call it on the
+        engine's event loop; nothing happens outside ``async with`` or on a second call.
+        """
+        if self._tg is None or self._closing:
+            return
+        self._closing = True
+        if self.config.shutdown_mode != "drain":
+            self._requests.abort_all()
+        self._wakeup.set()
 
     def health(self) -> str:
         """ "running" (inside ``async with``, loop alive) or "stopped".
@@ -227,7 +241,8 @@ class AsyncEngine:
         Raises:
             InvalidRequestError: bad prompt, params, timeout or a duplicate request id; a
                 text that cannot fit ``max_model_len`` (refused before tokenizing it);
-                ``params.n`` above ``EngineConfig.max_num_seqs``.
+                ``params.n`` above ``EngineConfig.max_num_seqs`` or
+                ``EngineConfig.max_waiting`` (never taken: not ``QueueFull``).
             QueueFull: ``EngineConfig.max_waiting`` requests are already waiting.
             EngineNotRunningError: outside ``async with engine`` (or while it exits).
             EngineDeadError: the step loop failed (before or during the request).
@@ -458,8 +473,16 @@ class AsyncEngine:
             )
 
     def _check_queue(self, num_requests: int) -> None:
-        """Raise QueueFull if ``num_requests`` more would exceed ``max_waiting``."""
+        """Raise QueueFull if ``num_requests`` more would exceed ``max_waiting`` now, and
+        InvalidRequestError if they exceed it alone: such a call is never taken, so "try
+        again later" would send a retrying client (the ``LLM`` facade, an OpenAI client on
+        429) into an endless loop."""
         limit = self.config.max_waiting
+        if limit is not None and num_requests > limit:
+            raise InvalidRequestError(
+                f"this call adds {num_requests} requests (its prompts' n samples), more than "
+                f"EngineConfig.max_waiting={limit} ever holds; lower n or raise max_waiting"
+            )
         if limit is not None and self._num_waiting() + num_requests > limit:
             raise QueueFull(
                 f"{self._num_waiting()} requests are waiting and this one adds "

@@ -132,7 +132,8 @@ object, nested more than 512 levels deep in any field), a field of the wrong typ
 (``param`` names it), an empty or too long prompt, token ids outside the vocabulary; 401
 without a valid API key; 404 for an unknown model or route (405: wrong method); 413 past
 ``--max-request-bytes``; 415 for a body that is not ``application/json``; 429
-``rate_limit_exceeded`` when ``EngineConfig.max_waiting`` requests already wait; 503
+``rate_limit_exceeded`` when ``EngineConfig.max_waiting`` requests already wait (a call
+whose n x prompts exceeds ``max_waiting`` is never taken: 400, ``param`` "n"); 503
 ``server_error`` once the engine has failed (``EngineDeadError``) or while it is not
 running; 500 ``server_error`` for anything unexpected. A 5xx carries a fixed message
 (never the exception's text, a Python repr or a path); the details go to the server log

@@ -126,6 +126,19 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
+    def _check_admissible(self, call: ep.EngineCall) -> None:
+        """A call's requests (n samples of each prompt) all fit the engine's waiting queue:
+        the server submits them at once, so one with more than ``max_waiting`` would get
+        429 on an idle server, every time a client retried."""
+        limit = getattr(getattr(self.engine, "config", None), "max_waiting", None)
+        total = call.n * len(call.prompts)
+        if isinstance(limit, int) and total > limit:
+            raise APIError(
+                f"n x the number of prompts is {total}, more than this server's waiting "
+                f"queue ever holds ({limit})",
+                param="n",
+            )
+
     async def _echo_text(self, prompt: str | list[int]) -> str:
         """A prompt's text for ``echo``. Token ids are checked first, by count (a prompt
         longer than ``max_model_len`` is refused before any work proportional to it) and
@@ -202,6 +215,7 @@ class OpenAIServer:
             req = await read_json(request, p.CompletionRequest, self.max_request_bytes)
             self._check_model(req.model)
             call = ep.completion_call(req, self.client_priority_range)
+            self._check_admissible(call)
             echoed = [await self._echo_text(x) for x in call.prompts] if req.echo else None
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
@@ -231,6 +245,7 @@ class OpenAIServer:
                 self._reserved_template_options,
                 trust_template=self.trust_request_chat_template,
             )
+            self._check_admissible(call)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
@@ -304,7 +319,9 @@ def create_app(
     """Build the OpenAI-compatible Starlette app for ``engine``.
 
     The app's lifespan runs the engine (``async with engine``): serve it with uvicorn or
-    any ASGI server that runs lifespans. ``app.state.server`` is the
+    any ASGI server that runs lifespans. uvicorn ends the lifespan only after the open
+    responses, so call ``engine.begin_shutdown()`` when its shutdown starts (as ``python -m
+    asyncllm serve`` does) for streams in flight to end at once. ``app.state.server`` is the
     :class:`OpenAIServer` (its ``metrics``, ``engine``, ``model_name``). Each keyword is
     the ``serve`` option of the same name (see the module's Security section).
 

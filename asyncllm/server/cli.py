@@ -4,7 +4,9 @@ options do)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -173,13 +175,24 @@ def serve(args: argparse.Namespace) -> int:
 
     engine = AsyncEngine.from_pretrained(args.model, **engine_config_from_args(args))
     app = create_app(engine, args.served_model_name, **app_options_from_args(args))
-    uvicorn.run(
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # uvicorn waits for open responses before the lifespan leaves the engine:
+            # aborted first, streams end with their final event instead of being cut
+            # after the grace period (with a traceback in the log).
+            engine.begin_shutdown()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
     )
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
+        Server(config).run()
     return 0
 
 
