@@ -37,12 +37,18 @@ from asyncllm.engine.chat_tool_setup import ChatToolSetup, constrain_to_calls
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.engine.output_processor import RequestState, TokenTextCache
 from asyncllm.engine.parallel_sampling import num_samples
-from asyncllm.engine.request_table import Call, RequestTable, check_timeout, check_token_ids
+from asyncllm.engine.request_table import (
+    Call,
+    RequestTable,
+    check_admission,
+    check_timeout,
+    check_token_ids,
+)
 from asyncllm.engine.step_output import StepOutput
 from asyncllm.engine.streams import RequestStream, collect, stream_method
 from asyncllm.engine.tool_calls import ChatTools
 from asyncllm.engine.wakeup import Wakeup, wait_future
-from asyncllm.errors import EngineDeadError, EngineNotRunningError, InvalidRequestError, QueueFull
+from asyncllm.errors import EngineDeadError, EngineNotRunningError
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -147,13 +153,10 @@ class AsyncEngine:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Stop: abort in-flight requests (``shutdown_mode="abort"``, or whenever the block
-        raised) or let them finish (``"drain"``); then join the step loop (its task group)
-        and the compute thread.
-
-        New calls raise :class:`EngineNotRunningError` from here on. Cancelling a drain
-        aborts what is left and still joins.
-        """
+        """Stop: :meth:`begin_shutdown` (abort in-flight requests, or let them finish in
+        "drain" mode; new calls raise EngineNotRunningError), abort them anyway if the block
+        raised, then join the step loop and the compute thread. Cancelling a drain aborts
+        what is left and still joins."""
         tg = self._tg
         if tg is None:
             return
@@ -173,14 +176,10 @@ class AsyncEngine:
                 self._release_core()
 
     def begin_shutdown(self) -> None:
-        """What leaving ``async with`` does first, now: new calls raise
-        :class:`EngineNotRunningError` and, with ``shutdown_mode="abort"``, the in-flight
-        requests are aborted (each stream ends with finish reason "abort"); with "drain"
-        they run on. For a server that must end its responses before it leaves the block:
-        uvicorn waits for open connections before it ends the app's lifespan, so
-        ``python -m asyncllm serve`` calls this when a shutdown starts. Call it on the
-        engine's event loop; nothing happens outside ``async with`` or on a second call.
-        """
+        """Leaving ``async with``'s first part, now: new calls raise EngineNotRunningError;
+        "abort" mode aborts in-flight requests ("drain": they run on). For servers, whose
+        lifespan ends after the open responses (``serve`` calls it when a shutdown starts).
+        Call it on the engine's loop; a no-op outside ``async with`` or a second time."""
         if self._tg is None or self._closing:
             return
         self._closing = True
@@ -472,35 +471,15 @@ class AsyncEngine:
                 "(from another thread: anyio.from_thread.run with its token, or the LLM facade)"
             )
 
-    def _check_queue(self, num_requests: int) -> None:
-        """Raise QueueFull if ``num_requests`` more would exceed ``max_waiting`` now, and
-        InvalidRequestError if they exceed it alone: such a call is never taken, so "try
-        again later" would send a retrying client (the ``LLM`` facade, an OpenAI client on
-        429) into an endless loop."""
-        limit = self.config.max_waiting
-        if limit is not None and num_requests > limit:
-            raise InvalidRequestError(
-                f"this call adds {num_requests} requests (its prompts' n samples), more than "
-                f"EngineConfig.max_waiting={limit} ever holds; lower n or raise max_waiting"
-            )
-        if limit is not None and self._num_waiting() + num_requests > limit:
-            raise QueueFull(
-                f"{self._num_waiting()} requests are waiting and this one adds "
-                f"{num_requests} (EngineConfig.max_waiting={limit}); try again later"
-            )
-
     async def _off_loop(
         self, fn: Callable[[], _T], num_requests: int = 0, *, grammar: bool = False
     ) -> _T:
         """``fn()`` on a worker thread, after the tokenizer's other work (the grammar
-        compiler's when ``grammar``); then check the engine still takes calls.
-
-        ``num_requests``: the requests of the call being prepared; they are refused at once
-        (QueueFull) when the queue is full, and count as waiting while ``fn`` waits or runs.
-        A cancelled caller waits for ``fn`` to end (never two tokenizations at once).
-        """
+        compiler's when ``grammar``), then check the engine still takes calls. The call's
+        ``num_requests`` are admitted first (``check_admission``) and count as waiting while
+        ``fn`` waits or runs; a cancelled caller waits for ``fn`` (one tokenization at once)."""
         limiter = self._grammar_limiter if grammar else self._tokenize_limiter
-        self._check_queue(num_requests)
+        check_admission(self.config.max_waiting, self._num_waiting(), num_requests)
         self._tokenizing += num_requests
         try:
             result = await anyio.to_thread.run_sync(fn, limiter=limiter)
@@ -544,7 +523,7 @@ class AsyncEngine:
             self._engine.inputs.check_prompt_chars(len(text))
             requests = await self._off_loop(make, num_samples(params))
         self._requests.check_free(request_id)  # taken while this one was tokenized?
-        self._check_queue(len(requests))
+        check_admission(self.config.max_waiting, self._num_waiting(), len(requests))
         states = []
         for i, request in enumerate(requests):
             state = RequestState(

@@ -26,7 +26,7 @@ import anyio
 from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
 from asyncllm.engine.output_processor import RequestState, process_step
 from asyncllm.engine.step_output import StepOutput
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import InvalidRequestError, QueueFull
 
 if TYPE_CHECKING:  # the engine core imports torch; the front end does not
     from asyncllm.engine.llm_engine import LLMEngine
@@ -63,6 +63,28 @@ def check_timeout(timeout: object) -> None:
     ):
         raise InvalidRequestError(
             f"timeout must be a positive number of seconds or None, got {timeout!r}"
+        )
+
+
+def check_admission(limit: int | None, waiting: int, adding: int) -> None:
+    """Admission past ``EngineConfig.max_waiting`` (``limit``; None: unbounded) of a call of
+    ``adding`` requests (its prompts' n samples) while ``waiting`` wait.
+
+    Raises:
+        InvalidRequestError: ``adding`` alone exceeds ``limit``: the call is never taken, so
+            "try again later" would loop a retrying client (the ``LLM`` facade, an OpenAI
+            client on 429) forever.
+        QueueFull: the queue has no room for it now.
+    """
+    if limit is not None and adding > limit:
+        raise InvalidRequestError(
+            f"this call adds {adding} requests (its prompts' n samples), more than "
+            f"EngineConfig.max_waiting={limit} ever holds; lower n or raise max_waiting"
+        )
+    if limit is not None and waiting + adding > limit:
+        raise QueueFull(
+            f"{waiting} requests are waiting and this one adds {adding} "
+            f"(EngineConfig.max_waiting={limit}); try again later"
         )
 
 
