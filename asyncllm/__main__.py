@@ -25,6 +25,10 @@ def _generate(args: argparse.Namespace) -> int:
     from asyncllm import AsyncEngine, SamplingParams
     from asyncllm.config_args import engine_config_from_args
 
+    # Checked before the model loads (seconds): a bad option fails at once.
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     config = {"max_num_seqs": 1, **engine_config_from_args(args)}
@@ -43,9 +47,6 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-    )
 
     async def main() -> int:
         async with engine:
@@ -58,11 +59,12 @@ def _generate(args: argparse.Namespace) -> int:
                 print(out.text, end="", flush=True)
                 n_prompt, n_gen = out.num_prompt_tokens, out.num_generated_tokens
             end = time.perf_counter()
+        print(flush=True)  # the answer's line ends (stdout may be a file or a pipe)
         ttft = (first or end) - start
         decode_s = end - (first or end)
         rate = (n_gen - 1) / decode_s if n_gen > 1 and decode_s > 0 else 0.0
         print(
-            f"\n[prompt tokens {n_prompt} | generated tokens {n_gen} | TTFT {ttft:.3f} s "
+            f"[prompt tokens {n_prompt} | generated tokens {n_gen} | TTFT {ttft:.3f} s "
             f"| {rate:.1f} tokens/s]",
             file=sys.stderr,
         )

@@ -105,6 +105,7 @@ def test_cli_generate_streams_an_answer(default_model_dir):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("\n")  # the answer's line is ended
     answer = proc.stdout.strip()
     assert "Paris" in answer or answer.startswith("L'Étoile"), answer
     assert "prompt tokens" in proc.stderr and "TTFT" in proc.stderr and "tokens/s" in proc.stderr
@@ -120,6 +121,20 @@ def test_cli_reports_bad_model_path(tmp_path):
     )
     assert proc.returncode == 2
     assert str(tmp_path / "x") in proc.stderr
+
+
+@pytest.mark.parametrize("option", [["--max-tokens", "0"], ["--temperature", "-1"]])
+def test_cli_checks_sampling_options_before_loading(tmp_path, option):
+    """A bad sampling option fails at once, before the model loads (the missing model path
+    would be the error otherwise)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncllm", "generate", "hi", "--model", str(tmp_path / "x"),
+         *option],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert option[0].removeprefix("--").replace("-", "_") in proc.stderr, proc.stderr
+    assert "loading" not in proc.stderr and str(tmp_path / "x") not in proc.stderr
 
 
 def test_cli_ctrl_c_ends_without_a_traceback(default_model_dir):
