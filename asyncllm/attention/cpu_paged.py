@@ -46,92 +46,50 @@ softmax in one vector, and keep the heads' output accumulators in registers over
 tile (elsewhere portable, auto-vectorized C++ computes the same, up to summation order).
 ``benchmarks/attention_kernel.py`` times the decode kernel against an earlier revision.
 
-The kernels are compiled on first use with ``torch.utils.cpp_extension.load_inline`` (g++
-and ninja; 30-60 s, once per machine: :mod:`asyncllm.worker.cpu_extension` keeps the build
-in asyncllm's cache directory, keyed by the source, flags, torch and Python, and later
-processes import it in milliseconds). Where they cannot be built, or with
-``ASYNCLLM_CPU_ATTENTION_KERNEL=0``, the engine keeps the torch path, with one log line.
+The kernels (``csrc/paged_attention.cpp``) are built when the package is installed, in each
+instruction-set variant (:mod:`asyncllm._kernels.native` imports the one this CPU runs).
+Where they are not installed, or with ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``, the engine keeps
+the torch path (one warning).
 """
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from asyncllm._kernels import native
+from asyncllm._kernels.native import cpu_flags
 from asyncllm.attention.backend_registry import AttentionBackend, AttentionMetadata
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
-from asyncllm.worker.cpu_extension import BRGEMM_BF16_SOURCE, CpuExtension
-from asyncllm.worker.device import cpu_flags
 
-ENV_SWITCH = "ASYNCLLM_CPU_ATTENTION_KERNEL"
+ENV_SWITCH = native.SWITCHES["attention"]
 
 #: The cache dtypes the kernel reads (float16 goes through the torch path).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
-#: The kernels' C++ (``cpu_paged.cpp`` beside this file, shipped as package data).
-_SOURCE = BRGEMM_BF16_SOURCE + pathlib.Path(__file__).with_name("cpu_paged.cpp").read_text()
-
-NAME = "asyncllm_cpu_paged"
-# -ffast-math: lets GCC vectorize expf through glibc's libmvec and reassociate the sums
-# (the kernel keeps every value finite: the running max starts at -1e30, not -inf).
-# -DASYNCLLM_PAGED_ATTENTION_OP: this build registers the op's CPU kernel (arm_decode).
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-DASYNCLLM_PAGED_ATTENTION_OP")
-
-EXTENSION = CpuExtension(
-    NAME,
-    _SOURCE,
-    [
-        "paged_decode",
-        "paged_write_decode",
-        "paged_prefill",
-        "arm_decode",
-        "disarm_decode",
-        "decode_armed",
-        "shared_prefix_attention",
-        "shared_prefix_gemm_available",
-    ],
-    CFLAGS,
-    "CPU attention kernel",
-    ENV_SWITCH,
-)
-"""The kernel's build-once extension (:mod:`asyncllm.worker.cpu_extension`)."""
-
 
 def enabled() -> bool:
     """Not switched off with ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``."""
-    return EXTENSION.enabled()
-
-
-def build_dir() -> pathlib.Path:
-    """Where the kernel is built (see :meth:`CpuExtension.build_dir`)."""
-    return EXTENSION.build_dir()
+    return native.enabled("attention")
 
 
 def load() -> Any:
-    """The compiled extension, building it on first use; None where it cannot be built
-    (the reason is logged once and kept in :func:`failure`)."""
-    return EXTENSION.load()
+    """The kernel module (best installed variant), or None where it is switched off or not
+    installed (the reason in :func:`failure`)."""
+    return native.module("attention")
 
 
 def failure() -> str | None:
-    """Why the kernel could not be built, or None."""
-    return EXTENSION.failure()
+    """Why the kernel could not be loaded, or None."""
+    return native.failure("attention")
 
 
 def available() -> bool:
-    """The kernel is enabled and builds (building it now if needed)."""
-    return EXTENSION.available()
-
-
-def expected() -> bool:
-    """The kernel is enabled and built, or being built in the background (never waits:
-    :meth:`~asyncllm.worker.cpu_extension.CpuExtension.expected`); the torch path runs each
-    step until it is there."""
-    return EXTENSION.expected()
+    """The kernel is enabled and installed."""
+    return load() is not None
 
 
 #: torch's flash attention outruns the chunk kernel on long bfloat16 chunks only where its
@@ -236,7 +194,7 @@ class SharedChunks:
         hkv = key_cache.shape[2]
         out = torch.empty((R, H, D), dtype=torch.float32, device=query.device)
         lse = torch.empty((R, H), dtype=torch.float32, device=query.device)
-        mod = EXTENSION.ready()
+        mod = load()
         if (
             not _FLASH_PAYS
             and mod is not None
@@ -460,7 +418,7 @@ def paged_attention_cpu(
     through the decode kernel, a step with prefill chunks through the chunk kernel (its
     decodes too), but for long bfloat16 chunks (:data:`TORCH_MIN_PAIRS`); everything else
     through the torch path."""
-    if not _kernel_reads(query, key_cache, value_cache) or EXTENSION.ready() is None:
+    if not _kernel_reads(query, key_cache, value_cache) or load() is None:
         return paged_attention(query, key_cache, value_cache, plan.base, scale)
     if plan.chunks is not None:
         chunks = plan.chunks if query.dtype == torch.float32 else plan.short_chunks
@@ -524,7 +482,7 @@ def _decode_kernel(plan: CpuPagedPlan, key_cache: torch.Tensor) -> tuple[Any, An
         or key_cache.device.type != "cpu"
     ):
         return None, None
-    mod = EXTENSION.ready()
+    mod = load()
     return (None, None) if mod is None else (mod, d.block_tables)
 
 
@@ -563,7 +521,6 @@ __all__ = [
     "chunk_attention",
     "decode_attention",
     "enabled",
-    "expected",
     "failure",
     "load",
     "paged_attention_cpu",

@@ -51,7 +51,7 @@ from asyncllm.errors import (
 )
 from asyncllm.models.quantization import gguf_source, resolve_quantization
 from asyncllm.models.weights import load_weights
-from asyncllm.worker.quant_linear import DEFAULT_GROUP_SIZE, start_kernels, weight_bytes
+from asyncllm.worker.quant_linear import DEFAULT_GROUP_SIZE, weight_bytes
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -294,8 +294,6 @@ def _load_model(
         dtype=dtype,
         device=device,
     )
-    if device.type == "cpu":  # a fresh machine builds their kernels while the model loads
-        start_kernels(mode=setting.mode)
     with _BUILD_LOCK:
         tokenizer, lm, info = load_weights(model_dir, config, attn_implementation, setting)
     lm.eval()

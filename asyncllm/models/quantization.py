@@ -9,13 +9,16 @@ Settings:
 * ``"int4"``: weight-only 4-bit, a scale and zero point per ``group_size`` input columns
   (``Int4Linear``; 32 by default, 64 or 128).
 * ``"gguf"``: a GGUF file's own blocks kept: ``Q4_0``/``Q4_1`` -> ``Int4Linear`` with group 32
-  (the codes as they are; the float16 scales rounded to bfloat16, the kernel's fast dtype),
+  (the codes as they are; the float16 scales exact in a float32 model, rounded to bfloat16
+  in a bfloat16 one),
   ``Q8_0`` -> the dense weight (see :data:`Q8_0_LINEAR`), but a ``Q8_0`` LM head ->
   ``Q8Linear`` (below); the ``Q8_0``/``Q4_*`` token embedding table -> :class:`QuantEmbedding`
   (lossless; a table tied to a ``Q8Linear`` head shares its codes).
 
-The quantized layers compute in bfloat16 (:data:`asyncllm.worker.quant_linear.COMPUTE_DTYPE`)
-and hand float32 back to a float32 model.
+The int4 layers compute in the model's dtype where it is float32 (float32 activations and
+scales: the function the file defines, as closely as float32 computes it) and in bfloat16
+otherwise (:func:`asyncllm.worker.quant_linear.int4_dtype`); the int8 layers in bfloat16
+(:data:`asyncllm.worker.quant_linear.COMPUTE_DTYPE`), handing float32 back to a float32 model.
 
 What is quantized (docs/tuning.md has the measurements): every ``nn.Linear`` of the decoder
 layers. For int4/int8 the LM head stays in the model's dtype, and so does a tied embedding
@@ -368,7 +371,7 @@ def _from_float(
                     f"{[g for g in ql.GROUP_SIZES if lin.in_features % g == 0] or 'none'}"
                 )
             q, scale, offset = ql.int4_codes(lin.weight, gs)
-            out[name] = ql.Int4Linear(q, scale, offset, gs, bias, ql.COMPUTE_DTYPE)
+            out[name] = ql.Int4Linear(q, scale, offset, gs, bias, ql.int4_dtype(dtype))
     return out, ("int8" if mode == "int8" else f"int4 g{gs}")
 
 
@@ -420,7 +423,7 @@ def _from_gguf(
             )
         blocks = _in_order(blocks, idx)
         out[name] = ql.Int4Linear(
-            blocks.q, blocks.scale, blocks.offset, GGUF_GROUP, lin.bias, ql.COMPUTE_DTYPE
+            blocks.q, blocks.scale, blocks.offset, GGUF_GROUP, lin.bias, ql.int4_dtype(dtype)
         )
         kinds.setdefault(f"{t.kind} int4", set()).add(name)
     if head is not None and _q8_head_ok(next(lm.parameters()).device):

@@ -5,7 +5,7 @@ What is compiled: the transformers ``*ForCausalLM`` call of one step (embedding,
 decoder layer, the final norm and the LM head on the kept rows). Paged attention with its
 K/V write (``asyncllm::paged_attention``, :mod:`asyncllm.attention.backend_registry`), the
 oneDNN-packed linears (``asyncllm::packed_linear``, :mod:`asyncllm.worker.cpu_linear`) and
-the int4 linears (``asyncllm_cpu::int4_linear``, :mod:`asyncllm.worker.int4_dequant`) are
+the int4 linears (``asyncllm::int4_linear``, :mod:`asyncllm.worker.int4_dequant`) are
 opaque ops, so the step's plan objects stay out of the graph and Inductor fuses what lies
 between them (RMSNorm, rotary embedding, SiLU-and-multiply, residual adds); the rotary
 cos/sin are computed once per step, not inlined into every layer
@@ -61,10 +61,11 @@ from typing import Any, Literal
 
 import torch
 
+import asyncllm._kernels.ops  # noqa: F401  (asyncllm::materialize)
+from asyncllm._kernels.native import cpu_flags
 from asyncllm.attention.backend_registry import step_metadata
-from asyncllm.worker.cpu_extension import wait_for_builds
-from asyncllm.worker.device import cpu_flags, trim_host_memory
-from asyncllm.worker.quant_linear import start_kernels
+from asyncllm.worker.device import trim_host_memory
+from asyncllm.worker.quant_linear import load_kernels
 
 logger = logging.getLogger("asyncllm")
 
@@ -115,26 +116,11 @@ def forward(
     return logits
 
 
-@torch.library.custom_op("asyncllm::materialize", mutates_args=())
-def materialize(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``xs``, as one op Inductor does not fuse through: what computes ``xs`` is
-    run once into buffers, instead of being inlined into (recomputed by) every consumer.
-    Inductor inlines a cheap pointwise result into each of its readers; for the rotary
-    cos/sin (read by every layer's query and key) that meant ``cos``/``sin`` of the
-    positions once per layer and per head element, ~1.4 ms of a batch-64 decode step."""
-    return [x.clone() for x in xs]
-
-
-@materialize.register_fake
-def _(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.empty_like(x) for x in xs]
-
-
 def _materialize_outputs(
     module: torch.nn.Module, args: Any, out: Any
 ) -> tuple[torch.Tensor, ...] | Any:
     if isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out):
-        return tuple(materialize(list(out)))
+        return tuple(torch.ops.asyncllm.materialize(list(out)))
     return out
 
 
@@ -142,8 +128,9 @@ def _materialize_outputs(
 def rotary_computed_once(model: torch.nn.Module) -> Iterator[None]:
     """While tracing: the outputs of ``model``'s rotary embedding modules (transformers'
     ``rotary_emb``: ``(cos, sin)`` of the step's positions, shared by all layers) go through
-    :func:`materialize`, so the compiled forward computes them once per step, as eager
-    does, not once per layer. Their values are eager's (already in the model's dtype)."""
+    ``asyncllm::materialize`` (:mod:`asyncllm._kernels.ops`), so the compiled forward
+    computes them once per step, as eager does, not once per layer. Their values are
+    eager's (already in the model's dtype)."""
     handles = [
         m.register_forward_hook(_materialize_outputs)
         for name, m in model.named_modules()
@@ -236,9 +223,8 @@ def build_artifact(model: torch.nn.Module, path: pathlib.Path, num_threads: int)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     path.parent.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
-    if device.type == "cpu":  # the graph takes the kernels there are: all of them, built
-        start_kernels(model)
-        wait_for_builds()
+    if device.type == "cpu":  # the graph takes the kernels there are: all of them
+        load_kernels(model)
     # Under inference mode, as the runner's steps (the input guards check it); T != K, so
     # that Dynamo gives them separate symbols. No metadata: a dry run.
     with torch.inference_mode(), step_metadata(None), rotary_computed_once(model):
@@ -275,16 +261,14 @@ def load_artifact(path: pathlib.Path, key: str) -> Callable[..., torch.Tensor]:
             renamed; truncated).
         OSError, RuntimeError, pickle errors: an unreadable or incompatible file.
     """
-    from asyncllm.worker import int4_dequant
 
     data = path.read_bytes()
     head, _, body = data.partition(b"\n")
     if head != _HEADER + key.encode():
         raise ValueError(f"{path} is not the compiled forward of this model (key {key})")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
-    # The engine's kernels built (the graph calls them), asyncllm_cpu::int4_linear registered.
-    wait_for_builds()
-    int4_dequant.kernel(wait=False)
+    # The kernels the graph calls, their ops registered.
+    load_kernels()
     fn: Callable[..., torch.Tensor] = torch.compiler.load_compiled_function(io.BytesIO(body))
     return fn
 
@@ -415,9 +399,6 @@ class CompiledForward:
 
     def _prepare(self) -> None:
         try:
-            # The kernels being built first (the graph calls them), unless the engine closes.
-            if not wait_for_builds(lambda: self._closed):
-                raise RuntimeError("closed while the kernels were being built")
             if self.path.is_file():
                 try:
                     fn = self._load()

@@ -38,6 +38,8 @@ import os
 import torch
 from torch import nn
 
+from asyncllm._kernels import ops
+
 logger = logging.getLogger("asyncllm")
 
 #: Rows the weights are reordered for (oneDNN's hint; any row count works).
@@ -98,7 +100,7 @@ class PackedLinear(nn.Module):
         # Opaque to Inductor (see packed_linear_op). Dynamo's trace only: is_compiling() is
         # process-wide, True for eager steps too while another thread compiles.
         if torch.compiler.is_dynamo_compiling():
-            y: torch.Tensor = packed_linear_op(
+            y: torch.Tensor = torch.ops.asyncllm.packed_linear(
                 x, self.packed, self.bias, self.in_features, self.out_features
             )
             return y
@@ -133,7 +135,7 @@ def _onednn_linear(
     return y
 
 
-@torch.library.custom_op("asyncllm::packed_linear", mutates_args=())
+@ops.implement("packed_linear")
 def packed_linear_op(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -154,17 +156,6 @@ def packed_linear_op(
         out_features=out_features,
     )
     return PackedLinear.forward(layer, x)
-
-
-@packed_linear_op.register_fake
-def _(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    bias: torch.Tensor | None,
-    in_features: int,
-    out_features: int,
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def packing_supported(model: nn.Module) -> bool:

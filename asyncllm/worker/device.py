@@ -11,14 +11,14 @@ takes the same dtype.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
-import pathlib
 from typing import Literal
 
 import torch
+
+from asyncllm._kernels.native import cpu_flags
 
 logger = logging.getLogger("asyncllm")
 
@@ -38,26 +38,6 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"EngineConfig.device={device!r} but torch has no CUDA device here")
     return torch.device(device)
-
-
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags: torch's own probe (cpuinfo) where it has one, united with
-    the ``flags`` line of ``/proc/cpuinfo`` (Linux); empty where neither answers."""
-    flags: set[str] = set()
-    probe = getattr(getattr(torch._C, "_cpu", None), "_get_cpu_capability", None)
-    if probe is not None:
-        # A torch build whose private probe changed: /proc/cpuinfo still answers.
-        with contextlib.suppress(Exception):
-            flags.update(k for k, v in probe().items() if v is True)
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-            break
-    return frozenset(flags)
 
 
 def cpu_bf16_reason() -> tuple[bool, str]:

@@ -28,7 +28,7 @@ from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
 from asyncllm.worker.cpu_linear import pack_linears
 from asyncllm.worker.kv_cache import KVCache
 from asyncllm.worker.logprobs import PromptRows, prompt_logprobs
-from asyncllm.worker.quant_linear import start_kernels
+from asyncllm.worker.quant_linear import load_kernels
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.sampler import Sampler, sample_chunks
 from asyncllm.worker.sibling_linears import fuse_siblings
@@ -49,7 +49,7 @@ def select_attention_backend(requested: str, device: torch.device) -> AttentionB
     if requested == "auto":
         if device.type == "cuda" and has_triton:
             return TRITON_BACKEND
-        if device.type == "cpu" and cpu_paged.expected():
+        if device.type == "cpu" and cpu_paged.available():
             return cpu_paged.CPU_BACKEND
         return TORCH_BACKEND
     if requested == "torch":
@@ -103,7 +103,7 @@ class ModelRunner:
         # engines may share a model.
         fuse_siblings(model)
         if next(model.parameters()).device.type == "cpu":
-            start_kernels(model)  # a fresh machine builds them in the background
+            load_kernels(model)
         self.num_packed_linears = pack_linears(model)
         self.model = model
         self.kv_cache = kv_cache

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from asyncllm._kernels import ops
 from asyncllm.worker import int4_dequant
 
 __all__ = [
@@ -100,6 +101,14 @@ def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 COMPUTE_DTYPE = torch.bfloat16
 
 
+def int4_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an :class:`Int4Linear` of a ``model_dtype`` model computes in (its rows,
+    scales and zero points): float32 in a float32 model (a GGUF file's float16 scales kept
+    exact, float32 rows: the C++ float32 kernels, ``csrc/int4_gemv_f32.cpp`` at few rows and
+    a float32 GEMM over the dequantized weight at many), else :data:`COMPUTE_DTYPE`."""
+    return torch.float32 if model_dtype == torch.float32 else COMPUTE_DTYPE
+
+
 def _rows(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
     return x.reshape(-1, in_features).to(dtype)
 
@@ -122,8 +131,8 @@ class Int4Linear(nn.Module):
         group_size: input columns per group; 32, 64 or 128 and a divisor of ``in``.
         bias: [out] or None (kept in its dtype, added to the output).
         dtype: the dtype the kernel computes in (activations, scales and zero points):
-            :data:`COMPUTE_DTYPE` for speed; float32 keeps float16 GGUF scales exact (used
-            by the tests to check the repacking bit for bit) but is 100x slower.
+            :func:`int4_dtype` of the model's dtype; float32 keeps float16 GGUF scales
+            exact.
 
     Raises:
         ValueError: a group size that the kernel lacks or that does not divide ``in``.
@@ -188,11 +197,10 @@ class Int4Linear(nn.Module):
         args = (x, self.packed, self.scales_and_zeros, self.bias)
         sizes = (self.group_size, self.in_features, self.out_features)
         y: torch.Tensor
-        if int4_dequant.op_available():  # C++: the whole layer in one op call
-            rows = (int4_max_rows(), INT4_GEMV_MAX_ROWS)
-            y = torch.ops.asyncllm_cpu.int4_linear.default(*args, *sizes, *rows)
-        elif torch.compiler.is_dynamo_compiling():  # one opaque op in the graph
-            y = int4_linear_op(*args, *sizes, int4_max_rows(), INT4_GEMV_MAX_ROWS)
+        if int4_dequant.op_available() or torch.compiler.is_dynamo_compiling():
+            # one op call: the C++ kernel (the whole layer), else the torch reference
+            rows = (int4_max_rows(self.scales_and_zeros.dtype), INT4_GEMV_MAX_ROWS)
+            y = torch.ops.asyncllm.int4_linear.default(*args, *sizes, *rows)
         else:
             y = int4_linear(*args, *sizes)
         return y
@@ -226,10 +234,26 @@ INT4_KERNEL_MAX_ROWS = 8
 INT4_KERNEL_MAX_ROWS_UNFUSED = 16
 
 
-def int4_max_rows() -> int:
-    """The most rows an int4 call sends through torch's int4 kernel on this machine:
-    :data:`INT4_KERNEL_MAX_ROWS` where the fused many-row path runs, else
-    :data:`INT4_KERNEL_MAX_ROWS_UNFUSED` (read per call: tests and profiles change them)."""
+#: Float32 scales: calls with up to this many rows run the float32 few-row kernel
+#: (``csrc/int4_gemv_f32.cpp``), more dequantize to float32 and run one float32 GEMM.
+#: ``python benchmarks/int4_f32.py`` (AMD EPYC Zen 3, AVX2, 1 thread, us per call, weights in
+#: cache; few-row kernel / dequantize + GEMM; torch's bfloat16 int4 kernel beside)::
+#:
+#:     rows               1           2          8          16          32
+#:     1536x576    93 / 320   122 / 367  524 / 662  1819 /  741  2897 / 1917   (bf16 146 at 1)
+#:     576x1536    93 / 305   120 / 386  535 / 526  1819 / 1647  3694 / 1884   (bf16 151 at 1)
+#:     192x576     17 /  45    21 /  57   67 /  64   126 /   84   254 /  129   (bf16  28 at 1)
+INT4_F32_MAX_ROWS = 8
+
+
+def int4_max_rows(dtype: torch.dtype = COMPUTE_DTYPE) -> int:
+    """The most rows an int4 call with scales of ``dtype`` sends through a few-row kernel
+    (bfloat16: torch's int4 kernel or ``int4_gemv.cpp``; float32: ``int4_gemv_f32.cpp``) on
+    this machine: :data:`INT4_F32_MAX_ROWS` for float32, :data:`INT4_KERNEL_MAX_ROWS` where
+    the fused many-row path runs, else :data:`INT4_KERNEL_MAX_ROWS_UNFUSED` (read per call:
+    tests and profiles change them)."""
+    if dtype == torch.float32:
+        return INT4_F32_MAX_ROWS
     if int4_dequant.fused_available():
         return INT4_KERNEL_MAX_ROWS
     return max(INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS_UNFUSED)
@@ -250,18 +274,20 @@ def int4_max_rows() -> int:
 INT4_GEMV_MAX_ROWS = 3
 
 
-def start_kernels(model: nn.Module | None = None, mode: str | None = None) -> None:
-    """Import the C++ kernels that ``model``'s quantized layers call (or, before the model is
-    built, a quantization ``mode``'s: "gguf" int4 and Q8_0, "int4" int4), or start building
-    them in the background (:meth:`~asyncllm.worker.cpu_extension.CpuExtension.start`):
-    their calls take the torch path until then. Returns at once."""
+def load_kernels(model: nn.Module | None = None) -> None:
+    """Load the C++ kernels ``model``'s quantized layers call (all of them without a model),
+    registering their ops before a graph is traced or loaded; milliseconds, nothing built."""
     from asyncllm.worker import q8_linear
 
-    kinds = {type(m) for m in model.modules()} if model is not None else set()
-    if Int4Linear in kinds or mode in ("gguf", "int4"):
-        int4_dequant.EXTENSION.start()
-    if q8_linear.Q8Linear in kinds or mode == "gguf":
-        q8_linear.EXTENSION.start()
+    kinds = (
+        {type(m) for m in model.modules()}
+        if model is not None
+        else {Int4Linear, q8_linear.Q8Linear}
+    )
+    if Int4Linear in kinds:
+        int4_dequant.kernel()
+    if q8_linear.Q8Linear in kinds:
+        q8_linear.kernel()
 
 
 #: Calls of the Python fallback :func:`int4_linear` (torch's int4 kernel), for tests.
@@ -285,37 +311,14 @@ def int4_linear(
     in_features: int,
     out_features: int,
 ) -> torch.Tensor:
-    """``y = x W^T + b`` for an :class:`Int4Linear`'s buffers, in ``x``'s shape and dtype,
-    with ``aten._weight_int4pack_mm_for_cpu`` for every row count: the fallback where the
-    C++ extension (``asyncllm_cpu::int4_linear``, the same steps plus the many-row path of
-    :data:`INT4_KERNEL_MAX_ROWS`) is switched off or cannot be built."""
-    sz = scales_and_zeros
-    rows = _rows(x, in_features, sz.dtype)
+    """``y = x W^T + b`` for an :class:`Int4Linear`'s buffers by the torch reference
+    (:func:`asyncllm._kernels.ops.int4_linear_reference`), counted in :func:`path_calls`:
+    the eager path where the C++ kernel is not installed or switched off."""
     _PY_CALLS["int4"] += 1
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, sz)
-    return _finish(y, x, out_features, bias)
-
-
-@torch.library.custom_op("asyncllm::int4_linear", mutates_args=())
-def int4_linear_op(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scales_and_zeros: torch.Tensor,
-    bias: torch.Tensor | None,
-    group_size: int,
-    in_features: int,
-    out_features: int,
-    max_rows: int,
-    gemv_rows: int,
-) -> torch.Tensor:
-    """:func:`int4_linear` as one op for ``torch.compile`` (:mod:`asyncllm.worker.compiled`)
-    where the C++ op is unavailable: Inductor does not trace the packed int4 weight. Its
-    signature is the C++ op's (one fake implementation for both); ``max_rows`` and
-    ``gemv_rows`` are unused (the fallback has neither the many-row nor the few-row path)."""
-    return int4_linear(x, packed, scales_and_zeros, bias, group_size, in_features, out_features)
-
-
-int4_linear_op.register_fake(int4_dequant.int4_linear_fake)
+    y: torch.Tensor = ops.int4_linear_reference(
+        x, packed, scales_and_zeros, bias, group_size, in_features, out_features
+    )
+    return y
 
 
 class Int8Linear(nn.Module):

@@ -1,5 +1,5 @@
+#include "common.h"
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
@@ -12,15 +12,6 @@
 #include <immintrin.h>
 #endif
 
-// An element of the cache or query as float: bfloat16 is the top half of a float32, so the
-// conversion is a shift the compiler vectorizes (vpmovzxwd + vpslld), no rounding involved.
-static inline float to_f(float x) { return x; }
-static inline float to_f(at::BFloat16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 // A float to the output type; at::BFloat16 rounds to nearest even, as torch's .to() does.
 template <typename T>
 static inline T from_f(float x) { return static_cast<T>(x); }
@@ -1084,10 +1075,24 @@ static at::Tensor paged_attention_cpu_op(const at::Tensor& q, const at::Tensor& 
   return (*impl)(q, k, v, layer, scale).cast<at::Tensor>();
 }
 
-// Only the engine's build registers it (cpu_paged.py's CFLAGS): another build of this source
-// (tests build a portable one) would replace it with a copy that never sees arm_decode.
-#ifdef ASYNCLLM_PAGED_ATTENTION_OP
-TORCH_LIBRARY_IMPL(asyncllm, CPU, m) {
-  m.impl("paged_attention", TORCH_FN(paged_attention_cpu_op));
+// The op's CPU kernel, registered when the loader imports this variant (not at import time:
+// a test importing another variant for its functions must not replace the engine's kernel).
+void register_ops() {
+  static const bool once = [] {
+    cpu_impls(__FILE__, __LINE__).impl("paged_attention", TORCH_FN(paged_attention_cpu_op));
+    return true;
+  }();
+  (void)once;
 }
-#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("register_ops", &register_ops, "Register this module's CPU kernels of the asyncllm ops (once).");
+  m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");
+  m.def("paged_write_decode", torch::wrap_pybind_function(paged_write_decode), "paged_write_decode");
+  m.def("paged_prefill", torch::wrap_pybind_function(paged_prefill), "paged_prefill");
+  m.def("arm_decode", torch::wrap_pybind_function(arm_decode), "arm_decode");
+  m.def("disarm_decode", torch::wrap_pybind_function(disarm_decode), "disarm_decode");
+  m.def("decode_armed", torch::wrap_pybind_function(decode_armed), "decode_armed");
+  m.def("shared_prefix_attention", torch::wrap_pybind_function(shared_prefix_attention), "shared_prefix_attention");
+  m.def("shared_prefix_gemm_available", torch::wrap_pybind_function(shared_prefix_gemm_available), "shared_prefix_gemm_available");
+}

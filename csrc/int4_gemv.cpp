@@ -13,7 +13,8 @@
 // codes, half of what converting every code to float32 costs (torch's int4 kernel, and the
 // kernel tried in docs/tuning.md). Then per group: y += scale * sum (q - 8) x + zero * sum x.
 // The products are exact in float32 (bfloat16 times a small integer), summed in float32.
-#include <torch/extension.h>
+#include "common.h"
+
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
@@ -162,11 +163,13 @@ static void gemv_rows(const at::BFloat16*, int64_t, int64_t, int64_t, const uint
                       const at::BFloat16*, int64_t, at::BFloat16*) {}
 #endif
 
-// The few-row path runs for these arguments: built here (AVX-512 BF16 and VBMI), bfloat16
-// rows and scales, whole 64-output blocks, column pairs within a group.
+int64_t int4_pack_block_n();  // int4_linear.cpp
+
+// The few-row path runs for these arguments: built here (AVX-512 BF16 and VBMI), torch's
+// 64-row packing, bfloat16 rows and scales, whole 64-output blocks, column pairs in a group.
 bool int4_gemv_runs(const at::Tensor& sz, int64_t group, int64_t out_features) {
   return gemv_built && sz.scalar_type() == at::kBFloat16 && out_features % 64 == 0 &&
-         group % 2 == 0;
+         group % 2 == 0 && int4_pack_block_n() == 64;
 }
 
 bool int4_gemv_available() { return gemv_built; }
