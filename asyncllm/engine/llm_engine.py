@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from asyncllm._kernels import native
 from asyncllm.config import EngineConfig
 from asyncllm.core.block_manager import BlockManager, BlockPool
 from asyncllm.core.request import Request, RequestStatus
@@ -384,7 +385,9 @@ class LLMEngine:
         (...)") and ``weight_bytes`` (bytes of parameters and buffers, as loaded); the
         compiled forward's ``compile`` state ("off", "compiling", "ready" or "failed";
         ``EngineConfig.compile``) and ``compile_seconds`` (seconds it took, or has taken so
-        far; 0.0 when off)."""
+        far; 0.0 when off); ``cpu_kernels``: per C++ kernel family, what runs on CPU (the
+        instruction-set variant installed, "off" or "torch": :func:`asyncllm._kernels.native.
+        status`), "" on other devices."""
         compiled = self.runner.compiled
         bm = self.block_manager
         sched = self.scheduler
@@ -412,4 +415,7 @@ class LLMEngine:
             "weight_bytes": self.loaded.weight_bytes,
             "compile": compiled.state if compiled else "off",
             "compile_seconds": compiled.seconds if compiled else 0.0,
+            "cpu_kernels": " ".join(f"{k}={v}" for k, v in native.status().items())
+            if self.device.type == "cpu"
+            else "",
         }

@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
+from filelock import FileLock, Timeout
 
 import asyncllm._kernels.ops  # noqa: F401  (asyncllm::materialize)
 from asyncllm._kernels.native import cpu_flags
@@ -413,7 +414,7 @@ class CompiledForward:
                     )
                     self.path.unlink(missing_ok=True)
             if not self.path.is_file():
-                self._build()
+                self._build_once()
                 fn = self._load()
         except Exception as e:
             if self._closed:  # killed by close(): no warning, but done (wait() returns)
@@ -429,6 +430,25 @@ class CompiledForward:
         self.ready = True
         logger.info("asyncllm: compiled forward ready after %.1f s", self.compile_seconds)
         self._done.set()
+
+    def _build_once(self) -> None:
+        """:meth:`_build` under a machine-wide lock: one compile at a time on this machine
+        (engines starting together would each start a compile process for the same
+        artifact); the others wait for it, serving eagerly, and then load its artifact."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(self.path.parent / "compile.lock"))
+        while True:
+            try:
+                lock.acquire(timeout=0.5)
+                break
+            except Timeout:
+                if self._closed:
+                    raise RuntimeError("closed while another compile ran") from None
+        try:
+            if not self.path.is_file():
+                self._build()
+        finally:
+            lock.release()
 
     def _build(self) -> None:
         logger.info(
