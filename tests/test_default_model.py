@@ -137,6 +137,12 @@ def test_cli_checks_sampling_options_before_loading(tmp_path, option):
     assert "loading" not in proc.stderr and str(tmp_path / "x") not in proc.stderr
 
 
+def _default_sigint() -> None:
+    """In a child before it runs Python: SIGINT back to its default action, so that Python
+    installs its KeyboardInterrupt handler (it keeps SIGINT ignored if it starts ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_cli_ctrl_c_ends_without_a_traceback(default_model_dir):
     """Ctrl-C while the answer streams: exit status 130 and one line, not asyncio's chained
     CancelledError / KeyboardInterrupt tracebacks."""
@@ -156,6 +162,9 @@ def test_cli_ctrl_c_ends_without_a_traceback(default_model_dir):
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # A test run launched in the background (``cmd &``, nohup) inherits SIGINT ignored,
+        # and so would the child: it must get Ctrl-C's default handling whatever launched us.
+        preexec_fn=_default_sigint,
     )
     try:
         assert proc.stdout is not None and proc.stdout.read(1)  # the answer is streaming

@@ -279,7 +279,9 @@ def test_logprobs_bytes_of_partial_tokens(served: tuple[str, AsyncEngine]) -> No
             choice = r.json()["choices"][0]
             text, lps = choice["text"], choice["logprobs"]
         assert lps["tokens"] == ["bytes:\\xe6"] * 3
-        assert lps["text_offset"] == [0, 1, 2] and text == "\ufffd" * 3
+        # The first two 0xE6 are invalid (no continuation byte follows): U+FFFD each; the
+        # last could still begin a character when max_tokens cut it: left out of the text.
+        assert lps["text_offset"] == [0, 1, 2] and text == "\ufffd" * 2
 
 
 def test_legacy_text_offset_of_partial_tokens() -> None:
@@ -609,7 +611,8 @@ def test_serve_command(tiny_llama_dir: Any) -> None:
         events: list[str] = []
 
         def read_stream() -> None:
-            body = {"model": name, "prompt": "Once", "max_tokens": 5000, "ignore_eos": True,
+            # 250: the most the tiny model's 256-token context leaves (more is a 400)
+            body = {"model": name, "prompt": "Once", "max_tokens": 250, "ignore_eos": True,
                     "stream": True}  # fmt: skip
             auth = {"Authorization": "Bearer k1"}
             with httpx.stream(
