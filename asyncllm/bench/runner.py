@@ -461,6 +461,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from asyncllm.worker.device import default_num_threads
 
     args.argv = argv
+    if args.fidelity:
+        from asyncllm.bench.fidelity_run import run as run_fidelity
+
+        return run_fidelity(args)
     if not args.no_plots:
         try:
             import matplotlib  # noqa: F401
