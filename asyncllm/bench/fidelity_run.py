@@ -39,14 +39,19 @@ from asyncllm.bench.processes import (
 )
 
 ENGINE = pathlib.Path(__file__).with_name("fidelity_engine.py")
+#: torch threads of the reference: one. It runs once per model, and on a busy 2-core
+#: machine a 2-thread OpenMP forward waits on its descheduled partner: 32 greedy tokens of the
+#: default model took 34 s with 2 threads and 4 s with 1 (load average 4).
+REFERENCE_THREADS = 1
 #: The most seconds one path's start (a first compile included) and its run may take.
 START_TIMEOUT_S = 1200.0
 RUN_TIMEOUT_S = 3600.0
 
 
-def prepare(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+def prepare(args: argparse.Namespace, threads: int = REFERENCE_THREADS) -> dict[str, Any]:
     """The model directory, the windows, the questions and their prompts, the EOS ids, and
-    the reference's figures (computed or read from the cache in ``--out``)."""
+    the reference's figures (computed with ``threads`` torch threads, or read from the cache
+    in ``--out``)."""
     from asyncllm.errors import ModelNotFoundError
     from asyncllm.models.loader import resolve_model_dir
 
@@ -184,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or default_num_threads()
     out = pathlib.Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    data = prepare(args, threads)
+    data = prepare(args)
     machine = ceilings.machine()
     common = {
         "quick": bool(args.quick),
