@@ -110,6 +110,7 @@ def markdown(s: dict[str, Any]) -> list[str]:
     model = s["model"]
     source = f" (from {model['gguf_file']}, dequantized by gguf-py)" if model["gguf_file"] else ""
     quick = " (quick: smoke-test size)" if s["quick"] else ""
+    quick += " (interrupted: the paths that finished)" if s.get("interrupted") else ""
     lines = [
         f"## Fidelity{quick}",
         "",

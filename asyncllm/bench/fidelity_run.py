@@ -198,27 +198,33 @@ def run(args: argparse.Namespace) -> int:
                             "answer_tokens": data["n"]},
         "machine": {"cores": machine["cores"], "processor": machine["processor"]},
     }  # fmt: skip
-    rows = []
+    rows: list[dict[str, Any]] = []
     spec = spec_of(data)
+    interrupted = False
     with open(out / "fidelity.jsonl", "w") as jsonl:
-        for p in paths:
-            info, res = run_engine(f"asyncllm-{p.name}", asyncllm_command(args, p, data, threads),
-                                   spec, out)  # fmt: skip
-            common["time"] = datetime.datetime.now().isoformat(timespec="seconds")
-            rows.append(record(f"asyncllm-{p.name}", f"asyncllm {p.name}", info, res, data,
-                               common, p))  # fmt: skip
-            jsonl.write(json.dumps(rows[-1]) + "\n")
-            jsonl.flush()
-        for peer in peers:
-            rows.append(peer_row(peer, args, data, spec, threads, out, common))
-            jsonl.write(json.dumps(rows[-1]) + "\n")
+        try:
+            for p in paths:
+                name = f"asyncllm-{p.name}"
+                info, res = run_engine(name, asyncllm_command(args, p, data, threads), spec, out)
+                common["time"] = datetime.datetime.now().isoformat(timespec="seconds")
+                rows.append(record(name, f"asyncllm {p.name}", info, res, data, common, p))
+                jsonl.write(json.dumps(rows[-1]) + "\n")
+                jsonl.flush()
+            for peer in peers:
+                rows.append(peer_row(peer, args, data, spec, threads, out, common))
+                jsonl.write(json.dumps(rows[-1]) + "\n")
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report what finished
+            interrupted = True
+            log("fidelity interrupted: the report covers the paths that finished")
     summary = fidelity_report.summary(args, data, rows, machine, time.perf_counter() - started)
+    summary["interrupted"] = interrupted
     (out / "fidelity.json").write_text(json.dumps(summary, indent=1, default=str))
     md = "\n".join(fidelity_report.markdown(summary)) + "\n"
     (out / "fidelity.md").write_text(md)
     print(md)
     log(f"fidelity done in {summary['elapsed_s'] / 60:.1f} min; results in {out}")
-    return 0 if all("skipped" not in r for r in rows if r["engine"].startswith("asyncllm")) else 1
+    ok = all("skipped" not in r for r in rows if r["engine"].startswith("asyncllm"))
+    return 0 if ok and not interrupted else 1
 
 
 def peer_row(
