@@ -207,6 +207,12 @@ OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--no-plots", {"action": "store_true"}),
     ("--no-cold-start", {"action": "store_true"}),
     ("--ceiling-mib", {"type": int, "default": 256, "help": argparse.SUPPRESS}),
+    ("--fidelity", {"action": "store_true", "help": "run the fidelity harness instead of the "
+                    "workloads: every precision path against the float32 reference "
+                    "(asyncllm.bench.fidelity)"}),
+    ("--fidelity-paths", {"help": "comma list of the fidelity paths to run (default: all)"}),
+    ("--fidelity-text", {"help": "text for the fidelity perplexity (default: "
+                         "tests/data/public_domain.txt)"}),
 )  # fmt: skip
 
 

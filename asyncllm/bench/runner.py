@@ -6,6 +6,7 @@ run, alternating engines; JSON lines, a markdown report and plots.
                              [--dtype D] [--quantization Q] [--asyncllm-variants "bfloat16;gguf"]
                              [--vllm-dtype float32,bfloat16]
                              [--out bench-results]
+    python -m asyncllm bench --fidelity [--quick] [--fidelity-paths default,float32,...]
 
 Every engine runs in a worker process of its own (:mod:`asyncllm.bench.engine_process`); this
 process only sends it workloads and collects what it measured. For each workload, each engine
@@ -26,6 +27,10 @@ vLLM (both through ``StructuredOutputsParams``); the others skip it with the rea
 Outputs in ``--out``: ``results.jsonl`` (one JSON line per engine, workload and run, each
 with the machine, dtype, threads and engine settings), ``summary.json``, ``report.md`` (the
 tables) and ``img/*.png`` (the plots; needs matplotlib: ``pip install 'asyncllm[bench]'``).
+
+``--fidelity`` runs the fidelity harness instead (:mod:`asyncllm.bench.fidelity`): every
+precision path against the float32 reference, into ``fidelity.jsonl``, ``fidelity.json``
+and ``fidelity.md``.
 """
 
 from __future__ import annotations
@@ -461,6 +466,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from asyncllm.worker.device import default_num_threads
 
     args.argv = argv
+    if args.fidelity:
+        from asyncllm.bench.fidelity_run import run as run_fidelity
+
+        return run_fidelity(args)
     if not args.no_plots:
         try:
             import matplotlib  # noqa: F401

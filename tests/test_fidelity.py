@@ -1,0 +1,173 @@
+"""The fidelity harness (``python -m asyncllm bench --fidelity``, issue 34): its metrics on
+hand-made inputs, its path table and questions, its report, and one real run of the float32
+path against the float32 reference on the tiny model (no timed assertion)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+
+import pytest
+
+from asyncllm.bench import fidelity as fid
+from asyncllm.bench import fidelity_reference, fidelity_report, fidelity_run
+from asyncllm.bench.fidelity_engine import window_figures
+from asyncllm.outputs import Logprob
+
+PACKAGE = pathlib.Path(fid.__file__).resolve().parents[1]
+
+
+def test_metrics_on_hand_made_inputs():
+    # exp of the mean negative log-prob over all positions of all windows
+    assert fid.perplexity([[math.log(0.5)], [math.log(0.125)]]) == pytest.approx(4.0, rel=1e-12)
+    assert fid.perplexity([[0.0, 0.0, 0.0]]) == 1.0
+    with pytest.raises(ValueError):
+        fid.perplexity([[]])
+    assert fid.top1_agreement([[1, 2, 3], [4]], [[1, 9, 3], [4]]) == (3, 4)
+    with pytest.raises(ValueError):
+        fid.top1_agreement([[1, 2]], [[1]])
+    assert fid.relative(101.0, 100.0) == pytest.approx(0.01)
+    eos = [2]
+    assert fid.reference_span([5, 6, 2, 7], eos, 32) == 3  # up to and including its EOS
+    assert fid.reference_span([5, 6, 7, 8], eos, 3) == 3
+    assert fid.first_divergence([5, 6, 2, 7], [5, 6, 2, 9], eos, 32) is None  # after EOS
+    assert fid.first_divergence([5, 6, 2], [5, 2, 2], eos, 32) == 1  # an early EOS differs
+    assert fid.first_divergence([5, 6, 7], [5, 6], eos, 3) == 2  # too short
+    assert fid.first_divergence([5, 6, 7, 8], [5, 6, 7, 9], eos, 3) is None  # first n only
+    assert fid.text_windows(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert fid.text_windows(list(range(10)), 4, most=1) == [[0, 1, 2, 3]]
+
+
+def test_score_on_hand_made_inputs():
+    lp = [math.log(0.5), math.log(0.25)]
+    ref = {
+        "windows": [{"logprobs": lp, "top": [7, 8], "gap": [0.5, 0.01]}],
+        "answers": [{"ids": [1, 2, 3], "gaps": [1.0, 0.02, 3.0]}, {"ids": [4, 2], "gaps": [1, 1]}],
+    }
+    got = {
+        "windows": [{"logprobs": [math.log(0.5), math.log(0.125)], "top": [7, 9]}],
+        "answers": [[1, 5, 3], [4, 2]],
+    }
+    s = fid.score(ref, got, eos=[2], n=3)
+    assert s["ref_ppl"] == pytest.approx(math.sqrt(8))
+    assert s["ppl"] == pytest.approx(4.0)
+    assert s["ppl_vs_ref"] == pytest.approx(4 / math.sqrt(8) - 1)
+    assert (s["top1"], s["top1_same"], s["positions"]) == (0.5, 1, 2)
+    assert s["top1_mismatch_ref_gap_max"] == 0.01
+    assert s["logprob_abs_diff_mean"] == pytest.approx(math.log(2) / 2)
+    assert s["logprob_abs_diff_max"] == pytest.approx(math.log(2))
+    assert (s["greedy_equal"], s["questions"]) == (1, 2)
+    assert s["differing"] == [{"question": 0, "at": 1, "ref_gap": 0.02, "ids": [1, 5, 3]}]
+
+
+def test_window_figures_from_prompt_logprobs():
+    def lp(x: float, rank: int) -> Logprob:
+        return Logprob(logprob=x, rank=rank, decoded_token="", token_bytes=b"")
+
+    # the prompt token first, then the one alternative asked for (absent when it is the top)
+    entries = [None, {5: lp(-0.1, 1)}, {6: lp(-3.0, 4), 9: lp(-0.5, 1)}]
+    assert window_figures([4, 5, 6], entries) == {"logprobs": [-0.1, -3.0], "top": [5, 9]}
+
+
+def test_paths_and_questions():
+    names = [p.name for p in fid.PATHS]
+    assert len(names) == len(set(names)) and names[0] == "default"
+    assert fid.select_paths(None) == list(fid.PATHS)
+    assert [p.name for p in fid.select_paths("float32, int8,float32")] == ["float32", "int8"]
+    with pytest.raises(SystemExit, match="unknown"):
+        fid.select_paths("float32,nope")
+    from asyncllm import EngineConfig
+
+    sources = "".join(f.read_text() for f in PACKAGE.rglob("*.py") if "bench" not in f.parts)
+    for p in fid.PATHS:
+        EngineConfig(**p.config)  # every configuration is one the engine takes
+        for var in p.env:  # every switch is still read by the engine
+            assert f'"{var}"' in sources, f"{p.name}: {var} is no longer an asyncllm switch"
+    questions = fid.load_questions()
+    assert len(questions) >= 50 and len(set(questions)) == len(questions)
+    assert all(q.strip() and len(q) < 120 for q in questions)
+    # shipped beside prompts.json (package data)
+    assert fid.QUESTIONS_FILE.parent == pathlib.Path(fid.__file__).parent
+    assert fid.QUICK.questions == 10 and fid.FULL.questions is None
+
+
+def _bench_args(model: pathlib.Path, out: pathlib.Path, *extra: str) -> list[str]:
+    return ["--fidelity", "--quick", "--model", str(model), "--out", str(out), *extra]
+
+
+def test_float32_path_matches_the_float32_reference(tiny_llama_dir, tmp_path):
+    """The float32 path (no quantization) against transformers' float32 model: the same
+    top-1 token at every position, the perplexity within 1e-4 relative, the same greedy
+    answers (a difference allowed only at a float32 near-tie); the report renders."""
+    from asyncllm.bench import runner
+
+    out = tmp_path / "fid"
+    argv = _bench_args(tiny_llama_dir, out, "--fidelity-paths", "float32", "--peers", "none")
+    assert runner.main(argv) == 0
+    s = json.loads((out / "fidelity.json").read_text())
+    (row,) = s["paths"]
+    assert row["variant"] == "float32" and row["precision"] == "float32"
+    assert row["top1"] == 1.0 and row["positions"] == s["reference"]["positions"] > 200
+    assert abs(row["ppl_vs_ref"]) < 1e-4
+    assert row["questions"] == 10
+    assert all(d["ref_gap"] is not None and d["ref_gap"] <= 1e-4 for d in row["differing"])
+    line = json.loads((out / "fidelity.jsonl").read_text().splitlines()[0])
+    assert line["workload"] == "fidelity" and line["counted"] and line["machine"]["cores"]
+    md = (out / "fidelity.md").read_text()
+    assert "## Fidelity" in md and "| float32 | float32" in md and "| reference |" in md
+    # The reference is cached per window and per question.
+    data = json.loads((out / fidelity_reference.CACHE_NAME).read_text())
+    assert len(data["windows"]) == 2 and len(data["answers"]) == 10
+
+
+def test_reference_cache_is_reused(tiny_llama_dir, tmp_path):
+    cache = tmp_path / fidelity_reference.CACHE_NAME
+    windows, prompts = [[1, 2, 3, 4]], [[5, 6]]
+    first = fidelity_reference.compute(tiny_llama_dir, windows, prompts, 3, cache, 1)
+    assert len(first["windows"][0]["logprobs"]) == 3 and len(first["answers"][0]["ids"]) == 3
+    again = fidelity_reference.compute(tiny_llama_dir, windows, prompts, 3, cache, 1)
+    assert again["computed_s"] == 0.0 and again["windows"] == first["windows"]
+    assert again["answers"] == first["answers"]
+
+
+def test_llamacpp_not_installed_is_reported(monkeypatch):
+    monkeypatch.setattr(fidelity_run, "find_llamacpp_venv", lambda explicit: None)
+    args = argparse.Namespace(llamacpp_venv=None, model="default", llamacpp_gguf=None)
+    why = fidelity_run.llamacpp_command(args, {"max_model_len": 512}, 2)
+    assert isinstance(why, str) and why.startswith("not installed")
+    row = fidelity_run.peer_row("llamacpp", args, {}, {}, 2, pathlib.Path("."), {"quick": True})
+    assert row["engine"] == "llamacpp" and row["skipped"] == why and not row["counted"]
+
+
+def test_report_renders_figures_skips_and_differences():
+    ok = {"variant": "int4", "precision": "float32, int4 g32", "ppl": 19.5, "ppl_vs_ref": 0.0381,
+          "top1": 0.9, "greedy_equal": 1, "questions": 2, "logprob_abs_diff_mean": 0.05,
+          "top1_mismatch_ref_gap_max": 0.7, "settings": {"attention": "cpu", "compile": "ready"},
+          "differing": [{"question": 1, "at": 4, "ref_gap": 0.012, "ids": [1]}]}  # fmt: skip
+    s = {
+        "command": "python -m asyncllm bench --fidelity",
+        "elapsed_s": 90.0,
+        "quick": False,
+        "machine": {"cores": 2, "processor": "CPU", "simd": ["avx2"], "torch": "2"},
+        "model": {"name": "default", "dir": "/m", "gguf_file": "/x.gguf"},
+        "reference": {
+            "engine": "transformers, float32, eager attention",
+            "ppl": 18.7835,
+            "text": "t.txt",
+            "window": 256,
+            "windows": 7,
+            "positions": 1785,
+            "answer_tokens": 32,
+        },
+        "questions": [{"text": "Q0?"}, {"text": "Q1?"}],
+        "paths": [ok, {"variant": "llamacpp", "skipped": "not installed: no venv"}],
+    }
+    md = "\n".join(fidelity_report.markdown(s))
+    assert "| reference | transformers, float32, eager attention | 18.7835 |" in md
+    assert "| int4 | float32, int4 g32; attention cpu; compile ready | 19.5000 | +3.81% " in md
+    assert "| 90.00% | 1/2 | 0.05 |" in md
+    assert "| llamacpp | not installed: no venv | – |" in md
+    assert 'q1 "Q1?" at token 4 (gap 0.012)' in md and "int4 0.7" in md
+    assert "from /x.gguf, dequantized by gguf-py" in md
