@@ -1,70 +1,44 @@
 """Microbenchmark of the C++ paged decode attention kernel: an old source against the new.
 
-Builds the kernel source of ``asyncllm/attention/cpu_paged.py`` at a git revision (``--old``,
-default ``main``) and the working tree's, each as its own extension (cached like the real
-one, under asyncllm's cache directory), then alternates calls of both in this one process
-(a shared, noisy VM: compare the ratios of one run, medians over the repeats) at the
-default model's shapes (H=9 query heads, Hkv=3 KV heads, D=64, block size 16) over a cache
-of ~2900 blocks with scattered block tables. Also prints the largest difference between
-the two outputs on the same random inputs (same computation up to summation order).
+Builds the attention kernel's C++ at a git revision (``--old``, default ``main``; see
+``kernel_at_rev.py``: ``csrc/paged_attention.cpp``, or before that the source the Python
+module held) and takes this checkout's installed module (``asyncllm._kernels._attention_*``,
+built by ``setup.py``: after editing ``csrc/``, ``python setup.py build_ext --inplace``
+first), then alternates calls of both in this one process (a shared, noisy VM: compare the
+ratios of one run, medians over the repeats) at the default model's shapes (H=9 query
+heads, Hkv=3 KV heads, D=64, block size 16) over a cache of ~2900 blocks with scattered
+block tables. Also prints the largest difference between the two outputs on the same random
+inputs (same computation up to summation order).
 
 Run from the repository root::
 
     PYTHONPATH=. python benchmarks/attention_kernel.py [--old main] [--threads 2]
-        [--repeats 7] [--isa native|avx2]
+        [--repeats 7] [--isa native|avx2|avx512_bf16]
 
-``--isa avx2`` builds both sources with ``-mavx2 -mfma`` instead of ``-march=native`` (the
-portable path of a machine without AVX-512).
+``--isa`` picks the instruction-set variant of both (``native``: the one the engine loads
+here; ``avx2``: the path of a machine without AVX-512), the old one compiled with that
+variant's flags.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import statistics
-import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncllm.attention import cpu_paged
-from asyncllm.worker.cpu_extension import BRGEMM_BF16_SOURCE, CpuExtension
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_at_rev
 
 #: (batch, context tokens, tokens of it that all the batch's sequences share from the start):
 #: W3, W1 (its chat template's first 32 tokens shared), longer W1 contexts, W2 without and
 #: with its 528-token shared system prompt (cascade attention in the new kernel).
 CASES = [(1, 100, 0), (64, 100, 32), (64, 256, 0), (32, 570, 0), (32, 570, 528)]
 H, HKV, D, BS, BLOCKS = 9, 3, 64, 16, 2900
-
-
-def source_at(rev: str) -> str:
-    """The kernels' C++ source at git revision ``rev``: ``asyncllm/attention/cpu_paged.cpp``,
-    or before that file existed the ``_SOURCE`` literal of cpu_paged.py."""
-
-    def show(path: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
-
-    cpp = show("asyncllm/attention/cpu_paged.cpp")
-    if cpp.returncode == 0:  # since the shared-prefix GEMMs, it calls brgemm_bf16_runs()
-        return (BRGEMM_BF16_SOURCE if "brgemm_bf16_runs()" in cpp.stdout else "") + cpp.stdout
-    py = show("asyncllm/attention/cpu_paged.py")
-    py.check_returncode()
-    for node in ast.parse(py.stdout).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "_SOURCE":
-            return str(ast.literal_eval(node.value))
-    raise ValueError(f"no _SOURCE in cpu_paged.py at {rev}")
-
-
-def build(name: str, source: str, isa: str) -> Any:
-    flags = list(cpu_paged.CFLAGS)
-    if isa == "avx2":
-        flags = [f for f in flags if f != "-march=native"] + ["-mavx2", "-mfma"]
-    ext = CpuExtension(name, source, ["paged_decode"], flags, name, "ASYNCLLM_BENCH_KERNEL")
-    mod = ext.load()
-    if mod is None:
-        raise RuntimeError(f"{name} does not build: {ext.failure()}")
-    return mod
 
 
 def inputs(batch: int, ctx: int, shared: int, dtype: torch.dtype, seed: int = 0) -> tuple[Any, ...]:
@@ -100,11 +74,11 @@ def main() -> None:
     ap.add_argument("--old", default="main", help="git revision of the old kernel")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--isa", choices=["native", "avx2"], default="native")
+    ap.add_argument("--isa", choices=kernel_at_rev.ISAS, default="native")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    old = build(f"asyncllm_bench_old_{a.isa}", source_at(a.old), a.isa)
-    new = build(f"asyncllm_bench_new_{a.isa}", cpu_paged._SOURCE, a.isa)
+    old = kernel_at_rev.old_module("attention", a.old, a.isa)
+    new = kernel_at_rev.new_module("attention", a.isa)
     print(f"old={a.old} new=worktree threads={a.threads} isa={a.isa} repeats={a.repeats}")
     head = ("dtype", "B", "ctx", "shared", "old us", "new us", "ratio", "max|diff|")
     print("{:9} {:>3} {:>4} {:>6} {:>9} {:>9} {:>6} {:>10}".format(*head))

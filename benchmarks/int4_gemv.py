@@ -1,4 +1,4 @@
-"""The int4 few-row kernel (``asyncllm/worker/int4_gemv.cpp``) against torch's int4 kernel
+"""The int4 few-row kernel (``csrc/int4_gemv.cpp``) against torch's int4 kernel
 (``aten._weight_int4pack_mm_for_cpu``) at decode row counts, through the layer's op.
 
 The default model's fused shapes (q/k/v 960x576, o 576x576, gate/up 3072x576, down 576x1536;

@@ -3,10 +3,12 @@
 Candidates (``--candidates``), each one ``y = x W^T`` of the default model's projection shapes
 (out x in: 576x576, 192x576, 1536x576, 576x1536; group 32, bfloat16 activations and scales):
 
-* ``old``: ``asyncllm_cpu::int4_linear`` as built from ``--ref`` (default ``main``; its C++
-  source is read with ``git show`` and built under another extension and op namespace), its
-  many-row path forced (``max_rows=0``): the whole weight dequantized, then one GEMM;
-* ``new``: this checkout's op, many-row path forced (``max_rows=0``);
+* ``old``: the int4 op as built from ``--ref`` (default ``main``; its C++ source is read with
+  ``git show`` and built as its own module, op ``asyncllm_old::int4_linear``: see
+  ``kernel_at_rev.py``), its many-row path forced (``max_rows=0``);
+* ``new``: this checkout's op (``asyncllm::int4_linear``, the installed kernel: after editing
+  ``csrc/``, ``python setup.py build_ext --inplace`` first), many-row path forced
+  (``max_rows=0``);
 * ``int4``: torch's int4 kernel (this checkout's op with ``max_rows`` above any M), for the
   crossover :data:`asyncllm.worker.quant_linear.INT4_KERNEL_MAX_ROWS`;
 * ``m<rows>``: the new many-row path with work items of that many rows, through the
@@ -32,37 +34,26 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
+import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_at_rev
+
 from asyncllm.worker import int4_dequant
-from asyncllm.worker.cpu_extension import CpuExtension
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
 GROUP = 32
 
 
 def old_op(ref: str) -> Callable[..., torch.Tensor]:
-    """``asyncllm_cpu::int4_linear`` as ``ref`` has it, built as ``asyncllm_cpu_old``."""
-    text = subprocess.run(
-        ["git", "show", f"{ref}:asyncllm/worker/int4_dequant.py"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    scope: dict[str, object] = {"__name__": "int4_dequant_old", "__file__": int4_dequant.__file__}
-    exec(compile(text, "int4_dequant_old.py", "exec"), scope)  # our own source, at a ref
-    lib = "TORCH_LIBRARY(asyncllm_cpu,"
-    old: Any = scope["EXTENSION"]  # the whole source (the few-row kernel's too)
-    source = str(old.source).replace(lib, "TORCH_LIBRARY(asyncllm_cpu_old,")
-    ext = CpuExtension(
-        "asyncllm_int4_old", source, ["int4_dequant_t"], list(int4_dequant.CFLAGS), "old int4", "X"
-    )
-    if ext.load() is None:
-        raise RuntimeError(f"the {ref} kernel did not build: {ext.failure()}")
-    return torch.ops.asyncllm_cpu_old.int4_linear.default  # type: ignore[no-any-return]
+    """The int4 op as ``ref`` has it, built as ``asyncllm_old::int4_linear``."""
+    kernel_at_rev.old_module("int4", ref, "native")
+    return torch.ops.asyncllm_old.int4_linear.default  # type: ignore[no-any-return]
 
 
 def pack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +67,7 @@ def pack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def candidate(name: str, n: int, k: int, old: Callable[..., torch.Tensor] | None):  # type: ignore[no-untyped-def]
     """x, packed, sz -> y for candidate ``name``."""
-    new = torch.ops.asyncllm_cpu.int4_linear.default
+    new = torch.ops.asyncllm.int4_linear.default
     if name == "old":
         assert old is not None
         return lambda x, p, sz: old(x, p, sz, None, GROUP, k, n, 0, 0)

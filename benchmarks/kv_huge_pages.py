@@ -28,8 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_kernel as ak
-
-from asyncllm.attention import cpu_paged
+import kernel_at_rev
 
 LAYERS = 30
 CASES = [(64, 106, 32), (32, 600, 528), (1, 300, 0)]  # W1-, W2- and W3-like decode steps
@@ -51,7 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    mod = ak.build("asyncllm_bench_new_native", cpu_paged._SOURCE, "native")
+    mod = kernel_at_rev.new_module("attention", "native")  # the installed kernel
     dtype, shape = torch.bfloat16, (ak.BLOCKS, ak.BS, ak.HKV, ak.D)
     anon = mmap.MAP_ANONYMOUS
     kinds = {

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from asyncllm._kernels import native
 from asyncllm.worker import int4_dequant
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
@@ -55,6 +56,13 @@ def _int8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(1).clamp_min(1e-8) / 127
     q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
     return q, scale
+
+
+def _int4_kernel():  # type: ignore[no-untyped-def]
+    mod = int4_dequant.kernel()
+    if mod is None:
+        raise SystemExit(f"the int4 kernel is unavailable: {native.failure('int4') or 'off'}")
+    return mod
 
 
 def build(name: str, n: int, k: int, copies: int):  # type: ignore[no-untyped-def]
@@ -84,12 +92,12 @@ def build(name: str, n: int, k: int, copies: int):  # type: ignore[no-untyped-de
             p, sz = _int4_pack(w, 32, act)
             if name == "dequant-bf16":
                 wt = torch.empty(k, n, dtype=act)
-                kern = int4_dequant.EXTENSION.load().int4_dequant_t
+                kern = _int4_kernel().int4_dequant_t
                 fns.append(lambda x, p=p, sz=sz, wt=wt, kern=kern: kern(p, sz, 32, wt))
             else:  # the layer's op, which dequantizes above max_rows rows (0 here)
-                int4_dequant.kernel()  # loads the extension, which registers the op
-                op = torch.ops.asyncllm_cpu.int4_linear.default
-                fns.append(lambda x, p=p, sz=sz, op=op: op(x, p, sz, None, 32, k, n, 0))
+                _int4_kernel()  # loads the kernel, which registers the op's CPU kernel
+                op = torch.ops.asyncllm.int4_linear.default
+                fns.append(lambda x, p=p, sz=sz, op=op: op(x, p, sz, None, 32, k, n, 0, 0))
         elif name.startswith("int4"):
             p, sz = _int4_pack(w, 32, act)
             fns.append(

@@ -64,21 +64,6 @@ def first_divergence_is_near_tie(
     return gap <= NEAR_TIE[dtype] and got[j] in top2.indices.tolist()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def cpu_kernels_built() -> None:
-    """The C++ CPU kernels built (in parallel) and loaded before any test: an engine whose
-    kernels are still building runs their torch paths (tests/test_kernel_builds.py), and
-    tests compare paths and count their calls."""
-    from asyncllm.attention import cpu_paged
-    from asyncllm.worker import int4_dequant, q8_linear
-
-    extensions = (cpu_paged.EXTENSION, int4_dequant.EXTENSION, q8_linear.EXTENSION)
-    for ext in extensions:
-        ext.start()
-    for ext in extensions:
-        ext.load()
-
-
 @pytest.fixture
 def anyio_backend() -> str:
     """The event loop async tests run on (anyio's pytest plugin): asyncio by default; the
@@ -322,7 +307,6 @@ async def gather(*aws: Awaitable[Any]) -> list[Any]:
 
 @pytest.fixture
 def quant_cache(tmp_path, monkeypatch):
-    """Quantized weights cached in a temporary directory (``ASYNCLLM_CACHE``; kernels already
-    loaded in this process stay loaded)."""
+    """Quantized weights cached in a temporary directory (``ASYNCLLM_CACHE``)."""
     monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"

@@ -15,9 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Distribution name -> the module it is imported as, where they differ.
 MODULE_OF = {"prometheus-client": "prometheus_client", "ray[serve]": "ray"}
 #: Declared but not imported, and why.
-NOT_IMPORTED = {
-    "ninja": "torch.utils.cpp_extension runs it to build the CPU paged-decode kernel",
-}
+NOT_IMPORTED: dict[str, str] = {}
 #: Imported but run only in the benchmark's peer processes, from venvs of their own.
 PEER_ONLY = {"vllm", "llama_cpp"}
 

@@ -1,4 +1,4 @@
-"""GGUF Q8_0 layers: the matrix-vector kernel (fast and portable builds) and the many-row
+"""GGUF Q8_0 layers: the matrix-vector kernel (its AVX-512 and AVX2 variants) and the many-row
 paths (bfloat16 brgemm on the codes; a packed dense copy) against a dequantize-then-matmul
 reference, and the default model's Q8_0 head
 kept as codes, shared with its tied embedding table, through the quantization cache."""
@@ -10,12 +10,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
+from asyncllm._kernels import native
 from asyncllm.models.gguf_quant import read_tensors, unpack
 from asyncllm.models.loader import _default_gguf_path, load_model
 from asyncllm.worker import q8_linear
-from asyncllm.worker.cpu_extension import CpuExtension
 
-needs_kernel = pytest.mark.skipif(q8_linear.kernel() is None, reason="no C++ compiler")
+needs_kernel = pytest.mark.skipif(
+    q8_linear.kernel() is None, reason=f"Q8_0 kernel unavailable: {native.failure('q8')}"
+)
 
 
 def _codes(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +44,8 @@ def test_q8_linear_matches_reference(rows, dtype, packed):
     bias = torch.randn(n).to(dtype)
     layer = q8_linear.Q8Linear(q, s, bias, dtype)
     if packed:
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            pytest.skip("oneDNN's bfloat16 reorder (the packed copy) needs AVX-512 BW/VL/DQ")
         layer.pack()
     x = torch.randn(2, rows, k).to(dtype)
     with torch.inference_mode():
@@ -112,16 +116,17 @@ def test_q8_gemv_checks_its_inputs():
         q8_linear.kernel().q8_gemv(torch.randn(1, 32), q, s, y)
 
 
-def test_q8_gemv_portable_build_matches_the_fast_one():
-    """The source built without -march=native (the path of CPUs without AVX-512) gives the
-    same values as this machine's build, up to float32 summation order."""
-    portable = CpuExtension(
-        "asyncllm_q8_portable", q8_linear.EXTENSION.source, ["q8_gemv", "q8_fast"],
-        ("-O2", "-fopenmp"), "portable Q8_0 kernel", "ASYNCLLM_Q8_PORTABLE",
-    )  # fmt: skip
-    mod = portable.load()
-    if mod is None:
-        pytest.skip(f"no C++ compiler: {portable.failure()}")
+def _avx2_variant():  # type: ignore[no-untyped-def]
+    try:
+        return native.import_variant("q8", "avx2")
+    except ImportError as e:
+        pytest.skip(f"the avx2 variant is not installed: {e}")
+
+
+def test_q8_gemv_avx2_variant_matches_the_reference():
+    """The avx2 variant (the path of CPUs without AVX-512: no fast path) gives the
+    reference's values up to float32 summation order."""
+    mod = _avx2_variant()
     assert not mod.q8_fast()
     q, s = _codes(70, 128, seed=3)
     x = torch.randn(6, 128)
@@ -129,6 +134,21 @@ def test_q8_gemv_portable_build_matches_the_fast_one():
     mod.q8_gemv(x, q, s, y)
     ref = _reference(x, q, s, None)
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_q8_gemv_avx2_variant_matches_the_loaded_one():
+    """The avx2 variant gives the values of the variant loaded here (AVX-512's fast path),
+    up to float32 summation order."""
+    mod, loaded = _avx2_variant(), q8_linear.kernel()
+    if loaded is None or loaded is mod:
+        pytest.skip("only the avx2 variant runs here (against the reference: the test above)")
+    q, s = _codes(70, 128, seed=3)
+    x = torch.randn(6, 128)
+    y, fast = torch.empty(6, 70), torch.empty(6, 70)
+    mod.q8_gemv(x, q, s, y)
+    loaded.q8_gemv(x, q, s, fast)
+    scale = _reference(x, q, s, None).abs().max().item()
+    torch.testing.assert_close(fast, y, rtol=1e-5, atol=2e-5 * scale)
 
 
 def test_q8_0_blocks_are_exact():

@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
 from asyncllm import EngineConfig, SamplingParams
+from asyncllm._kernels import native
 from asyncllm.models import quantization as qz
 from asyncllm.models.gguf_quant import GGUFTensor, content_key, match_rows, read_tensors, unpack
 from asyncllm.models.loader import _default_gguf_path, load_model
@@ -153,15 +154,9 @@ def _int4_layer(n: int, k: int, gs: int, dtype: torch.dtype = ql.COMPUTE_DTYPE):
     return layer, (q.float() - 8) * scale + zero
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _dequant_kernel_built():
-    """Built (or found) before ``quant_cache`` points the cache elsewhere: one build."""
-    int4_dequant.EXTENSION.load()
-
-
 needs_dequant = pytest.mark.skipif(
-    not int4_dequant.EXTENSION.available(),
-    reason=f"int4 dequant kernel unavailable: {int4_dequant.EXTENSION.failure()}",
+    int4_dequant.kernel() is None,
+    reason=f"int4 dequant kernel unavailable: {native.failure('int4') or 'switched off'}",
 )
 
 
@@ -174,7 +169,7 @@ def test_int4_dequant_kernel_matches_reference(n, k, gs, dtype):
     to bfloat16): this also checks the layout the kernel assumes."""
     layer, ref = _int4_layer(n, k, gs, dtype)
     got = torch.empty(k, n, dtype=dtype)
-    int4_dequant.EXTENSION.load().int4_dequant_t(layer.packed, layer.scales_and_zeros, gs, got)
+    int4_dequant.kernel().int4_dequant_t(layer.packed, layer.scales_and_zeros, gs, got)
     assert torch.equal(got, ref.T.to(dtype))
 
 
@@ -182,7 +177,7 @@ def test_int4_dequant_kernel_matches_reference(n, k, gs, dtype):
 def test_int4_dequant_kernel_checks_its_inputs():
     """Buffers of the wrong size or dtype: a RuntimeError naming the argument, never a read
     or write out of bounds."""
-    mod = int4_dequant.EXTENSION.load()
+    mod = int4_dequant.kernel()
     packed = torch.zeros(64, 32, dtype=torch.uint8)
     sz = torch.zeros(2, 64, 2, dtype=torch.bfloat16)
     out = torch.empty(64, 64, dtype=torch.bfloat16)
@@ -262,7 +257,7 @@ def test_int4_many_row_path_tiles(n, k, gs, rows, m_tile):
     weight within the output rounding, at any tiling, and matches the whole-weight path."""
     layer, ref_w = _int4_layer(n, k, gs)
     x = torch.randn(rows, k).bfloat16()
-    mod = int4_dequant.EXTENSION.load()
+    mod = int4_dequant.kernel()
     got = mod.int4_mm(x, layer.packed, layer.scales_and_zeros, gs, n, m_tile)
     whole = mod.int4_mm(x, layer.packed, layer.scales_and_zeros, gs, n, 0)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
@@ -278,7 +273,7 @@ def test_int4_many_row_path_dequantizes_exactly(n, k, gs):
     then add because the product is exact): multiplied by the identity, every output is one
     product with 1 and is rounded once more to bfloat16, which keeps it."""
     layer, ref_w = _int4_layer(n, k, gs)
-    mod = int4_dequant.EXTENSION.load()
+    mod = int4_dequant.kernel()
     eye = torch.eye(k, dtype=torch.bfloat16)
     for m_tile in (64, 0):
         got = mod.int4_mm(eye, layer.packed, layer.scales_and_zeros, gs, n, m_tile)
@@ -307,7 +302,7 @@ def test_int4_linear_many_rows_with_bias(rows, dtype):
 def test_int4_mm_checks_its_inputs():
     """int4_mm refuses rows of another dtype than the scales, a negative row tile, or a
     weight of another size than the rows' K."""
-    mod = int4_dequant.EXTENSION.load()
+    mod = int4_dequant.kernel()
     layer, _ = _int4_layer(64, 64, 32)
     args = (layer.packed, layer.scales_and_zeros, 32, 64)
     with pytest.raises(RuntimeError, match="rows must be"):
@@ -338,7 +333,7 @@ def test_int4_linear_falls_back_to_the_int4_kernel(case, monkeypatch):
 
 @needs_dequant
 def test_int4_linear_compiles_without_a_row_count_guard():
-    """Under torch.compile the layer is one op (asyncllm_cpu::int4_linear) that picks the
+    """Under torch.compile the layer is one op (asyncllm::int4_linear) that picks the
     path inside: a graph compiled with a dynamic row count runs both paths without
     recompiling, and matches eager."""
     from torch._dynamo.testing import CompileCounter
@@ -447,7 +442,7 @@ def test_engine_greedy_matches_dequantized_model(
 
     before = ql.path_calls()
     got = asyncio.run(run(quant))
-    if mode == "int4" and int4_dequant.EXTENSION.available():
+    if mode == "int4" and int4_dequant.kernel() is not None:
         assert ql.path_calls()["dequant"] > before["dequant"]
         assert ql.path_calls()["int4"] > before["int4"]
     want = asyncio.run(run(ref))
