@@ -770,8 +770,9 @@ def test_a_gguf_file_is_parsed_once_per_load(quant_cache, monkeypatch, default_m
 
 def test_gguf_tensor_kinds_are_cached(tmp_path, monkeypatch):
     """An engine start needs only the GGUF tensors' types: the first read (gguf-py parses
-    every metadata field) is kept, later starts read the small file; a changed GGUF file
-    (another modification time) is read again."""
+    every metadata field) is kept, later starts read the small file, for any file of the
+    same content; a file of other content (one byte of a tensor, the modification time
+    restored) is read again."""
     from asyncllm.models import gguf_quant
 
     src = _default_gguf_path()
@@ -786,6 +787,14 @@ def test_gguf_tensor_kinds_are_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_quant, "read_tensors", refuse)
     assert gguf_quant.tensor_kinds(src, tmp_path) == first
     copy = tmp_path / "copy.gguf"
-    shutil.copyfile(src, copy)  # another file (path, time): its own entry
+    shutil.copyfile(src, copy)  # another path and time, the same content: the same entry
+    assert gguf_quant.tensor_kinds(copy, tmp_path) == first
+    stamp = copy.stat()
+    with copy.open("r+b") as f:
+        f.seek(stamp.st_size - 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(copy, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     with pytest.raises(AssertionError, match="parsed again"):
         gguf_quant.tensor_kinds(copy, tmp_path)

@@ -546,10 +546,14 @@ def _save_cache(
 
 
 def gguf_source(model_dir: pathlib.Path) -> pathlib.Path | None:
-    """The GGUF file ``model_dir`` was converted from (its ``asyncllm_source.json``), or None."""
+    """The GGUF file ``model_dir`` was converted from, as its ``asyncllm_source.json``
+    records it, or None: none recorded, the file gone, or its content changed since the
+    conversion (its fingerprint is not the one recorded; :mod:`asyncllm.models.fingerprint`).
+    """
     meta = model_dir / "asyncllm_source.json"
     try:
-        src = pathlib.Path(json.loads(meta.read_text())["gguf_file"])
+        record = json.loads(meta.read_text())
+        src = pathlib.Path(record["gguf_file"])
+        return src if fingerprint(src) == record["fingerprint"] else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return src if src.is_file() else None
