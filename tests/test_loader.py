@@ -393,6 +393,33 @@ def test_gguf_of_other_content_is_converted_again(
     assert resolve_model_dir(path) == again and len(calls) == 2  # then cached
 
 
+def test_a_conversion_shared_by_copies_quantizes_the_file_asked_for(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Two GGUF files of the same content share one conversion, which records the first
+    one's path; once that file changes, the recorded source is not trusted (its content is
+    not the recorded one) and a load of the second quantizes from the second."""
+    from asyncllm.models.quantization import gguf_source
+
+    def fake_write(src: pathlib.Path, out: pathlib.Path) -> None:
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(loader, "_write_converted", fake_write)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = _fake_gguf(tmp_path / "a")
+    second = tmp_path / "b" / first.name
+    second.write_bytes(first.read_bytes())
+    converted = resolve_model_dir(first)
+    assert resolve_model_dir(second) == converted
+    assert gguf_source(converted) == first
+    _flip_byte(first, first.stat().st_size // 2)
+    assert gguf_source(converted) is None
+    assert loader._gguf_file_of(second) == second.resolve()
+    assert loader._gguf_file_of(converted) is None
+
+
 def _flip_byte(path: pathlib.Path, at: int) -> None:
     with path.open("r+b") as f:
         f.seek(at)
