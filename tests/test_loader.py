@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
+import os
 import pathlib
 import time
 import types
@@ -29,6 +30,7 @@ from transformers import (
 
 from asyncllm.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from asyncllm.models import loader
+from asyncllm.models.fingerprint import fingerprint
 from asyncllm.models.loader import (
     DEFAULT_MODEL,
     LoadedModel,
@@ -357,6 +359,117 @@ def test_gguf_converted_once_and_cached(tmp_path: pathlib.Path, monkeypatch: pyt
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("case", ["rewritten in place", "same name elsewhere"])
+def test_gguf_of_other_content_is_converted_again(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, case: str
+):
+    """A GGUF file of other content with the same name, size, modification time and first
+    and last MiB (rewritten in place with its time restored, or another run's file of the
+    same name) gets its own conversion: the cache was keyed by those and served the other
+    file's weights."""
+    calls = []
+
+    def fake_write(src: pathlib.Path, out: pathlib.Path) -> None:
+        calls.append(src.read_bytes())
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(src.read_bytes())
+
+    monkeypatch.setattr(loader, "_write_converted", fake_write)
+    (tmp_path / "run1").mkdir()
+    path = _fake_gguf(tmp_path / "run1")
+    stamp = path.stat()
+    first = resolve_model_dir(path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1  # a byte in the middle, outside both ends' MiB
+    if case == "same name elsewhere":
+        (tmp_path / "run2").mkdir()
+        path = tmp_path / "run2" / path.name
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stamp.st_size, stamp.st_mtime_ns)
+    again = resolve_model_dir(path)
+    assert again != first and len(calls) == 2
+    assert (again / "model.safetensors").read_bytes() == bytes(data)
+    assert resolve_model_dir(path) == again and len(calls) == 2  # then cached
+
+
+def test_a_conversion_shared_by_copies_quantizes_the_file_asked_for(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Two GGUF files of the same content share one conversion, which records the first
+    one's path; once that file changes, the recorded source is not trusted (its content is
+    not the recorded one) and a load of the second quantizes from the second."""
+    from asyncllm.models.quantization import gguf_source
+
+    def fake_write(src: pathlib.Path, out: pathlib.Path) -> None:
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(loader, "_write_converted", fake_write)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = _fake_gguf(tmp_path / "a")
+    second = tmp_path / "b" / first.name
+    second.write_bytes(first.read_bytes())
+    converted = resolve_model_dir(first)
+    assert resolve_model_dir(second) == converted
+    assert gguf_source(converted) == first
+    _flip_byte(first, first.stat().st_size // 2)
+    assert gguf_source(converted) is None
+    assert loader._gguf_file_of(second) == second.resolve()
+    assert loader._gguf_file_of(converted) is None
+
+
+def _flip_byte(path: pathlib.Path, at: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+
+
+def test_sampled_fingerprint_sees_every_tensor_not_the_name_or_time(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Above ``FULL_HASH_BYTES`` a file is sampled: a one-byte change at the start, middle
+    or end of any tensor of a safetensors file changes its fingerprint (the evenly spaced
+    samples alone cover a quarter of this file); its name, folder and time do not. A byte no
+    sample covers goes unseen: the documented trade-off."""
+    from safetensors.torch import save_file
+
+    from asyncllm.models import fingerprint as fp
+
+    monkeypatch.setattr(fp, "FULL_HASH_BYTES", 0)
+    tensors = {f"t{i}": torch.zeros(2_000_000 + 1000 * i, dtype=torch.uint8) for i in range(12)}
+    path = tmp_path / "a" / "model.safetensors"
+    path.parent.mkdir()
+    save_file(tensors, path)
+    base = fingerprint(path)
+    copy = tmp_path / "b" / "renamed.safetensors"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    os.utime(copy, ns=(0, 0))
+    assert fingerprint(copy) == base
+
+    data = path.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    offsets = json.loads(data[8:header])
+    for name in tensors:
+        begin, end = offsets[name]["data_offsets"]
+        for at in (header + begin, header + (begin + end) // 2, header + end - 1):
+            _flip_byte(copy, at)
+            assert fingerprint(copy) != base, (name, at)
+            _flip_byte(copy, at)
+    assert fingerprint(copy) == base
+    with copy.open("rb") as f:
+        sampled = fp._sample_ranges(f, len(data), True)
+    unseen = next(
+        at for at in range(0, len(data), 4096) if all(not s <= at < e for s, e in sampled)
+    )
+    _flip_byte(copy, unseen)
+    assert fingerprint(copy) == base
+
+
 def test_concurrent_resolves_convert_once(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
     calls = []
 
@@ -381,7 +494,7 @@ def test_leftover_temp_dir_is_removed(tmp_path: pathlib.Path, monkeypatch: pytes
     monkeypatch.setattr(loader, "_write_converted", fake_write)
     path = _fake_gguf(tmp_path)
     root = cache_dir() / "gguf"
-    key = loader._gguf_cache_key(path)
+    key = fingerprint(path)[:16]
     leftover = root / f".tmp-fake.Q4-{key}-killed"
     leftover.mkdir(parents=True)
     (leftover / "config.json").write_text("{}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import pathlib
 import shutil
 
@@ -19,7 +20,7 @@ from asyncllm import EngineConfig, SamplingParams
 from asyncllm._kernels import native
 from asyncllm.models import quantization as qz
 from asyncllm.models.gguf_quant import GGUFTensor, content_key, match_rows, read_tensors, unpack
-from asyncllm.models.loader import _default_gguf_path, load_model
+from asyncllm.models.loader import LoadedModel, _default_gguf_path, load_model
 from asyncllm.worker import int4_dequant, q8_linear
 from asyncllm.worker import quant_linear as ql
 
@@ -612,17 +613,25 @@ def _add_a_module(path: pathlib.Path) -> None:
     torch.save(data, path)
 
 
+def _other_weights(path: pathlib.Path) -> None:
+    data = torch.load(path, weights_only=True)
+    data["key"] = "0" * 64  # the key of other weights, e.g. a key prefix shared by chance
+    torch.save(data, path)
+
+
 @pytest.mark.parametrize(
-    "tamper", ["other model", "other setting", "drop a module", "add a module", "unknown class"]
-)
+    "tamper",
+    ["other model", "other setting", "other weights", "drop a module", "add a module",
+     "unknown class"],
+)  # fmt: skip
 def test_cache_that_does_not_fit_is_converted_again(
     tiny_llama_dir, tiny_qwen2_dir, quant_cache, tamper, caplog
 ):
     """A cache file under this model's name that was written for another model or setting,
-    lacks or adds a layer, or names an unknown class is ignored: the start converts again
-    (same weights as a fresh start, the file rewritten), never serves it as the model or
-    fails on it (it served another model's layers, the int8 layers for int4, a dense layer
-    among int4 ones, or raised ModelLoadError)."""
+    records the key of other weights, lacks or adds a layer, or names an unknown class is
+    ignored: the start converts again (same weights as a fresh start, the file rewritten),
+    never serves it as the model or fails on it (it served another model's layers, the int8
+    layers for int4, a dense layer among int4 ones, or raised ModelLoadError)."""
     cpu = torch.device("cpu")
     fresh = load_model(tiny_llama_dir, dtype=torch.float32, device=cpu, quantization="int4")
     (own,) = (quant_cache / "quant").glob("*.pt")
@@ -634,7 +643,8 @@ def test_cache_that_does_not_fit_is_converted_again(
         own.write_bytes(foreign.read_bytes())
     else:
         {"drop a module": _drop_a_module, "add a module": _add_a_module,
-         "unknown class": _unknown_class}[tamper](own)  # fmt: skip
+         "unknown class": _unknown_class, "other weights": _other_weights,
+         }[tamper](own)  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="asyncllm"):
         again = load_model(tiny_llama_dir, dtype=torch.float32, device=cpu, quantization="int4")
     ignored = [r for r in caplog.records if "ignoring quantization cache" in r.getMessage()]
@@ -648,6 +658,75 @@ def test_cache_that_does_not_fit_is_converted_again(
     for k in want:
         assert torch.equal(want[k], got[k]), k
     assert own.read_bytes() == good  # converted again and cached again
+
+
+def _retrained(src: pathlib.Path, dst: pathlib.Path, seed: int) -> pathlib.Path:
+    """The tiny Llama of ``src`` (config, tokenizer) at ``dst`` with other random weights:
+    the same tensors, so the same file names and sizes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from asyncllm.bench.tiny_model import TINY_CONFIG
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).save_pretrained(dst)
+    return dst
+
+
+def _load_int4(
+    path: pathlib.Path, cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> LoadedModel:
+    """``path`` loaded with int4 layers, the quantized weights cached under ``cache``."""
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(cache))
+    return load_model(path, dtype=torch.float32, device=torch.device("cpu"), quantization="int4")
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    want, got = a.state_dict(), b.state_dict()
+    return want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_same_named_models_each_load_their_own_quantized_layers(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """Two models in ``run1/final`` and ``run2/final`` (one folder name, the same file
+    names, sizes and modification times, other weights) each load their own quantized
+    layers, on the first start and from the cache: the cache was keyed by the folder's name
+    and the files' names, sizes and times, and gave the second model the first one's."""
+    dirs = [_retrained(tiny_llama_dir, tmp_path / f"run{i}" / "final", 10 + i) for i in (1, 2)]
+    files = [d / "model.safetensors" for d in dirs]
+    assert files[0].stat().st_size == files[1].stat().st_size
+    assert files[0].read_bytes() != files[1].read_bytes()
+    for d in dirs:
+        for f in d.iterdir():
+            os.utime(f, ns=(1_700_000_000 * 10**9, 1_700_000_000 * 10**9))
+    fresh = [_load_int4(d, tmp_path / f"fresh{i}", monkeypatch).model for i, d in enumerate(dirs)]
+    assert not _same_weights(*fresh)
+    shared = tmp_path / "shared"
+    for start in ("converted", "cached"):
+        for d, want in zip(dirs, fresh, strict=True):
+            loaded = _load_int4(d, shared, monkeypatch)
+            assert _same_weights(loaded.model, want), (start, d)
+    assert len(list((shared / "quant").glob("*.pt"))) == 2
+
+
+def test_weights_rewritten_in_place_are_quantized_again(tiny_llama_dir, tmp_path, monkeypatch):
+    """A checkpoint rewritten in place with other weights of the same shapes (the same size)
+    and its modification time restored: the next start quantizes the new weights, never
+    serves the layers cached for the old ones."""
+    path = _retrained(tiny_llama_dir, tmp_path / "model", 10)
+    weights = path / "model.safetensors"
+    cache = tmp_path / "cache"
+    old = _load_int4(path, cache, monkeypatch).model
+    before = weights.stat()
+    _retrained(tiny_llama_dir, path, 11)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    want = _load_int4(path, tmp_path / "fresh", monkeypatch).model
+    assert not _same_weights(old, want)
+    got = _load_int4(path, cache, monkeypatch).model
+    assert _same_weights(got, want)
 
 
 def test_a_gguf_file_is_parsed_once_per_load(quant_cache, monkeypatch, default_model_dir):
@@ -686,8 +765,9 @@ def test_a_gguf_file_is_parsed_once_per_load(quant_cache, monkeypatch, default_m
 
 def test_gguf_tensor_kinds_are_cached(tmp_path, monkeypatch):
     """An engine start needs only the GGUF tensors' types: the first read (gguf-py parses
-    every metadata field) is kept, later starts read the small file; a changed GGUF file
-    (another modification time) is read again."""
+    every metadata field) is kept, later starts read the small file, for any file of the
+    same content; a file of other content (one byte of a tensor, the modification time
+    restored) is read again."""
     from asyncllm.models import gguf_quant
 
     src = _default_gguf_path()
@@ -702,6 +782,14 @@ def test_gguf_tensor_kinds_are_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_quant, "read_tensors", refuse)
     assert gguf_quant.tensor_kinds(src, tmp_path) == first
     copy = tmp_path / "copy.gguf"
-    shutil.copyfile(src, copy)  # another file (path, time): its own entry
+    shutil.copyfile(src, copy)  # another path and time, the same content: the same entry
+    assert gguf_quant.tensor_kinds(copy, tmp_path) == first
+    stamp = copy.stat()
+    with copy.open("r+b") as f:
+        f.seek(stamp.st_size - 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(copy, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     with pytest.raises(AssertionError, match="parsed again"):
         gguf_quant.tensor_kinds(copy, tmp_path)

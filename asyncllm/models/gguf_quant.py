@@ -21,7 +21,6 @@ GGUF tensor onto the Hugging Face weight transformers dequantized from it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
+from asyncllm.models.fingerprint import fingerprint
 from asyncllm.models.gguf_parse import reader
 
 __all__ = [
@@ -152,13 +152,17 @@ class TensorKind:
 
 def tensor_kinds(path: pathlib.Path, cache: pathlib.Path) -> list[TensorKind]:
     """The 2-D tensors' names and types of the GGUF file ``path``, kept in a small JSON file
-    under ``cache`` keyed by the file's path, size and modification time. gguf-py's reader
+    under ``cache`` keyed by the file's content (:func:`~asyncllm.models.fingerprint.
+    fingerprint`, recorded in the JSON file and checked when it is read). gguf-py's reader
     parses every metadata field (the tokenizer's ~100,000 strings: 3.6 s for the default
     model's file on the 2-core machine) before it lists the tensors; an engine start only
-    needs their types, so only the first start of a file pays that."""
-    st = path.stat()
-    ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    f = cache / f"gguf-kinds-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+    needs their types, so only the first start of a file pays that.
+
+    Raises:
+        OSError: ``path`` cannot be read.
+    """
+    ident = fingerprint(path)
+    f = cache / f"gguf-kinds-{ident[:16]}.json"
     try:
         data = json.loads(f.read_text())
         if data["file"] == ident:

@@ -7,8 +7,9 @@ A model is named in one of three forms:
 * a local Hugging Face directory (``config.json``, ``*.safetensors`` or ``*.bin`` weights,
   tokenizer files);
 * a local ``*.gguf`` file, dequantized once into a safetensors directory under
-  :func:`cache_dir` and reused from there; by default its own quantized blocks then replace
-  the float32 linear weights (:mod:`asyncllm.models.quantization`).
+  :func:`cache_dir` and reused from there (found by the file's content,
+  :mod:`asyncllm.models.fingerprint`); by default its own quantized blocks then replace the
+  float32 linear weights (:mod:`asyncllm.models.quantization`).
 
 Nothing here touches the network: every ``from_pretrained`` call passes ``local_files_only``.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import logging
@@ -49,6 +49,7 @@ from asyncllm.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
+from asyncllm.models.fingerprint import fingerprint, memoized
 from asyncllm.models.quantization import gguf_source, resolve_quantization
 from asyncllm.models.weights import load_weights
 from asyncllm.worker.quant_linear import DEFAULT_GROUP_SIZE, weight_bytes
@@ -73,7 +74,6 @@ _VALID_FORMS = (
     "weights and tokenizer files), or the path of a .gguf file."
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-_KEY_CHUNK = 1 << 20  # bytes hashed at each end of a GGUF file for its cache key
 _STALE_TMP_S = 24 * 3600  # a temp conversion dir this old was left by a killed process
 # Encoder families whose "ForCausalLM" class is a decoder adaptation of a bidirectional encoder.
 _ENCODER_TYPES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) & frozenset(
@@ -100,7 +100,9 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> pathlib.Path:
     ``model`` is ``"default"``, a Hugging Face directory (returned as is, absolute), or a
     ``.gguf`` file. A GGUF file is dequantized to float32 and saved as safetensors under
     ``cache_dir()/gguf/<stem>-<key>`` the first time (tens of seconds for a small model); later
-    calls find that directory by the file's size, mtime and a hash of its first and last MiB.
+    calls find that directory by the file's content (:func:`~asyncllm.models.fingerprint.
+    fingerprint`, recorded in the directory's ``asyncllm_source.json`` and checked: a
+    directory recording another fingerprint is converted again).
 
     Raises:
         ModelNotFoundError: ``model`` does not exist, is neither a model directory nor a
@@ -246,7 +248,7 @@ def load_model(
         ValueError: a quantization setting the model or device cannot run (naming the
             setting, tensor or layer).
     """
-    with _gguf_parsed_once(model):
+    with _gguf_parsed_once(model), memoized():
         return _load_model(
             model,
             dtype=dtype,
@@ -255,6 +257,15 @@ def load_model(
             quantization=quantization,
             quantization_group_size=quantization_group_size,
         )
+
+
+def _gguf_file_of(model: str | os.PathLike[str]) -> pathlib.Path | None:
+    """The GGUF file ``model`` names (its conversion, found by content, may record another
+    path holding the same bytes), or None for a model directory."""
+    if isinstance(model, str) and model == DEFAULT_MODEL:
+        return _default_gguf_path()
+    path = pathlib.Path(os.fspath(model)).expanduser()
+    return path.resolve() if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
 def _gguf_parsed_once(model: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
@@ -289,7 +300,7 @@ def _load_model(
         quantization,  # type: ignore[arg-type]
         group_size=quantization_group_size,
         model_dir=model_dir,
-        gguf_file=gguf_source(model_dir),
+        gguf_file=_gguf_file_of(model) or gguf_source(model_dir),
         cache_root=cache_dir(),
         dtype=dtype,
         device=device,
@@ -415,30 +426,27 @@ def _check_safetensors(file: pathlib.Path) -> None:
         raise ModelLoadError(f"corrupt safetensors file {file}: {exc}") from exc
 
 
-def _gguf_cache_key(path: pathlib.Path) -> str:
-    """Short key from size, mtime and the first and last MiB: cheap for multi-GB files."""
-    st = path.stat()
-    digest = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    with path.open("rb") as f:
-        digest.update(f.read(_KEY_CHUNK))
-        if st.st_size > _KEY_CHUNK:
-            f.seek(max(_KEY_CHUNK, st.st_size - _KEY_CHUNK))
-            digest.update(f.read(_KEY_CHUNK))
-    return digest.hexdigest()[:16]
-
-
 def _is_complete(path: pathlib.Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+def _converted_from(target: pathlib.Path, key: str) -> bool:
+    """``target`` is a complete conversion of the GGUF file whose fingerprint is ``key``."""
+    try:
+        recorded = json.loads((target / "asyncllm_source.json").read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return recorded == key and _is_complete(target)
+
+
 def _convert_gguf(path: pathlib.Path) -> pathlib.Path:
     try:
-        key = _gguf_cache_key(path)
+        key = fingerprint(path)
     except OSError as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
     root = cache_dir() / "gguf"
-    target = root / f"{path.stem}-{key}"
-    if _is_complete(target):
+    target = root / f"{path.stem}-{key[:16]}"
+    if _converted_from(target, key):
         return target
 
     # Serializes conversions across processes (filelock: portable, unlike fcntl): the
@@ -453,9 +461,14 @@ def _convert_gguf(path: pathlib.Path) -> pathlib.Path:
             "to a writable directory"
         ) from exc
     try:
-        if _is_complete(target):
+        if _converted_from(target, key):
             return target
         _prune_stale_tmp(root, target)
+        if target.exists():  # a key prefix shared by chance, or a damaged directory
+            logger.warning("asyncllm: %s is not a conversion of %s; converting again", target, path)
+            stale = root / f".tmp-{target.name}-stale"
+            os.rename(target, stale)
+            shutil.rmtree(stale, ignore_errors=True)
         logger.warning(
             "asyncllm: converting %s to a float32 safetensors model in %s (once; this can "
             "take a minute)",
@@ -467,11 +480,21 @@ def _convert_gguf(path: pathlib.Path) -> pathlib.Path:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be readable
         try:
             _write_converted(path, tmp)
+            (tmp / "asyncllm_source.json").write_text(
+                json.dumps(
+                    {
+                        "gguf_file": str(path),
+                        "fingerprint": key,
+                        "transformers": transformers.__version__,
+                    },
+                    indent=1,
+                )
+            )
             try:
                 # Atomic: readers see either no directory or a complete one.
                 os.rename(tmp, target)
             except OSError:
-                if not _is_complete(target):  # otherwise another process won the race
+                if not _converted_from(target, key):  # else another process won the race
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -541,9 +564,6 @@ def _write_converted(path: pathlib.Path, out: pathlib.Path) -> None:
     lm.save_pretrained(out)
     tokenizer.save_pretrained(out)
     del lm
-    (out / "asyncllm_source.json").write_text(
-        json.dumps({"gguf_file": str(path), "transformers": transformers.__version__}, indent=1)
-    )
 
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
     with torch.no_grad():

@@ -32,11 +32,12 @@ precision where its kernel has an AVX-512 path: :class:`~asyncllm.worker.q8_line
 packed dense copy), and a table tied to it reads the same codes
 (:class:`~asyncllm.worker.quant_linear.QuantEmbedding`, no second copy).
 
-The converted modules are saved under ``cache_dir()/quant/`` keyed by the model's weight
-files, the setting, the dtype and the torch version, so a second start only loads them. A
-file that does not fit the model (another model's or setting's, a layer missing or extra, an
-unknown module class) is ignored with a warning and the model converted again
-(:func:`apply_cached`).
+The converted modules are saved under ``cache_dir()/quant/`` keyed by the content of the
+model's weight files (and of the GGUF file for "gguf"; :mod:`asyncllm.models.fingerprint`),
+the setting, the dtype and the torch version, so a second start only loads them; the file
+records its key, checked at load. A file that does not fit the model (another model's,
+weights' or setting's, a layer missing or extra, an unknown module class) is ignored with a
+warning and the model converted again (:func:`apply_cached`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from asyncllm.models.fingerprint import fingerprint, fingerprints
 from asyncllm.worker import quant_linear as ql
 from asyncllm.worker.q8_linear import Q8Linear
 
@@ -75,7 +77,7 @@ MODES = ("auto", "int8", "int4", "gguf")
 Mode = Literal["auto", "int8", "int4", "gguf"] | None
 #: GGUF block size (the group of a Q4_* weight run by Int4Linear).
 GGUF_GROUP = 32
-_CACHE_VERSION = 3
+_CACHE_VERSION = 4
 
 
 class QuantInfo:
@@ -113,6 +115,8 @@ class QuantSetting:
         cache_path: the converted modules' cache file (None when ``mode`` is None).
         gguf_file: the GGUF file the model came from (None for a model that is not one);
             its tensors are read only when the model is converted.
+        cache_key: what the cache file must record to be this model's and setting's
+            (a hash of the weight files' content and the setting; None when ``mode`` is).
     """
 
     mode: str | None
@@ -121,6 +125,7 @@ class QuantSetting:
     device: torch.device
     cache_path: pathlib.Path | None
     gguf_file: pathlib.Path | None
+    cache_key: str | None = None
 
 
 def resolve_quantization(
@@ -138,7 +143,8 @@ def resolve_quantization(
     Args:
         mode: ``EngineConfig.quantization``.
         group_size: int4's group (32, 64 or 128); ignored otherwise.
-        model_dir: the Hugging Face directory of the model (its files key the cache).
+        model_dir: the Hugging Face directory of the model (its files' content keys the
+            cache; so does ``gguf_file``'s for "gguf").
         gguf_file: the GGUF file ``model_dir`` was converted from, or None.
         cache_root: where converted models are cached (``cache_dir()``).
         dtype, device: the model's.
@@ -171,14 +177,21 @@ def resolve_quantization(
     ql.check_kernel("int8" if resolved == "int8" else "int4", device, ql.COMPUTE_DTYPE)
     dtype_name = str(dtype).removeprefix("torch.")
     q8 = "-q8head" if resolved == "gguf" and _q8_head_ok(device) else ""
-    key = _cache_key(model_dir, f"{resolved}-g{gs}-{dtype_name}{q8}")
-    path = cache_root / "quant" / f"{model_dir.name}-{key}.pt"
-    return QuantSetting(resolved, gs, dtype, device, path, gguf_file)
+    name = f"{resolved}-g{gs}-{dtype_name}{q8}"
+    key = _cache_key(model_dir, name, gguf_file if resolved == "gguf" else None)
+    # The folder's name only makes the file recognizable; the key tells models apart.
+    path = cache_root / "quant" / f"{model_dir.name}-{name}-{key[:12]}.pt"
+    return QuantSetting(resolved, gs, dtype, device, path, gguf_file, key)
 
 
 def load_cached(setting: QuantSetting) -> dict | None:
-    """The converted modules cached for ``setting``, or None (not cached, or unreadable)."""
-    return None if setting.cache_path is None else _load_cache(setting.cache_path)
+    """The converted modules cached for ``setting``, or None (not cached, or unreadable), or
+    an empty dict for a file written for other weights (its recorded key is not
+    ``setting.cache_key``; one warning): as :func:`apply_cached` leaves a file that does not
+    fit, so that the load paths that try it next skip it quietly."""
+    if setting.cache_path is None or setting.cache_key is None:
+        return None
+    return _load_cache(setting.cache_path, setting.cache_key)
 
 
 def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = None) -> QuantInfo:
@@ -213,8 +226,8 @@ def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = N
     for name, module in modules.items():
         ql.replace_module(lm, name, module.to(setting.device))
     _retie(lm)
-    assert setting.cache_path is not None
-    _save_cache(setting.cache_path, modules, precision)
+    assert setting.cache_path is not None and setting.cache_key is not None
+    _save_cache(setting.cache_path, setting.cache_key, modules, precision)
     return QuantInfo(precision, setting.mode, len(modules), False)
 
 
@@ -479,15 +492,19 @@ def _retie(lm: nn.Module) -> None:
             cfg.tie_word_embeddings = False
 
 
-def _cache_key(model_dir: pathlib.Path, setting: str) -> str:
+def _cache_key(model_dir: pathlib.Path, setting: str, gguf_file: pathlib.Path | None) -> str:
+    """A hash of the cache format, ``setting``, torch's version and the content of the
+    model's weight files (and of ``gguf_file``, whose blocks "gguf" keeps); not of any
+    folder's name or file's time (:mod:`asyncllm.models.fingerprint`)."""
+    files = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin"))
     digest = hashlib.sha256(f"v{_CACHE_VERSION}:{setting}:torch{torch.__version__}".encode())
-    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
-        st = f.stat()
-        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return f"{setting}-{digest.hexdigest()[:12]}"
+    digest.update(fingerprints(files).encode())
+    if gguf_file is not None:
+        digest.update(f":gguf:{fingerprint(gguf_file)}".encode())
+    return digest.hexdigest()
 
 
-def _load_cache(path: pathlib.Path) -> dict | None:
+def _load_cache(path: pathlib.Path, key: str) -> dict | None:
     if not path.is_file():
         return None
     try:
@@ -496,16 +513,27 @@ def _load_cache(path: pathlib.Path) -> dict | None:
         # model's or setting's name is not this one's.
         if data.get("version") != _CACHE_VERSION or data.get("name") != path.name:
             return None
-        return data  # type: ignore[no-any-return]
     except Exception as exc:  # a truncated or foreign file: convert again
         logger.warning("asyncllm: ignoring unreadable quantization cache %s: %s", path, exc)
         return None
+    # So is the key it was made for: under this name, another model's or other weights'
+    # (a prefix of the key in the name matching by chance, or a file copied in place).
+    if data.get("key") != key:
+        logger.warning(
+            "asyncllm: ignoring quantization cache %s: written for other weights; converting again",
+            path,
+        )
+        return {}
+    return data  # type: ignore[no-any-return]
 
 
-def _save_cache(path: pathlib.Path, modules: dict[str, nn.Module], precision: str) -> None:
+def _save_cache(
+    path: pathlib.Path, key: str, modules: dict[str, nn.Module], precision: str
+) -> None:
     data = {
         "version": _CACHE_VERSION,
         "name": path.name,
+        "key": key,
         "precision": precision,
         "modules": {n: ql.module_state(m) for n, m in modules.items()},
     }
@@ -521,10 +549,14 @@ def _save_cache(path: pathlib.Path, modules: dict[str, nn.Module], precision: st
 
 
 def gguf_source(model_dir: pathlib.Path) -> pathlib.Path | None:
-    """The GGUF file ``model_dir`` was converted from (its ``asyncllm_source.json``), or None."""
+    """The GGUF file ``model_dir`` was converted from, as its ``asyncllm_source.json``
+    records it, or None: none recorded, the file gone, or its content changed since the
+    conversion (its fingerprint is not the one recorded; :mod:`asyncllm.models.fingerprint`).
+    """
     meta = model_dir / "asyncllm_source.json"
     try:
-        src = pathlib.Path(json.loads(meta.read_text())["gguf_file"])
+        record = json.loads(meta.read_text())
+        src = pathlib.Path(record["gguf_file"])
+        return src if fingerprint(src) == record["fingerprint"] else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return src if src.is_file() else None

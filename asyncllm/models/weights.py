@@ -103,7 +103,7 @@ def build_around_cached(
         model with ``from_pretrained``.
     """
     files = sorted(model_dir.glob("*.safetensors"))
-    if cached is None or not files:
+    if not cached or not files:  # nothing cached, or a file found not to fit (emptied)
         return None
     with accelerate.init_empty_weights(include_buffers=False):
         lm = AutoModelForCausalLM.from_config(
