@@ -77,7 +77,8 @@ MODES = ("auto", "int8", "int4", "gguf")
 Mode = Literal["auto", "int8", "int4", "gguf"] | None
 #: GGUF block size (the group of a Q4_* weight run by Int4Linear).
 GGUF_GROUP = 32
-_CACHE_VERSION = 4
+#: 5: a float32 model's int4 scales and zero points are float32 (exact), not bfloat16.
+_CACHE_VERSION = 5
 
 
 class QuantInfo:
@@ -493,11 +494,17 @@ def _retie(lm: nn.Module) -> None:
 
 
 def _cache_key(model_dir: pathlib.Path, setting: str, gguf_file: pathlib.Path | None) -> str:
-    """A hash of the cache format, ``setting``, torch's version and the content of the
-    model's weight files (and of ``gguf_file``, whose blocks "gguf" keeps); not of any
-    folder's name or file's time (:mod:`asyncllm.models.fingerprint`)."""
+    """A hash of the cache format, ``setting``, torch's version and CPU capability (its int4
+    packing), and the content of the model's weight files (and of ``gguf_file``, whose
+    blocks "gguf" keeps); not of any folder's name or file's time
+    (:mod:`asyncllm.models.fingerprint`)."""
     files = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin"))
-    digest = hashlib.sha256(f"v{_CACHE_VERSION}:{setting}:torch{torch.__version__}".encode())
+    # torch packs int4 codes per its CPU capability ([N/64, K, 32] on AVX-512, [N/32, K, 16]
+    # on AVX2): an entry packed under one is another layout's garbage under the other.
+    layout = torch.backends.cpu.get_cpu_capability()
+    digest = hashlib.sha256(
+        f"v{_CACHE_VERSION}:{setting}:torch{torch.__version__}:{layout}".encode()
+    )
     digest.update(fingerprints(files).encode())
     if gguf_file is not None:
         digest.update(f":gguf:{fingerprint(gguf_file)}".encode())
