@@ -22,16 +22,24 @@ def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from asyncllm import AsyncEngine, SamplingParams
+    from asyncllm import SamplingParams
     from asyncllm.config_args import engine_config_from_args
+    from asyncllm.errors import InvalidRequestError
+    from asyncllm.preflight import check_engine_config
 
-    # Checked before the model loads (seconds): a bad option fails at once.
+    # Checked before torch is imported and the model loads (milliseconds, not the load's
+    # seconds): a bad prompt, option or model path fails at once.
+    if not args.prompt.strip():
+        raise InvalidRequestError("the prompt is empty: give the text to answer")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
+    config = {"max_num_seqs": 1, **engine_config_from_args(args)}
+    check_engine_config(args.model, config)
+    from asyncllm import AsyncEngine
+
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    config = {"max_num_seqs": 1, **engine_config_from_args(args)}
     engine = AsyncEngine.from_pretrained(args.model, **config)
     stats = engine.stats()
     print(
@@ -50,6 +58,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         async with engine:
+            if not isinstance(prompt, str) and len(prompt) >= engine.max_model_len:
+                raise InvalidRequestError(
+                    f"the prompt takes {len(prompt)} tokens with the chat template, and "
+                    f"max_model_len is {engine.max_model_len}: --max-model-len must be at "
+                    f"least {len(prompt) + 1} to generate a token"
+                )
             start = time.perf_counter()
             first = None
             n_prompt = n_gen = 0

@@ -19,6 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "asyncllm"
 TORCH_FREE_EXTRA = [
     "asyncllm",
     "asyncllm.config",
+    "asyncllm.config_args",
+    "asyncllm.preflight",
     "asyncllm.errors",
     "asyncllm.outputs",
     "asyncllm.sampling_params",

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.config_args import add_engine_arguments, engine_config_from_args
+from asyncllm.preflight import check_engine_config
 from asyncllm.server.app import create_app
 from asyncllm.server.security import DEFAULT_MAX_REQUEST_BYTES, split_commas
 
@@ -158,7 +159,15 @@ def app_options_from_args(
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Load the model and serve it with uvicorn until interrupted; returns the exit code."""
+    """Load the model and serve it with uvicorn until interrupted; returns the exit code.
+
+    The engine's fields and the model source are checked first, before torch is imported
+    (:func:`asyncllm.preflight.check_engine_config`).
+
+    Raises:
+        ValueError: a bad engine field or model (the typed errors of the model loader).
+    """
+    check_engine_config(args.model, engine_config_from_args(args))
     if getattr(args, "replicas", None) is not None:
         try:
             from asyncllm.integrations import ray_serve
