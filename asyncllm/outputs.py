@@ -114,9 +114,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         request_id: the request's id.
         token_ids: generated token ids (a matched stop string's tokens included).
         text: their text: an item never ends inside a multi-byte character (a request that
-            stops mid-character ends with U+FFFD, as ``decode`` renders it), never ends with text
-            that could still become a stop string, and leaves out the matched stop string
-            (and a stop token's text) unless ``include_stop_str_in_output``.
+            stops mid-character, at ``max_tokens``, leaves that character's bytes out rather
+            than end with U+FFFD), never ends with text that could still become a stop
+            string, and leaves out the matched stop string (and a stop token's text) unless
+            ``include_stop_str_in_output``.
         finish_reason: None while running, then "stop" (EOS, a stop token or a stop string),
             "tool_calls" (``chat`` with tools: the model stopped after making tool calls,
             as OpenAI reports it), "length" (max_tokens or max_model_len reached), "abort"

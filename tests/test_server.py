@@ -279,7 +279,9 @@ def test_logprobs_bytes_of_partial_tokens(served: tuple[str, AsyncEngine]) -> No
             choice = r.json()["choices"][0]
             text, lps = choice["text"], choice["logprobs"]
         assert lps["tokens"] == ["bytes:\\xe6"] * 3
-        assert lps["text_offset"] == [0, 1, 2] and text == "\ufffd" * 3
+        # The first two 0xE6 are invalid (no continuation byte follows): U+FFFD each; the
+        # last could still begin a character when max_tokens cut it: left out of the text.
+        assert lps["text_offset"] == [0, 1, 2] and text == "\ufffd" * 2
 
 
 def test_legacy_text_offset_of_partial_tokens() -> None:

@@ -31,8 +31,9 @@ Rust ``DecodeStream`` does the same thing):
   is emitted, as ``decode()`` renders it. So a model that generates invalid UTF-8 (a run of
   ``0x80`` bytes) streams one U+FFFD per token, 3 tokens late, at a constant cost per step.
   A U+FFFD followed by other text is emitted at once with it. :meth:`IncrementalDetokenizer.flush`
-  emits whatever is still held, as ``decode()`` renders it (so a truncated character at the very
-  end comes out as U+FFFD).
+  emits whatever is still held, as ``decode()`` renders it, but for a truncated character at the
+  very end (``max_tokens`` reached inside it): its bytes are left out, not rendered as U+FFFD, so
+  the final text ends on its last complete character. (Invalid bytes before it stay U+FFFD.)
 * When several tokens arrive at once and their text ends with an incomplete character, the text
   of the longest complete prefix of the batch is still emitted, so the deltas do not depend on how
   the tokens are batched.
@@ -58,10 +59,12 @@ concatenation of all deltas and the final :meth:`~IncrementalDetokenizer.flush` 
 
     dec(P + G)[len(prompt_text):]
 
-where ``prompt_text`` is the prompt's text up to its last complete character: ``dec(P)``, or for
-a prompt ending inside a character ``dec`` of ``P`` without the trailing tokens that hold only
-bytes of that character (less the one U+FFFD that renders it when it starts inside a token). That
-is, the text the generated tokens add to the prompt's text. This is **not**
+less the U+FFFD that renders a trailing incomplete character of ``P + G`` (one for byte-level
+BPE; one per byte token for ByteFallback), where ``prompt_text`` is the prompt's text up to its
+last complete character: ``dec(P)``, or for a prompt ending inside a character ``dec`` of ``P``
+without the trailing tokens that hold only bytes of that character (less the one U+FFFD that
+renders it when it starts inside a token). That is, the text the generated tokens add to the
+prompt's text, up to its last complete character. This is **not**
 ``dec(G)``: for a sentencepiece tokenizer ``dec(G)`` drops the leading space of the first
 generated word, which the stream keeps. (With an empty prompt the two coincide.) The same holds
 for each prefix of ``G`` that ends on a complete character: the concatenated deltas so far equal
@@ -351,12 +354,38 @@ class IncrementalDetokenizer:
         return delta or ""
 
     def flush(self) -> str:
-        """Emit everything still held back, as ``decode`` renders it (call at end of request).
+        """Emit everything still held back, as ``decode`` renders it (call at end of request),
+        but without a trailing incomplete UTF-8 character: the bytes of a character that the
+        output was cut inside (``max_tokens``) are dropped, never rendered as U+FFFD. Invalid
+        bytes (that no further byte could complete) still come out as U+FFFD.
 
-        A trailing incomplete UTF-8 sequence comes out as U+FFFD. Further tokens may still be
-        added afterwards, but then the invariant is only kept if nothing was pending here.
+        Further tokens may still be added afterwards, but then the invariant is only kept if
+        nothing was pending here.
         """
-        return self._advance_to(len(self._ids), force=True) or ""
+        end = len(self._ids)
+        held = self._ids[self._read_offset :]
+        tail = b"".join(token_bytes(self._tokenizer, t) for t in held[-MAX_HELD_TOKENS:])
+        missing = _incomplete_utf8_tail(tail)
+        if not missing:
+            return self._advance_to(end, force=True) or ""
+        # The trailing tokens that hold only bytes of the incomplete character are dropped;
+        # one that also holds text before it (byte-level ``"Ġð"``) is decoded, and the one
+        # U+FFFD of its partial character cut off.
+        cut, dropped = end, 0
+        while cut > self._read_offset:
+            n = len(token_bytes(self._tokenizer, self._ids[cut - 1]))
+            if dropped + n > missing:
+                break
+            dropped += n
+            cut -= 1
+        delta = self._advance_to(cut, force=True) or ""
+        if dropped < missing and delta.endswith(_REPLACEMENT_CHAR):
+            delta = delta[:-1]
+            self._pieces[-1] = delta
+        if cut < end:  # the dropped tokens are consumed, their text left out
+            self._advance_to(len(self._ids), force=True)
+            self._pieces.pop()
+        return delta
 
     # ------------------------------------------------------------------ internals
 
