@@ -377,6 +377,10 @@ def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     )
 
 
+#: The message roles OpenAI's chat API accepts (others: 400, ``code`` "invalid_value").
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages as the chat template expects them: text parts joined into one
     string, the "developer" role as "system".
@@ -384,7 +388,8 @@ def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
     Raises:
         APIError: 400 (``param`` "messages") for an empty list, a message without a string
             ``role``, content that is not a string, a list of text parts or null, or a
-            part that is not ``{"type": "text", "text": str}``.
+            part that is not ``{"type": "text", "text": str}``; a role that is not one of
+            :data:`ROLES` (``param`` "messages[i].role", as OpenAI answers).
     """
     if not messages:
         raise APIError("messages must not be empty", param="messages")
@@ -393,6 +398,14 @@ def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
         m = dict(m)
         if not isinstance(m.get("role"), str):
             raise APIError(f"messages[{i}].role must be a string", param="messages")
+        if m["role"] not in ROLES:
+            raise APIError(
+                f"Invalid value: {m['role'][:40]!r}. Supported values are: "
+                + ", ".join(repr(r) for r in ROLES[:-1])
+                + f" and {ROLES[-1]!r}.",
+                param=f"messages[{i}].role",
+                code="invalid_value",
+            )
         if m["role"] == "developer":
             m["role"] = "system"
         content = m.get("content")
