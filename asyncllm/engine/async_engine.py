@@ -207,6 +207,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,
+        strict_max_tokens: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate for one prompt; returns a :class:`RequestStream` of the outputs as they
         are produced.
@@ -231,6 +232,9 @@ class AsyncEngine:
                 tokenized, and its grammar compiled); when they pass the request ends with
                 finish_reason "timeout" (what was generated is kept) and its blocks are
                 freed. None: no limit.
+            strict_max_tokens: refuse a ``params.max_tokens`` that does not fit in
+                ``max_model_len`` after the prompt, as OpenAI's API and vLLM's server do
+                (by default the request ends there, with finish_reason "length").
 
         Yields:
             :class:`RequestOutput` items; the last has ``finish_reason`` and ``metrics``.
@@ -239,14 +243,18 @@ class AsyncEngine:
 
         Raises:
             InvalidRequestError: bad prompt, params, timeout or a duplicate request id; a
-                text that cannot fit ``max_model_len`` (refused before tokenizing it);
+                text that cannot fit ``max_model_len`` (refused before tokenizing it), or
+                with ``strict_max_tokens`` a prompt and ``max_tokens`` that do not;
                 ``params.n`` above ``EngineConfig.max_num_seqs`` or
                 ``EngineConfig.max_waiting`` (never taken: not ``QueueFull``).
             QueueFull: ``EngineConfig.max_waiting`` requests are already waiting.
             EngineNotRunningError: outside ``async with engine`` (or while it exits).
             EngineDeadError: the step loop failed (before or during the request).
         """
-        states = await self._submit(prompt, params, request_id, priority, cache_salt, timeout)
+        states = await self._submit(
+            prompt, params, request_id, timeout,
+            priority=priority, cache_salt=cache_salt, strict_max_tokens=strict_max_tokens,
+        )  # fmt: skip
         event = states[0].event
         for state in states[1:]:  # one wake-up for all samples
             state.event = event
@@ -284,6 +292,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,
+        strict_max_tokens: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the answer to chat ``messages``, like :meth:`stream` (a
         :class:`RequestStream`).
@@ -333,14 +342,9 @@ class AsyncEngine:
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
-        gen = self.stream(
-            prompt,
-            params,
-            request_id=request_id,
-            priority=priority,
-            cache_salt=cache_salt,
-            timeout=timeout,
-        )
+        gen = self.stream(prompt, params, request_id=request_id, priority=priority,
+                          cache_salt=cache_salt, timeout=timeout,
+                          strict_max_tokens=strict_max_tokens)  # fmt: skip
         async with gen:
             async for out in gen:
                 yield out if calls is None else calls.apply(out)
@@ -388,14 +392,8 @@ class AsyncEngine:
     ) -> RequestOutput:
         """Generate for one prompt and return the whole output (see :meth:`stream`); with
         ``params.n > 1``, sample 0's output whose ``samples`` lists all n in index order."""
-        stream = self.stream(
-            prompt,
-            params,
-            request_id=request_id,
-            priority=priority,
-            cache_salt=cache_salt,
-            timeout=timeout,
-        )
+        stream = self.stream(prompt, params, request_id=request_id, priority=priority,
+                             cache_salt=cache_salt, timeout=timeout)  # fmt: skip
         kind = params.output_kind if isinstance(params, SamplingParams) else "delta"
         return await collect(stream, kind)
 
@@ -493,10 +491,10 @@ class AsyncEngine:
         prompt: PromptType,
         params: SamplingParams | None,
         request_id: str | None,
-        priority: int,
-        cache_salt: str | None,
         timeout: float | None,
+        **options: Any,
     ) -> list[RequestState]:
+        """Validate, tokenize and queue a call (``options``: ``make_requests``'s keywords)."""
         self._check_running()
         request_id = self._requests.caller_id(request_id)
         check_timeout(timeout)
@@ -513,8 +511,7 @@ class AsyncEngine:
             self._requests.internal_id(request_id),
             prompt,
             params if params is not None else SamplingParams(),
-            priority=priority,
-            cache_salt=cache_salt,
+            **options,
         )
         text = self._engine.inputs.prompt_text(prompt)
         if text is None:  # token ids: cheap, validated here

@@ -70,6 +70,7 @@ class InputProcessor:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        strict_max_tokens: bool = False,
     ) -> Request:
         """Validate and tokenize a call into a core request (no engine state is changed).
 
@@ -82,13 +83,17 @@ class InputProcessor:
             params: the request's sampling parameters; a validated copy is kept, so
                 changing the caller's object later does not affect the request.
             cache_salt: isolates this request's prefix-cache sharing (see ``Request``).
+            strict_max_tokens: refuse a ``params.max_tokens`` that does not fit in
+                ``max_model_len`` after the prompt (by default it is cut to what fits).
 
         Raises:
-            InvalidRequestError: empty prompt or one of the wrong type, token ids out of the
+            InvalidRequestError: an empty prompt (no ids, or a text that tokenizes to none)
+                or one of the wrong type, token ids out of the
                 vocabulary (prompt, ``stop_token_ids`` or ``logit_bias``), a prompt of
                 ``max_model_len`` tokens or more (a text longer than ``max_prompt_chars``
-                is refused before it is tokenized), or params that are not valid
-                SamplingParams.
+                is refused before it is tokenized), with ``strict_max_tokens`` a
+                ``max_tokens`` above what the prompt leaves (the message names the context
+                length, as vLLM's server does), or params that are not valid SamplingParams.
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params)}")
@@ -121,6 +126,8 @@ class InputProcessor:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         room = self.max_model_len - len(token_ids)
+        if strict_max_tokens and params.max_tokens is not None and params.max_tokens > room:
+            raise _past_the_context(self.max_model_len, len(token_ids), params.max_tokens)
         return Request(
             request_id,
             token_ids,
@@ -189,9 +196,12 @@ class InputProcessor:
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
             try:
-                return _without_added_bos(self.tokenizer, prompt)
+                ids = _without_added_bos(self.tokenizer, prompt)
             except (TypeError, ValueError) as e:  # e.g. a lone surrogate
                 raise InvalidRequestError(f"prompt cannot be tokenized: {e}") from e
+            if not ids:  # a tokenizer may drop all of it (a normalizer, an empty vocab)
+                raise InvalidRequestError("prompt is empty: its text tokenizes to no tokens")
+            return ids
         if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
             raise InvalidRequestError(
                 f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
@@ -305,7 +315,8 @@ class InputProcessor:
 
         Raises:
             InvalidRequestError: a template that fails on the messages (the template's
-                message is included); a rendered prompt too long to fit ``max_model_len``.
+                message is included); a rendered prompt too long to fit ``max_model_len``,
+                or one of no tokens.
         """
         convs = template_messages(messages)
         kwargs = dict(chat_template_kwargs or {})
@@ -327,7 +338,10 @@ class InputProcessor:
             )
         except Exception as e:
             raise InvalidRequestError(f"the chat template failed on these messages: {e}") from e
-        return list(ids)
+        ids = list(ids)
+        if not ids:
+            raise InvalidRequestError("prompt is empty: the chat template rendered no tokens")
+        return ids
 
     def make_requests(
         self,
@@ -337,6 +351,7 @@ class InputProcessor:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        strict_max_tokens: bool = False,
     ) -> list[Request]:
         """The core requests of one call: one, or one per parallel sample when
         ``params.n > 1`` (:func:`~asyncllm.engine.parallel_sampling.make_samples`). Validates
@@ -349,14 +364,26 @@ class InputProcessor:
         if isinstance(params, SamplingParams):
             params = msgspec.structs.replace(params)  # re-validates, n included
             check_num_samples(params, self.max_num_seqs)
+        make = functools.partial(
+            self.make_request,
+            priority=priority,
+            cache_salt=cache_salt,
+            strict_max_tokens=strict_max_tokens,
+        )
         if not isinstance(params, SamplingParams) or params.n == 1:
-            return [self.make_request(request_id, prompt, params, priority=priority,
-                                      cache_salt=cache_salt)]  # fmt: skip
-
-        def make(rid: str, p: PromptType, sp: SamplingParams) -> Request:
-            return self.make_request(rid, p, sp, priority=priority, cache_salt=cache_salt)
-
+            return [make(request_id, prompt, params)]
         return make_samples(make, request_id, prompt, params)
+
+
+def _past_the_context(max_model_len: int, num_prompt: int, max_tokens: int) -> InvalidRequestError:
+    """The error of a ``max_tokens`` that does not fit after the prompt: vLLM's server's
+    message, itself OpenAI's."""
+    return InvalidRequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
+        f"{max_tokens} in the completion). Please reduce the length of the messages or "
+        "completion."
+    )
 
 
 def max_token_chars(tokenizer: Any) -> int:

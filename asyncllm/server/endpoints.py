@@ -71,7 +71,8 @@ def _include_usage(req: p.CompletionRequest | p.ChatCompletionRequest) -> bool:
 
 def completion_call(req: p.CompletionRequest, priorities: tuple[int, int]) -> EngineCall:
     """The engine's arguments for a ``/v1/completions`` body (``max_tokens`` defaults to 16;
-    ``engine.stream`` per prompt).
+    ``engine.stream`` per prompt; a ``max_tokens`` the prompt leaves no room for is refused
+    by the engine, ``strict_max_tokens``).
 
     Raises:
         APIError: 400 naming the field: an unsupported option (``suffix``, ``best_of`` other
@@ -92,10 +93,9 @@ def completion_call(req: p.CompletionRequest, priorities: tuple[int, int]) -> En
         raise p.APIError("echo with logprobs is not supported", param="echo")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     params = p.sampling_params(req, n=n, max_tokens=max_tokens, logprobs=req.logprobs)
-    priority = check_priority(req.priority, priorities)
-    return EngineCall(
-        prompts, n, params, {"priority": priority}, bool(req.stream), _include_usage(req)
-    )
+    # strict_max_tokens: a max_tokens past the context is a 400 naming it (OpenAI, vLLM)
+    kwargs = {"priority": check_priority(req.priority, priorities), "strict_max_tokens": True}
+    return EngineCall(prompts, n, params, kwargs, bool(req.stream), _include_usage(req))
 
 
 def chat_call(
@@ -106,7 +106,8 @@ def chat_call(
     trust_template: bool,
 ) -> EngineCall:
     """The engine's arguments for a ``/v1/chat/completions`` body (``engine.chat``; the
-    maximum tokens default to the rest of ``max_model_len``).
+    maximum tokens default to the rest of ``max_model_len``, and more than that rest is
+    refused, ``strict_max_tokens``).
 
     Raises:
         APIError: 400 naming the field (see :mod:`asyncllm.server.protocol`).
@@ -141,6 +142,7 @@ def chat_call(
         "tools": req.tools,
         "tool_choice": req.tool_choice,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "strict_max_tokens": True,
     }
     return EngineCall([messages], n, params, kwargs, bool(req.stream), _include_usage(req))
 
