@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -174,3 +176,41 @@ def test_cli_ctrl_c_ends_without_a_traceback(default_model_dir):
         proc.kill()
     assert proc.returncode == 130, err.decode()
     assert "Traceback" not in err.decode() and err.decode().rstrip().endswith("interrupted")
+
+
+def test_default_model_calls_tools_with_the_hermes_template(default_model_dir):
+    """``serve --model default --chat-template hermes``: the default model, whose own
+    template has no tool support (tools were a 400), gets tools rendered and its call parsed;
+    "required" makes the answer one call by grammar (greedy, it names Paris)."""
+    from asyncllm import AsyncEngine
+    from asyncllm.server import create_app
+    from tests.test_server import serving
+
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}},
+        "required": ["city"],
+    }
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": parameters,
+        },
+    }
+    engine = AsyncEngine.from_pretrained("default", max_num_seqs=2)
+    with serving(create_app(engine, "default", chat_template="hermes"), timeout=120) as base:
+        body = {
+            "model": "default", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [weather], "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 60, "temperature": 0,
+        }  # fmt: skip
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    city = json.loads(call["function"]["arguments"])["city"]
+    assert isinstance(city, str) and city, call

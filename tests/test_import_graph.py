@@ -21,6 +21,7 @@ TORCH_FREE_EXTRA = [
     "asyncllm.config",
     "asyncllm.config_args",
     "asyncllm.preflight",
+    "asyncllm.chat_templates",
     "asyncllm.errors",
     "asyncllm.outputs",
     "asyncllm.sampling_params",

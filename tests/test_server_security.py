@@ -527,7 +527,7 @@ def test_serve_options() -> None:
         "api_keys": [], "metrics_without_auth": False,
         "max_request_bytes": DEFAULT_MAX_REQUEST_BYTES, "trust_request_chat_template": False,
         "client_priority_range": (0, 0), "share_prefix_cache_across_keys": False,
-        "allowed_origins": [],
+        "allowed_origins": [], "chat_template": None,
     }  # fmt: skip
     assert app_options_from_args(_args(), environ={"ASYNCLLM_API_KEY": "a, b"})["api_keys"] == [
         "a",
@@ -544,7 +544,7 @@ def test_serve_options() -> None:
         "api_keys": ["a", "b", "c"], "metrics_without_auth": True, "max_request_bytes": 1000,
         "trust_request_chat_template": True, "client_priority_range": (-5, 3),
         "share_prefix_cache_across_keys": True,
-        "allowed_origins": ["https://a.example", "https://b.example"],
+        "allowed_origins": ["https://a.example", "https://b.example"], "chat_template": None,
     }  # fmt: skip
     for bad in (["--client-priority-range", "1,5"], ["--client-priority-range", "x"],
                 ["--max-request-bytes", "0"]):  # fmt: skip

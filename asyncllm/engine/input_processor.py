@@ -291,7 +291,8 @@ class InputProcessor:
             raise InvalidRequestError("add_generation_prompt must be a bool")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise InvalidRequestError("chat_template_kwargs must be a dict or None")
-        if not getattr(self.tokenizer, "chat_template", None):
+        given = (chat_template_kwargs or {}).get("chat_template")
+        if not getattr(self.tokenizer, "chat_template", None) and not given:
             raise InvalidRequestError("the model's tokenizer has no chat template")
 
     def render_chat(

@@ -67,8 +67,10 @@ Endpoints:
   xgrammar); a complete document ends with ``finish_reason`` "stop", one cut by
   ``max_tokens`` with "length". Another type, a malformed ``json_schema`` or a schema the
   grammar engine cannot compile answers 400 with ``param`` "response_format".
-- ``POST /v1/chat/completions``: ``messages`` are rendered by the model's chat template (text
-  content parts are joined; the "developer" role is sent as "system");
+- ``POST /v1/chat/completions``: ``messages`` are rendered by the model's chat template, or
+  the one ``--chat-template`` names (text content parts are joined; the "developer" role is
+  sent as "system"; a role other than OpenAI's system, developer, user, assistant, tool and
+  function answers 400, ``param`` "messages[i].role", ``code`` "invalid_value");
   ``max_completion_tokens`` (or ``max_tokens``) defaults to the rest of ``max_model_len``;
   ``logprobs`` with ``top_logprobs`` (0-20). Tool calling as OpenAI's: ``tools`` (function
   tools; a malformed one, e.g. ``parameters`` that is not a JSON schema of an object, answers
@@ -76,7 +78,9 @@ Endpoints:
   a name no tool has answers 400, ``param`` "tool_choice") and ``parallel_tool_calls``; the
   conversation may hold assistant messages with ``tool_calls`` and ``role: "tool"`` messages
   with ``tool_call_id``. The model's calls are parsed from its output in its chat template's
-  format (see ``asyncllm.engine.tool_calls``; a template without tool support answers 400):
+  format (see ``asyncllm.engine.tool_calls``; a template without tool support answers 400;
+  ``--chat-template hermes``, a built-in ChatML template with Hermes-style tool calling,
+  gives it to a model such as the default one, :mod:`asyncllm.chat_templates`):
   ``message.tool_calls`` (``content`` null when the message was only calls) and
   ``finish_reason`` "tool_calls"; streamed, a call's first ``delta.tool_calls`` item has
   ``index``, ``id``, ``type`` and ``function.name`` (sent once the name is generated), and
@@ -129,7 +133,10 @@ fixed message).
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` for any malformed body (not JSON, invalid UTF-8, empty, not an
 object, nested more than 512 levels deep in any field), a field of the wrong type or out of range
-(``param`` names it), an empty or too long prompt, token ids outside the vocabulary; 401
+(``param`` names it), an empty or too long prompt, a ``max_tokens`` (or
+``max_completion_tokens``) that does not fit in ``max_model_len`` after the prompt (vLLM's
+message: "This model's maximum context length is N tokens. However, you requested M tokens
+(P in the messages, C in the completion)..."), token ids outside the vocabulary; 401
 without a valid API key; 404 for an unknown model or route (405: wrong method); 413 past
 ``--max-request-bytes``; 415 for a body that is not ``application/json``; 429
 ``rate_limit_exceeded`` when ``EngineConfig.max_waiting`` requests already wait (a call

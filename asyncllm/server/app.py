@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from asyncllm.chat_templates import load_chat_template
 from asyncllm.engine.async_engine import AsyncEngine
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.outputs import RequestOutput
@@ -76,6 +77,9 @@ class OpenAIServer:
             of others.
         share_prefix_cache: let requests made with different API keys share prefix-cache
             blocks (by default each key's requests hit only their own).
+        chat_template: the Jinja text of the chat template that renders chat requests
+            instead of the model's (a request's own, when trusted, still wins); None: the
+            model's.
 
     Attributes:
         engine: the engine.
@@ -96,6 +100,7 @@ class OpenAIServer:
         trust_request_chat_template: bool = False,
         client_priority_range: tuple[int, int] = (0, 0),
         share_prefix_cache: bool = False,
+        chat_template: str | None = None,
     ) -> None:
         if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes!r}")
@@ -113,6 +118,7 @@ class OpenAIServer:
         self.trust_request_chat_template = trust_request_chat_template
         self.client_priority_range = (lo, hi)
         self.share_prefix_cache = share_prefix_cache
+        self.chat_template = chat_template
         self._reserved_template_options = p.reserved_template_options(engine.tokenizer)
 
     # ------------------------------------------------------------------ helpers
@@ -244,6 +250,7 @@ class OpenAIServer:
                 self.client_priority_range,
                 self._reserved_template_options,
                 trust_template=self.trust_request_chat_template,
+                server_template=self.chat_template,
             )
             self._check_admissible(call)
         except ClientDisconnect:
@@ -315,6 +322,7 @@ def create_app(
     client_priority_range: tuple[int, int] = (0, 0),
     share_prefix_cache_across_keys: bool = False,
     allowed_origins: Iterable[str] = (),
+    chat_template: str | None = None,
 ) -> Starlette:
     """Build the OpenAI-compatible Starlette app for ``engine``.
 
@@ -342,9 +350,15 @@ def create_app(
             prefix-cache blocks (by default each key gets its own ``cache_salt`` space).
         allowed_origins: origins allowed to call the server from a browser (CORS; "*" for
             any); none by default.
+        chat_template: the chat template that renders ``/v1/chat/completions`` requests
+            instead of the model's: a built-in name ("hermes": ChatML with Hermes-style tool
+            calling, for a model whose own template has no tool support), a Jinja file, or
+            a template's text (:func:`asyncllm.chat_templates.load_chat_template`). None:
+            the model's.
 
     Raises:
-        ValueError: a bad ``max_request_bytes`` or ``client_priority_range``.
+        ValueError: a bad ``max_request_bytes`` or ``client_priority_range``; a
+            ``chat_template`` that names no built-in template or file.
     """
     server = OpenAIServer(
         engine,
@@ -353,6 +367,7 @@ def create_app(
         trust_request_chat_template=trust_request_chat_template,
         client_priority_range=client_priority_range,
         share_prefix_cache=share_prefix_cache_across_keys,
+        chat_template=None if chat_template is None else load_chat_template(chat_template),
     )
 
     @contextlib.asynccontextmanager

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from asyncllm.chat_templates import load_chat_template
 from asyncllm.config_args import add_engine_arguments, engine_config_from_args
 from asyncllm.preflight import check_engine_config
 from asyncllm.server.app import create_app
@@ -58,6 +59,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "base name, or the --model value)",
     )
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|FILE",
+        help="the chat template of /v1/chat/completions instead of the model's: a built-in "
+        'one ("hermes": ChatML with Hermes-style tool calling, for a model whose own template '
+        "has no tool support, such as the default model's) or a Jinja file",
+    )
     add_engine_arguments(parser.add_argument_group("engine (EngineConfig's fields)"))
     _add_replica_arguments(parser)
     _add_security_arguments(parser)
@@ -142,8 +151,13 @@ def app_options_from_args(
     args: argparse.Namespace, environ: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """The :func:`create_app` keywords the options set (API keys from ``--api-key``, else
-    from ``$ASYNCLLM_API_KEY``)."""
+    from ``$ASYNCLLM_API_KEY``; the ``--chat-template`` read, its text).
+
+    Raises:
+        ValueError: a ``--chat-template`` that names no built-in template or file.
+    """
     env = os.environ if environ is None else environ
+    template = getattr(args, "chat_template", None)
     keys = split_commas(getattr(args, "api_key", None))
     if not keys:
         keys = split_commas(env.get(API_KEY_ENV))
@@ -155,19 +169,22 @@ def app_options_from_args(
         "client_priority_range": getattr(args, "client_priority_range", (0, 0)),
         "share_prefix_cache_across_keys": getattr(args, "share_prefix_cache_across_keys", False),
         "allowed_origins": split_commas(getattr(args, "allowed_origins", None)),
+        "chat_template": None if template is None else load_chat_template(template),
     }
 
 
 def serve(args: argparse.Namespace) -> int:
     """Load the model and serve it with uvicorn until interrupted; returns the exit code.
 
-    The engine's fields and the model source are checked first, before torch is imported
-    (:func:`asyncllm.preflight.check_engine_config`).
+    The engine's fields, the model source and ``--chat-template`` are checked first, before
+    torch is imported (:func:`asyncllm.preflight.check_engine_config`).
 
     Raises:
-        ValueError: a bad engine field or model (the typed errors of the model loader).
+        ValueError: a bad engine field, model (the typed errors of the model loader) or
+            chat template.
     """
     check_engine_config(args.model, engine_config_from_args(args))
+    app_options = app_options_from_args(args)
     if getattr(args, "replicas", None) is not None:
         try:
             from asyncllm.integrations import ray_serve
@@ -176,14 +193,14 @@ def serve(args: argparse.Namespace) -> int:
                 f"error: {e}; install the ray extra: pip install 'asyncllm[ray]'", file=sys.stderr
             )
             return 2
-        return ray_serve.main(args, engine_config_from_args(args), app_options_from_args(args))
+        return ray_serve.main(args, engine_config_from_args(args), app_options)
 
     import uvicorn
 
     from asyncllm import AsyncEngine
 
     engine = AsyncEngine.from_pretrained(args.model, **engine_config_from_args(args))
-    app = create_app(engine, args.served_model_name, **app_options_from_args(args))
+    app = create_app(engine, args.served_model_name, **app_options)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

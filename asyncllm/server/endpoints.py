@@ -104,10 +104,12 @@ def chat_call(
     reserved_template_options: frozenset[str],
     *,
     trust_template: bool,
+    server_template: str | None = None,
 ) -> EngineCall:
     """The engine's arguments for a ``/v1/chat/completions`` body (``engine.chat``; the
     maximum tokens default to the rest of ``max_model_len``, and more than that rest is
-    refused, ``strict_max_tokens``).
+    refused, ``strict_max_tokens``). ``server_template``: the server's chat template (see
+    :func:`~asyncllm.server.protocol.chat_template_kwargs`).
 
     Raises:
         APIError: 400 naming the field (see :mod:`asyncllm.server.protocol`).
@@ -136,7 +138,10 @@ def chat_call(
     kwargs = {
         "priority": check_priority(req.priority, priorities),
         "chat_template_kwargs": p.chat_template_kwargs(
-            req, reserved_template_options, trust_template=trust_template
+            req,
+            reserved_template_options,
+            trust_template=trust_template,
+            server_template=server_template,
         ),
         "add_generation_prompt": req.add_generation_prompt is not False,
         "tools": req.tools,

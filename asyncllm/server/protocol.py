@@ -466,7 +466,11 @@ def reserved_template_options(tokenizer: Any) -> frozenset[str]:
 
 
 def chat_template_kwargs(
-    req: ChatCompletionRequest, reserved: frozenset[str], *, trust_template: bool
+    req: ChatCompletionRequest,
+    reserved: frozenset[str],
+    *,
+    trust_template: bool,
+    server_template: str | None = None,
 ) -> dict[str, Any] | None:
     """The template arguments of a chat request.
 
@@ -479,10 +483,12 @@ def chat_template_kwargs(
         req: the request.
         reserved: keys that are not template variables (:func:`reserved_template_options`).
         trust_template: accept a request's ``chat_template``.
+        server_template: the server's own template (``serve --chat-template``), used when
+            the request brings none; None: the model's.
 
     Returns:
         The ``chat_template_kwargs`` to pass to the engine (with ``chat_template`` when
-        trusted and given), or None.
+        trusted and given, else the server's), or None.
 
     Raises:
         APIError: 400 naming the field: a template the server does not trust, two
@@ -513,6 +519,8 @@ def chat_template_kwargs(
             "chat_template_kwargs may hold only template variables, not " + ", ".join(bad),
             param="chat_template_kwargs",
         )
+    if template is None:
+        template = server_template
     if template is not None:
         kwargs["chat_template"] = template
     return kwargs or None
