@@ -44,6 +44,11 @@ def _warn(msg: str) -> None:
     )
 
 
+def _last_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[-1] if lines else type(e).__name__
+
+
 def _cpu_flags() -> frozenset[str]:
     """The ``flags`` line of ``/proc/cpuinfo`` (empty elsewhere: the generic variant)."""
     try:
@@ -99,15 +104,25 @@ def _extensions():
             super().finalize_options()
             self.parallel = None
 
+        def build_extensions(self) -> None:
+            self.failed: set[str] = set()
+            try:
+                super().build_extensions()
+            except Exception as e:  # torch's compiler checks: no usable compiler at all
+                _warn(f"no C++ kernel was built ({_last_line(e)})")
+                self.failed = {ext.name for ext in self.extensions}
+            # What did not build is not an output (the install goes on without it).
+            self.extensions = [ext for ext in self.extensions if ext.name not in self.failed]
+
         def build_extension(self, ext) -> None:
             # A temp folder per module: variants compile the same sources with other flags.
             base = self.build_temp
             self.build_temp = os.path.join(base, ext.name)
             try:
                 super().build_extension(ext)
-            except Exception as e:  # no compiler, a compile error: torch's paths instead
-                lines = str(e).strip().splitlines()
-                _warn(f"{ext.name} did not build ({lines[-1] if lines else type(e).__name__})")
+            except Exception as e:  # a compile error: torch's paths instead
+                _warn(f"{ext.name} did not build ({_last_line(e)})")
+                self.failed.add(ext.name)
             finally:
                 self.build_temp = base
 

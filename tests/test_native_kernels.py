@@ -388,3 +388,27 @@ def test_an_engine_starts_no_process(tiny_llama_dir, make_engine, quant_cache, m
     assert started == []
     assert _children(me) == children
     assert set(multiprocessing.active_children()) == active
+
+
+def test_an_install_without_a_compiler_builds_nothing_and_succeeds(tmp_path):
+    """``setup.py`` with no usable C++ compiler (``CXX=false``) warns and succeeds without
+    the kernels (the engine then runs torch's paths with one warning: test (b) above)."""
+    import shutil
+    import sys
+
+    root = PACKAGE.parent
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(root / name, tmp_path / name)
+    shutil.copytree(root / "csrc", tmp_path / "csrc")
+    shutil.copytree(PACKAGE / "_kernels", tmp_path / "asyncllm" / "_kernels",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))  # fmt: skip
+    (tmp_path / "asyncllm" / "__init__.py").write_text("")
+    env = {**os.environ, "CXX": "false"}
+    env.pop("ASYNCLLM_BUILD_VARIANTS", None)
+    done = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "without its C++ CPU kernels" in done.stderr
+    assert not list((tmp_path / "asyncllm").rglob("*.so"))
