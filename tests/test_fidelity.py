@@ -169,5 +169,5 @@ def test_report_renders_figures_skips_and_differences():
     assert "| int4 | float32, int4 g32; attention cpu; compile ready | 19.5000 | +3.81% " in md
     assert "| 90.00% | 1/2 | 0.05 |" in md
     assert "| llamacpp | not installed: no venv | – |" in md
-    assert 'q1 "Q1?" at token 4 (gap 0.012)' in md and "int4 0.7" in md
+    assert "- `int4` (1/2): q1@4 (0.012)" in md and 'q1 "Q1?".' in md and "int4 0.7" in md
     assert "from /x.gguf, dequantized by gguf-py" in md

@@ -86,20 +86,24 @@ def table(s: dict[str, Any]) -> list[str]:
 
 
 def differing(s: dict[str, Any]) -> list[str]:
-    """Per path, the questions whose greedy answer parts from the reference's: where, and the
-    reference's top-2 log-prob gap there."""
+    """Per path, the questions whose greedy answer parts from the reference's, as
+    ``q<question>@<token>`` with the reference's top-2 log-prob gap at that token; then the
+    text of each question named."""
     lines = []
-    texts = [q["text"] for q in s["questions"]]
+    named: set[int] = set()
     for r in s["paths"]:
         diffs = r.get("differing")
         if not diffs:
             continue
         items = []
         for d in diffs:
-            gap = "–" if d["ref_gap"] is None else f"{d['ref_gap']:.3g}"
-            items.append(f"q{d['question']} \"{texts[d['question']]}\" at token {d['at']} "
-                         f"(gap {gap})")  # fmt: skip
-        lines.append(f"- `{r['variant']}` ({len(diffs)}/{r['questions']}): " + "; ".join(items))
+            gap = "–" if d["ref_gap"] is None else f"{d['ref_gap']:.2g}"
+            items.append(f"q{d['question']}@{d['at']} ({gap})")
+            named.add(d["question"])
+        lines.append(f"- `{r['variant']}` ({len(diffs)}/{r['questions']}): " + ", ".join(items))
+    if named:
+        texts = [q["text"] for q in s["questions"]]
+        lines += ["", "; ".join(f'q{i} "{texts[i]}"' for i in sorted(named)) + "."]
     return lines
 
 
@@ -136,6 +140,7 @@ def markdown(s: dict[str, Any]) -> list[str]:
         ]
     diff_lines = differing(s)
     if diff_lines:
-        lines += ["Questions whose greedy answer differs (first differing token, the "
-                  "reference's top-2 log-prob gap there):", "", *diff_lines, ""]  # fmt: skip
+        lines += ["Questions whose greedy answer differs from the reference's: q<question>@<first "
+                  "differing token> (the reference's top-2 log-prob gap there; near 0: a "
+                  "near-tie any other summation order may flip):", "", *diff_lines, ""]  # fmt: skip
     return lines
