@@ -141,6 +141,56 @@ def test_llamacpp_not_installed_is_reported(monkeypatch):
     assert row["engine"] == "llamacpp" and row["skipped"] == why and not row["counted"]
 
 
+def test_llamacpp_worker_scores_windows_and_answers_greedily():
+    """The llama.cpp worker's fidelity methods on a stand-in for llama.cpp's C API (its
+    logits buffer and memory calls): row of token t has its maximum at (t + 1) mod V."""
+    import ctypes
+
+    import numpy as np
+
+    from asyncllm.bench.fidelity_engine import llamacpp_class
+
+    vocab = 5
+
+    def row(tok: int) -> list[float]:
+        return [-float((j - (tok + 1) % vocab) ** 2) for j in range(vocab)]
+
+    class Fake:
+        buf = (ctypes.c_float * (vocab * 64))()
+        cleared = 0
+
+        def llama_get_logits(self, ctx):
+            return ctypes.cast(self.buf, ctypes.POINTER(ctypes.c_float))
+
+        def llama_get_memory(self, ctx):
+            return ctx
+
+        def llama_memory_clear(self, memory, data):
+            self.cleared += 1
+
+    w = llamacpp_class().__new__(llamacpp_class())
+    w.ll, w.np, w.ctx, w.n_vocab = Fake(), np, object(), vocab
+    decoded: list[list[tuple[int, int, int, bool]]] = []
+
+    def decode(items):  # llama_decode: logits of the rows that want them, in order
+        decoded.append(list(items))
+        rows = [row(tok) for _, _, tok, want in items if want]
+        for k, v in enumerate(x for r in rows for x in r):
+            w.ll.buf[k] = v
+        return np.asarray([int(np.argmax(r)) for r in rows])
+
+    w.decode = decode
+    got = w.score([0, 1, 3])
+    lse = [math.log(sum(math.exp(x) for x in row(t))) for t in (0, 1)]
+    assert got["top"] == [1, 2]
+    assert got["logprobs"] == pytest.approx([row(0)[1] - lse[0], row(1)[3] - lse[1]])
+    assert decoded[-1] == [(0, 0, 0, True), (0, 1, 1, True), (0, 2, 3, True)]
+    assert w.greedy([3, 4], 4) == [0, 1, 2, 3]  # (t + 1) mod 5, from the prompt's last
+    assert [d[0][1] for d in decoded[-4:]] == [0, 2, 3, 4]  # the prompt, then positions 2..4
+    assert decoded[-4] == [(0, 0, 3, False), (0, 1, 4, True)]
+    assert w.ll.cleared == 2  # each window and question starts on an empty KV cache
+
+
 def test_report_renders_figures_skips_and_differences():
     ok = {"variant": "int4", "precision": "float32, int4 g32", "ppl": 19.5, "ppl_vs_ref": 0.0381,
           "top1": 0.9, "greedy_equal": 1, "questions": 2, "logprob_abs_diff_mean": 0.05,

@@ -105,9 +105,15 @@ def asyncllm_worker(args: argparse.Namespace) -> Any:
 
 def llamacpp_worker(args: argparse.Namespace) -> Any:
     """The llama.cpp benchmark worker (``LlamaCppWorker``, one GGUF file at its own
-    quantization) that also runs fidelity specs: a window is one ``llama_decode`` with
-    logits at every position (log-probs computed here in float64 from llama.cpp's float32
-    logits); a question is its prompt, then one token a step (argmax, first index on a tie)."""
+    quantization) that also runs fidelity specs (:func:`llamacpp_class`)."""
+    return llamacpp_class()(args)
+
+
+@functools.cache
+def llamacpp_class() -> Any:
+    """``LlamaCppWorker`` with fidelity specs: a window is one ``llama_decode`` with logits
+    at every position (log-probs computed here in float64 from llama.cpp's float32 logits);
+    a question is its prompt, then one token a step (argmax, first index on a tie)."""
     ep = _engine_process()
 
     class LlamaCppFidelityWorker(ep.LlamaCppWorker):  # type: ignore[misc,name-defined]
@@ -151,7 +157,7 @@ def llamacpp_worker(args: argparse.Namespace) -> Any:
                 out.append(tok)
             return out
 
-    return LlamaCppFidelityWorker(args)
+    return LlamaCppFidelityWorker
 
 
 def main(argv: Sequence[str] | None = None) -> int:

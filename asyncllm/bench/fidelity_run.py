@@ -64,7 +64,8 @@ def prepare(args: argparse.Namespace, threads: int = REFERENCE_THREADS) -> dict[
     if not text_file.is_file():
         raise SystemExit(f"no text for the perplexity: {text_file} (pass --fidelity-text FILE)")
     model, tok = reference.load_reference_model(model_dir, threads)
-    window = min(size.window, int(model.config.max_position_embeddings) - 1)
+    max_len = int(getattr(model.config, "max_position_embeddings", None) or 2048)
+    window = min(size.window, max_len - 1)
     ids = tok.encode(text_file.read_text(), add_special_tokens=False)
     windows = fid.text_windows(ids, window, size.windows)
     if not windows:
@@ -77,7 +78,6 @@ def prepare(args: argparse.Namespace, threads: int = REFERENCE_THREADS) -> dict[
     ref = reference.compute(model_dir, windows, prompts, n, cache, threads, model)
     log(f"reference ready ({ref['computed_s']:.0f} s computing; cache {cache})")
     eos = reference.eos_ids(model, tok)
-    max_len = int(model.config.max_position_embeddings)
     del model
     gc.collect()
     longest = max([window] + [len(p) + n for p in prompts])
