@@ -50,18 +50,19 @@ def first_divergence_is_near_tie(
     ref_model: torch.nn.Module, prompt: list[int], expected: list[int], got: list[int]
 ) -> bool:
     """True when the first token where ``got`` parts from ``expected`` (the reference's own
-    greedy continuation of ``prompt``) is one where the reference's top two log-probs are
-    at most ``NEAR_TIE`` apart in its dtype (two steps of bfloat16's 0.125 is exactly 0.25)
-    and ``got`` took the other of the two: the only difference the parity tests accept."""
+    greedy continuation of ``prompt``) is one the reference ranks within ``NEAR_TIE`` of its
+    best in its dtype (two steps of bfloat16's 0.125 is exactly 0.25): the only difference
+    the parity tests accept. Within that window, not among the top two: bfloat16 logits of
+    ~16 are rounded to steps of 0.125, so three or more tokens can tie, and which two of
+    them come first is the sort's choice, not the model's."""
     j = next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
     ids = torch.tensor([prompt + expected[:j]])
     with torch.inference_mode():
         logprobs = ref_model(ids).logits[0, -1].float().log_softmax(-1)
-    top2 = logprobs.topk(2)
     dtype = next(ref_model.parameters()).dtype
-    gap = float(top2.values[0] - top2.values[1])
-    print(f"first divergence at token {j} ({dtype}): top-2 log-prob gap {gap:.3g}")
-    return gap <= NEAR_TIE[dtype] and got[j] in top2.indices.tolist()
+    gap = float(logprobs.max() - logprobs[got[j]])
+    print(f"first divergence at token {j} ({dtype}): the engine's token {gap:.3g} below the best")
+    return gap <= NEAR_TIE[dtype]
 
 
 @pytest.fixture
