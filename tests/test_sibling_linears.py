@@ -39,7 +39,8 @@ def _qwen2() -> nn.Module:
 
 def _int4(model: nn.Module, tmp: pathlib.Path) -> nn.Module:
     cache = tmp / "int4.pt"
-    quantize_model(model, QuantSetting("int4", 32, torch.float32, torch.device("cpu"), cache, None))
+    setting = QuantSetting("int4", 32, torch.float32, torch.device("cpu"), cache, None, "test")
+    quantize_model(model, setting)
     return model
 
 
