@@ -89,7 +89,7 @@ def _extensions():
                     name=f"asyncllm._kernels.{table.module_name(family, variant)}",
                     sources=[f"csrc/{s}" for s in sources],
                     include_dirs=[str(ROOT / "csrc")],
-                    depends=["csrc/common.h"],
+                    depends=["csrc/common.h", "csrc/python_module.h"],
                     extra_compile_args=[*table.COMMON_FLAGS, *arch_flags, *flags],
                     extra_link_args=["-fopenmp"],
                 )

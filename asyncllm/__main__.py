@@ -44,7 +44,8 @@ def _generate(args: argparse.Namespace) -> int:
     stats = engine.stats()
     kernels = f"; C++ kernels: {stats['cpu_kernels']}" if stats["cpu_kernels"] else ""
     print(
-        f"weights: {stats['precision']}, {int(stats['weight_bytes']) / 2**20:.0f} MiB{kernels}",
+        f"weights: {stats['precision']}, {int(stats['weight_bytes']) / 2**20:.0f} MiB; "
+        f"computed in {stats['dtype']}{kernels}",
         file=sys.stderr,
     )
     if stats["compile"] == "compiling":

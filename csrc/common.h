@@ -7,7 +7,10 @@
 // macros (__AVX512F__, __AVX512BF16__, ...), so each variant holds its own.
 #pragma once
 
-#include <torch/extension.h>
+// ATen and the op library only: torch/extension.h (the whole C++ frontend) took 3x as long
+// to parse; the Python binding's headers are in python_module.h, for the TU that binds.
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 

@@ -1,4 +1,5 @@
 #include "common.h"
+#include "python_module.h"
 
 #include <ATen/Parallel.h>
 #include <atomic>
@@ -287,6 +288,14 @@ at::Tensor int4_mm(const at::Tensor& rows, const at::Tensor& packed, const at::T
   TORCH_CHECK(m_tile >= 0, "int4_mm: m_tile must be >= 0");
   check_dequant_args(packed, sz, group, rows.size(1), out_features, "int4_mm");
   const at::Tensor r = rows.contiguous();
+#if !defined(__AVX512BF16__)
+  // This variant's CPUs have no bfloat16 dot products, so a bfloat16 GEMM is emulated, a few
+  // times slower than float32's: the rows and the weight (bfloat16 scales are exact in
+  // float32) go through the float32 GEMM, and the output is rounded once.
+  if (sz.scalar_type() == at::kBFloat16)
+    return int4_mm(r.to(at::kFloat), packed, sz.to(at::kFloat), group, out_features, m_tile)
+        .to(at::kBFloat16);
+#endif
   if (m_tile > 0 && group % 2 == 0 && sz.scalar_type() == at::kBFloat16 && fused_available() &&
       int4_pack_block_n() == 64) {
     at::Tensor y = at::empty({r.size(0), out_features}, r.options());

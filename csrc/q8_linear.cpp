@@ -1,4 +1,5 @@
 #include "common.h"
+#include "python_module.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>

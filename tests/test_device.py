@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -19,12 +20,29 @@ def _cpu(monkeypatch, flags, capability="AVX512"):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
 
 
+BF16 = torch.bfloat16
+
+
 @pytest.mark.parametrize("flag", ["avx512_bf16", "amx_bf16"])
-def test_auto_is_bfloat16_on_cpus_with_native_bfloat16(monkeypatch, caplog, flag):
+def test_auto_is_bfloat16_for_bfloat16_weights_on_cpus_with_native_bfloat16(
+    monkeypatch, caplog, flag
+):
     _cpu(monkeypatch, {"avx512f", flag})
     with caplog.at_level(logging.INFO, logger="asyncllm"):
-        assert device.resolve_dtype("auto", CPU) == torch.bfloat16
-    assert f"dtype auto: bfloat16 (the CPU has {flag}" in caplog.text
+        assert device.resolve_dtype("auto", CPU, BF16) == torch.bfloat16
+    assert f"dtype auto: bfloat16 (bfloat16 weights; the CPU has {flag}" in caplog.text
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.float16, None])
+def test_auto_is_float32_for_weights_stored_in_anything_else(monkeypatch, caplog, stored):
+    """A GGUF file (stored float32), a float32 or float16 checkpoint, or an unknown precision:
+    computed in float32 even where bfloat16 is native (the default model answered the
+    README's question wrongly in bfloat16 on AVX-512 BF16 CPUs)."""
+    _cpu(monkeypatch, {"avx512f", "avx512_bf16"})
+    with caplog.at_level(logging.INFO, logger="asyncllm"):
+        assert device.resolve_dtype("auto", CPU, stored) == torch.float32
+        assert device.resolve_dtype("auto", torch.device("cuda"), stored) == torch.float32
+    assert "dtype auto: float32 (the weights' own precision is" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -35,21 +53,38 @@ def test_auto_is_bfloat16_on_cpus_with_native_bfloat16(monkeypatch, caplog, flag
         (set(), "DEFAULT", "no native bfloat16"),
     ],
 )
-def test_auto_is_float32_elsewhere_on_cpu(monkeypatch, caplog, flags, capability, why):
+def test_auto_is_float32_on_cpus_without_native_bfloat16(
+    monkeypatch, caplog, flags, capability, why
+):
     _cpu(monkeypatch, flags, capability)
     with caplog.at_level(logging.INFO, logger="asyncllm"):
-        assert device.resolve_dtype("auto", CPU) == torch.float32
-        assert device.resolve_dtype(None, CPU) == torch.float32  # None: the alias
+        assert device.resolve_dtype("auto", CPU, BF16) == torch.float32
+        assert device.resolve_dtype(None, CPU, BF16) == torch.float32  # None: the alias
     assert "dtype auto: float32" in caplog.text and why in caplog.text
 
 
 def test_auto_is_bfloat16_on_cuda_and_explicit_dtypes_are_kept(monkeypatch):
     _cpu(monkeypatch, set(), "AVX2")
-    assert device.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert device.resolve_dtype("auto", torch.device("cuda"), BF16) == torch.bfloat16
     for name in ("float32", "float16", "bfloat16"):
         assert device.resolve_dtype(name, CPU) == getattr(torch, name)
     with pytest.raises(ValueError, match="unknown dtype"):
         device.resolve_dtype("int8", CPU)
+
+
+def test_stored_dtype_is_read_from_the_weight_file(tmp_path, tiny_llama_dir):
+    """GGUF: float32; a Hugging Face directory: its config's torch_dtype (or dtype)."""
+    from asyncllm.models.loader import stored_dtype
+
+    assert stored_dtype(tmp_path / "model.gguf") == torch.float32
+    for key, value, want in (("torch_dtype", "bfloat16", BF16), ("dtype", "float16",
+                             torch.float16), ("torch_dtype", "int8", None)):  # fmt: skip
+        d = tmp_path / f"{key}-{value}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({key: value}))
+        assert stored_dtype(d) == want
+    assert stored_dtype(tmp_path / "missing") is None
+    assert stored_dtype(tiny_llama_dir) is not None
 
 
 def test_cpu_flags_reads_this_machine():

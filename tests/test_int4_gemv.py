@@ -83,20 +83,20 @@ def test_int4_layer_routes_few_rows_to_the_kernel(rows, monkeypatch):
 
 @needs_gemv
 def test_int4_gemv_skips_what_it_cannot_run():
-    """Float32 scales or an output width that is no multiple of 64: torch's kernel runs (the
-    layer), and a direct call says why it cannot."""
+    """An output width that is no multiple of 64: torch's kernel runs (the layer); float32
+    scales: the float32 few-row kernel (int4_gemv_f32.cpp). A direct call of this bfloat16
+    kernel says why it cannot run either."""
     torch.manual_seed(0)
     q, s, o = ql.int4_codes(torch.randn(96, 64) * 0.05, 32)
     narrow = ql.Int4Linear(q, s, o, 32, None, torch.bfloat16)
     q, s, o = ql.int4_codes(torch.randn(128, 64) * 0.05, 32)
     wide32 = ql.Int4Linear(q, s, o, 32, None, torch.float32)
     x = torch.randn(1, 64)
-    for layer in (narrow, wide32):
+    for layer, path in ((narrow, "int4"), (wide32, "gemv")):
         before = ql.path_calls()
         with torch.inference_mode():
             layer(x)
-        assert ql.path_calls()["int4"] - before["int4"] == 1
-        assert ql.path_calls()["gemv"] == before["gemv"]
+        assert ql.path_calls() - before == {path: 1}
         with pytest.raises(RuntimeError, match="int4_gemv: needs"):
             int4_dequant.kernel().int4_gemv(
                 x.bfloat16(), layer.packed, layer.scales_and_zeros, 32, layer.out_features

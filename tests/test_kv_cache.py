@@ -45,15 +45,17 @@ def test_an_unused_kv_cache_takes_no_resident_memory():
 
 
 def _mapped_kib(lo: int, hi: int, field: str) -> int:
-    """``field`` summed over the /proc/self/smaps entries inside ``[lo, hi)`` (a page walk,
-    exact; the kernel may split one mapping into several entries)."""
+    """``field`` summed over the /proc/self/smaps entries that overlap ``[lo, hi)``. The kernel
+    may split one mapping into several entries, or merge it with an adjacent private anonymous
+    mapping into one entry that reaches past the range (then the sum counts that neighbour's
+    pages too)."""
     total, inside = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 a, b = (int(x, 16) for x in head.split("-"))
-                inside = lo <= a and b <= hi
+                inside = a < hi and lo < b
             elif inside and head == field + ":":
                 total += int(line.split()[1])
     return total
@@ -62,11 +64,13 @@ def _mapped_kib(lo: int, hi: int, field: str) -> int:
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/smaps")
 def test_the_kv_cache_is_private_memory_not_shmem():
     """The pool was a shared anonymous mapping (mmap's default): shmem, not anonymous memory,
-    and shared with a forked child. Its written pages are now private anonymous memory."""
+    and shared with a forked child. Its written pages are now private anonymous memory (CI
+    saw the mapping merged with a neighbour: the entries overlapping it are counted)."""
     t = zeros_on_demand((512, 16, 2, 512), torch.float32, torch.device("cpu"))  # 32 MiB
     t.fill_(1.0)
     lo = t.data_ptr()
-    assert _mapped_kib(lo, lo + t.numel() * t.element_size(), "Anonymous") == 32 << 10
+    hi = lo + t.numel() * t.element_size()
+    assert _mapped_kib(lo, hi, "Anonymous") >= 32 << 10
 
 
 def test_kv_budget_the_host_cannot_reserve_is_a_value_error(tiny_llama_dir, make_engine):

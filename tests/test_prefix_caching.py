@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from asyncllm import SamplingParams
 from asyncllm.core.block_manager import BlockManager, hash_block
+from asyncllm.models.loader import stored_dtype
 from asyncllm.worker.device import resolve_dtype
 from tests.conftest import core_request_ids
 
@@ -157,7 +158,8 @@ async def test_evicted_blocks_are_recomputed_correctly(tiny_llama_dir, make_engi
     a, b, c = _prompts(0, [list(range(10, 50)), list(range(60, 110)), list(range(200, 250))])
     prompts = [a, b, c, a]
     kw = dict(block_size=BS, max_num_batched_tokens=16, max_model_len=96)
-    elem = resolve_dtype("auto", torch.device("cpu")).itemsize  # the default dtype's bytes
+    # the default dtype's bytes for this model on this CPU
+    elem = resolve_dtype("auto", torch.device("cpu"), stored_dtype(tiny_llama_dir)).itemsize
     kv = 24 * BS * 2 * 2 * 2 * 16 * elem  # 24 blocks of 4 tokens for the tiny model
     engine = make_engine(tiny_llama_dir, kv_cache_bytes=kv, **kw)
     on, _ = await _run_sequentially(engine, prompts)

@@ -68,10 +68,21 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(flags)
 
 
+#: Caps the variant :func:`module` imports, e.g. ``avx2`` on an AVX-512 machine (with torch's
+#: ``ATEN_CPU_CAPABILITY=avx2`` and oneDNN's ``ONEDNN_MAX_CPU_ISA=AVX2``: an AVX2 CPU's paths,
+#: for tests and benchmarks of another CPU kind).
+VARIANT_ENV = "ASYNCLLM_CPU_VARIANT"
+
+
 def _runnable_variants() -> list[str]:
-    """The variants of this architecture whose CPU flags this machine has, best first."""
+    """The variants of this architecture whose CPU flags this machine has, best first (none
+    better than :data:`VARIANT_ENV` names, where it is set)."""
     flags = cpu_flags()
-    return [v for v in reversed(variants_for(platform.machine())) if VARIANTS[v][2] <= flags]
+    names = variants_for(platform.machine())
+    cap = os.environ.get(VARIANT_ENV, "").strip()
+    if cap in names:
+        names = names[: names.index(cap) + 1]
+    return [v for v in reversed(names) if VARIANTS[v][2] <= flags]
 
 
 def enabled(family: str) -> bool:

@@ -41,7 +41,7 @@ class AsyncllmWorker:
         import torch
 
         from asyncllm.engine.llm_engine import ComputeThread
-        from asyncllm.models.loader import load_model
+        from asyncllm.models.loader import load_model, stored_dtype
         from asyncllm.worker.device import resolve_dtype
 
         self.base = json.loads(args.config or "{}")
@@ -53,7 +53,9 @@ class AsyncllmWorker:
         if self.base.get("quantization", "auto") is not None:
             self.engine({})  # loads (and quantizes) the model as EngineConfig's default does
         else:
-            dtype = resolve_dtype(self.base.get("dtype", "auto"), torch.device("cpu"))
+            dtype = resolve_dtype(
+                self.base.get("dtype", "auto"), torch.device("cpu"), stored_dtype(args.model)
+            )
 
             def load() -> Any:
                 torch.set_num_threads(args.threads)

@@ -81,6 +81,8 @@ PATHS: tuple[FidelityPath, ...] = (
     FidelityPath("gguf", "the GGUF file's own blocks", {"quantization": "gguf"}),
     FidelityPath("gguf-bfloat16", "the GGUF file's own blocks, bfloat16",
                  {"dtype": "bfloat16", "quantization": "gguf"}),
+    FidelityPath("gguf-float32", "the GGUF file's own blocks, float32",
+                 {"dtype": "float32", "quantization": "gguf"}),
 )  # fmt: skip
 
 

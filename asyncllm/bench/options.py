@@ -134,16 +134,18 @@ def precision_config(dtype: str | None, quantization: str | None) -> dict[str, s
     return cfg
 
 
-def same_precision(cfg: dict[str, str]) -> dict[str, str]:
+def same_precision(cfg: dict[str, str], model: str) -> dict[str, str]:
     """``cfg`` with the engine's CPU dtype made explicit (no dtype, or "auto", means what
-    "auto" picks on this CPU), so that equal precisions compare equal."""
+    "auto" picks for ``model`` on this CPU), so that equal precisions compare equal."""
     import torch
 
+    from asyncllm.models.loader import stored_dtype
     from asyncllm.worker.device import resolve_dtype
 
     dtype = cfg.get("dtype") or "auto"
     if dtype == "auto":
-        dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+        picked = resolve_dtype("auto", torch.device("cpu"), stored_dtype(model))
+        dtype = str(picked).removeprefix("torch.")
     return {**cfg, "dtype": dtype}
 
 
@@ -260,11 +262,11 @@ def resolve(args: argparse.Namespace, default_threads: int) -> list[str]:
     # one equal to the main column's precision, or to an earlier variant, is dropped.
     args.precision = precision_config(args.dtype, args.quantization)
     args.variants = []
-    seen = [same_precision(args.precision)]
+    seen = [same_precision(args.precision, args.model)]
     for v in parse_variants(args.asyncllm_variants):
         cfg = precision_config(v.get("dtype", args.dtype), v.get("quantization", args.quantization))
-        if same_precision(cfg) not in seen:
-            seen.append(same_precision(cfg))
+        if same_precision(cfg, args.model) not in seen:
+            seen.append(same_precision(cfg, args.model))
             args.variants.append(cfg)
     if not names:
         raise SystemExit("--workloads names no workload")

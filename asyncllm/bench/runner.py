@@ -56,6 +56,7 @@ from asyncllm.bench.options import (
     base_engine,
     parser,
     resolve,
+    same_precision,
     variant_name,
 )
 from asyncllm.bench.processes import (
@@ -484,13 +485,12 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     model_dir, wls = _prepare(args, names)
     bench = Bench(args)
     bench.model_info = model_figures(model_dir)
-    from asyncllm.worker.device import cpu_bf16_reason
-
     bench.machine_line = {
         "cores": bench.machine["cores"],
         "processor": bench.machine["processor"],
-        # asyncllm's dtype "auto" on this CPU (each engine's settings name its own).
-        "dtype": "bfloat16" if cpu_bf16_reason()[0] else "float32",
+        # asyncllm's dtype "auto" for this model on this CPU (each engine's settings name
+        # its own).
+        "dtype": same_precision({}, args.model)["dtype"],
     }
     started = time.perf_counter()
     log(f"machine: {bench.machine}")

@@ -24,7 +24,7 @@ from asyncllm.core.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.input_processor import InputProcessor, PromptType
 from asyncllm.engine.parallel_sampling import shares_prompt
 from asyncllm.engine.step_output import IDLE_STEP, RequestStart, StepOutput
-from asyncllm.models.loader import LoadedModel, load_model
+from asyncllm.models.loader import LoadedModel, load_model, stored_dtype
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_output import GrammarCompiler, GrammarMatchers
 from asyncllm.worker.compiled import ModelSource
@@ -225,7 +225,7 @@ class LLMEngine:
 
         def build() -> LLMEngine:
             set_cpu_threads(device, config.num_threads)
-            dtype = resolve_dtype(config.dtype, device)
+            dtype = resolve_dtype(config.dtype, device, stored_dtype(config.model))
             # Checked before the load; on a fresh machine the CPU attention kernel builds
             # in the background meanwhile.
             select_attention_backend(config.attention_backend, device)
@@ -382,12 +382,13 @@ class LLMEngine:
         blocks swapped out and in, bytes they moved and tokens dropped for recompute; CPU pool
         blocks free and total; prefix-cache queries and hits (tokens) and hit rate; steps and
         generated tokens; the weights' ``precision`` (e.g. "float32", "int4 g32", "gguf
-        (...)") and ``weight_bytes`` (bytes of parameters and buffers, as loaded); the
-        compiled forward's ``compile`` state ("off", "compiling", "ready" or "failed";
-        ``EngineConfig.compile``) and ``compile_seconds`` (seconds it took, or has taken so
-        far; 0.0 when off); ``cpu_kernels``: per C++ kernel family, what runs on CPU (the
-        instruction-set variant installed, "off" or "torch": :func:`asyncllm._kernels.native.
-        status`), "" on other devices."""
+        (...)") and ``weight_bytes`` (bytes of parameters and buffers, as loaded);
+        ``dtype``: the activations' and KV cache's dtype (``EngineConfig.dtype`` resolved,
+        e.g. "float32"); the compiled forward's ``compile`` state ("off", "compiling",
+        "ready" or "failed"; ``EngineConfig.compile``) and ``compile_seconds`` (seconds it
+        took, or has taken so far; 0.0 when off); ``cpu_kernels``: per C++ kernel family,
+        what runs on CPU (the instruction-set variant installed, "off" or "torch":
+        :func:`asyncllm._kernels.native.status`), "" on other devices."""
         compiled = self.runner.compiled
         bm = self.block_manager
         sched = self.scheduler
@@ -413,6 +414,7 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "precision": self.loaded.precision,
             "weight_bytes": self.loaded.weight_bytes,
+            "dtype": str(self.dtype).removeprefix("torch."),
             "compile": compiled.state if compiled else "off",
             "compile_seconds": compiled.seconds if compiled else 0.0,
             "cpu_kernels": " ".join(f"{k}={v}" for k, v in native.status().items())

@@ -266,6 +266,25 @@ def _gguf_file_of(model: str | os.PathLike[str]) -> pathlib.Path | None:
     return path.resolve() if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
+def stored_dtype(model: str | os.PathLike[str]) -> torch.dtype | None:
+    """The precision in which ``model``'s weight file defines its function, read without
+    loading or converting anything: float32 for a GGUF file (ggml computes every block
+    format in float32; the blocks' float16 scales are exact in it), else the ``torch_dtype``
+    (or ``dtype``) of the directory's ``config.json``; None where that says nothing or
+    cannot be read. ``EngineConfig.dtype="auto"`` computes in it where the device runs it
+    natively (:func:`asyncllm.worker.device.resolve_dtype`)."""
+    if _gguf_file_of(model) is not None or os.fspath(model).lower().endswith(".gguf"):
+        return torch.float32
+    try:
+        path = pathlib.Path(os.fspath(model)).expanduser() / "config.json"
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    found = getattr(torch, name, None) if isinstance(name, str) else None
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else None
+
+
 def _gguf_parsed_once(model: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
     """For a GGUF model, one parse of the file for its conversion (transformers reads it three
     times) and its quantization (:mod:`asyncllm.models.gguf_parse`); nothing otherwise."""

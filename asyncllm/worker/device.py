@@ -1,12 +1,16 @@
 """Where the engine runs and in which dtype: ``EngineConfig.device``, ``dtype``,
 ``num_threads`` and ``compile`` resolved to concrete values.
 
-``dtype="auto"`` (the default) picks bfloat16 on CUDA and on CPUs with native bfloat16
-arithmetic (x86's AVX-512 BF16 or AMX-BF16: ``avx512_bf16`` / ``amx_bf16`` in
-``/proc/cpuinfo``, as torch's own CPU feature probe reports them), where torch's vectorized
-kernels run at AVX-512 and oneDNN is available; float32 elsewhere, where bfloat16 matmuls
-are emulated and slower than float32 (docs/tuning.md has the measured table). The KV cache
-takes the same dtype.
+``dtype="auto"`` (the default) computes in the precision the weight file defines its
+function in (:func:`asyncllm.models.loader.stored_dtype`): float32 for a GGUF file (the
+default model) and for float32 or float16 checkpoints; bfloat16 for a bfloat16 checkpoint on
+CUDA and on CPUs with native bfloat16 arithmetic (x86's AVX-512 BF16 or AMX-BF16:
+``avx512_bf16`` / ``amx_bf16`` in ``/proc/cpuinfo``, as torch's own CPU feature probe
+reports them) where torch's vectorized kernels run at AVX-512 and oneDNN is available;
+float32 on other CPUs, where bfloat16 matmuls are emulated and slower than float32. Rounding
+a GGUF model's activations to bfloat16 moved its greedy answers away from the file's own
+(the fidelity table of docs/benchmarks.md); its int4 kernels read the same weight bytes in
+float32. The KV cache takes the same dtype.
 """
 
 from __future__ import annotations
@@ -59,10 +63,16 @@ def cpu_bf16_reason() -> tuple[bool, str]:
     return True, f"the CPU has {' and '.join(have)} (torch at {capability})"
 
 
-def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """``EngineConfig.dtype`` to a torch dtype; "auto" (or None, its alias) picks bfloat16
-    on CUDA and on CPUs where :func:`cpu_bf16_reason` says so, float32 elsewhere, and logs
-    one line saying which and why. An explicit dtype is returned as is.
+def resolve_dtype(
+    dtype: str | None, device: torch.device, stored: torch.dtype | None = None
+) -> torch.dtype:
+    """``EngineConfig.dtype`` to a torch dtype, logging one line that says which and why.
+
+    An explicit dtype is returned as is. "auto" (or None, its alias) picks bfloat16 where the
+    weights are stored in bfloat16 (``stored``, from
+    :func:`asyncllm.models.loader.stored_dtype`) and the device runs it natively (CUDA, or a
+    CPU where :func:`cpu_bf16_reason` says so); float32 otherwise: a GGUF file, a float32 or
+    float16 checkpoint, or a precision not known (``stored`` None).
 
     Raises:
         ValueError: a dtype name that is none of "auto", "float32", "float16", "bfloat16".
@@ -71,11 +81,15 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}")
     if dtype not in (None, "auto"):
         return getattr(torch, dtype)  # type: ignore[no-any-return]
-    if device.type == "cuda":
-        chosen, why = torch.bfloat16, "CUDA"
+    if stored != torch.bfloat16:
+        kind = "not known" if stored is None else str(stored).removeprefix("torch.")
+        chosen, why = torch.float32, f"the weights' own precision is {kind}: computed in float32"
+    elif device.type == "cuda":
+        chosen, why = torch.bfloat16, "bfloat16 weights on CUDA"
     elif device.type == "cpu":
         fast, why = cpu_bf16_reason()
         chosen = torch.bfloat16 if fast else torch.float32
+        why = f"bfloat16 weights; {why}"
     else:
         chosen, why = torch.float32, f"device type {device.type!r}"
     logger.info("dtype auto: %s (%s)", str(chosen).removeprefix("torch."), why)
