@@ -58,6 +58,27 @@ static inline bool brgemm_bf16_runs() {
 #endif
 }
 
+// Whether oneDNN's float32 brgemm micro-kernel runs here (B row-major [K][N]); checked once
+// on one small product of exact values. Where it does not, callers use at::mm.
+static inline bool brgemm_f32_runs() {
+  static const bool ok = [] {
+    try {
+      constexpr int64_t M = 2, N = 16, K = 8;  // A[m][k] = m + 1, B[k][n] = n: C = 8 (m+1) n
+      std::vector<float> a(M * K), b(K * N), c(M * N);
+      for (int64_t i = 0; i < M * K; ++i) a[i] = static_cast<float>(i / K + 1);
+      for (int64_t i = 0; i < K * N; ++i) b[i] = static_cast<float>(i % N);
+      at::native::cpublas::brgemm(M, N, K, K, N, N, false, a.data(), b.data(), c.data(), false);
+      at::native::cpublas::brgemm_release(false);
+      for (int64_t i = 0; i < M * N; ++i)
+        if (c[i] != 8.0f * static_cast<float>(i / N + 1) * static_cast<float>(i % N)) return false;
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }();
+  return ok;
+}
+
 // A library of CPU kernel registrations for the namespace "asyncllm", made when the loader
 // calls a module's register_ops() (not at import: tests import other variants' modules for
 // their functions without replacing the engine's kernels). The ops' schemas are declared in

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <map>
 #include <tuple>
+#include <utility>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -91,11 +92,34 @@ inline void row64<at::BFloat16>(const uint8_t* p, const float* s, const float* z
 }
 #endif
 
+// Rows k of one group g of W^T's 64-column block b (W[n, k] = (q[n, k] - 8) * s + z, see
+// dequant): `group` rows of 64 outputs each, row k at o + (k - g * group) * ld. 64 scales
+// and zeros loaded once, then 32 code bytes per row in the 64 layout, 2 x 16 in the 32 one
+// (blocks 2b and 2b + 1).
+template <typename T>
+static inline void dequant_group(const uint8_t* P, const T* S, int64_t K, int64_t N,
+                                 int64_t group, int64_t block_n, int64_t g, int64_t b, T* o,
+                                 int64_t ld) {
+  alignas(64) float s[64], z[64];
+  const T* src = S + (g * N + b * 64) * 2;
+  for (int j = 0; j < 64; ++j) {
+    s[j] = to_f(src[2 * j]);
+    z[j] = to_f(src[2 * j + 1]);
+  }
+  for (int64_t k = g * group; k < (g + 1) * group; ++k, o += ld) {
+    if (block_n == 64) {
+      row64<T>(P + (b * K + k) * 32, s, z, o);
+    } else {
+      row_codes<16>(P + (2 * b * K + k) * 16, s, z, o);
+      row_codes<16>(P + ((2 * b + 1) * K + k) * 16, s + 32, z + 32, o + 32);
+    }
+  }
+}
+
 // out [K, N] = W^T with W[n, k] = (q[n, k] - 8) * sz[k / group, n, 0] + sz[k / group, n, 1];
 // packed uint8 in torch's CPU int4pack layout (int4_pack_block_n: [N / 64, K, 32] or
-// [N / 32, K, 16]), sz [K / group, N, 2] of T.
-// A work item is one group of K rows times 64 output columns: 64 scales and zeros loaded
-// once, then `group` rows of 32 code bytes each, 64 contiguous outputs per row.
+// [N / 32, K, 16]), sz [K / group, N, 2] of T. A work item is one group of K rows times 64
+// output columns.
 template <typename T>
 static void dequant(const at::Tensor& packed, const at::Tensor& sz, int64_t group,
                     at::Tensor& out) {
@@ -105,23 +129,9 @@ static void dequant(const at::Tensor& packed, const at::Tensor& sz, int64_t grou
   T* O = out.data_ptr<T>();
   const int64_t block_n = int4_pack_block_n();
   at::parallel_for(0, G * NB, 4, [&](int64_t begin, int64_t end) {
-    alignas(64) float s[64], z[64];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = i / NB, b = i % NB;
-      const T* src = S + (g * N + b * 64) * 2;
-      for (int j = 0; j < 64; ++j) {
-        s[j] = to_f(src[2 * j]);
-        z[j] = to_f(src[2 * j + 1]);
-      }
-      if (block_n == 64) {
-        for (int64_t k = g * group; k < (g + 1) * group; ++k)
-          row64<T>(P + (b * K + k) * 32, s, z, O + k * N + b * 64);
-      } else {  // two blocks of 32 outputs: 2b and 2b + 1
-        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-          row_codes<16>(P + (2 * b * K + k) * 16, s, z, O + k * N + b * 64);
-          row_codes<16>(P + ((2 * b + 1) * K + k) * 16, s + 32, z + 32, O + k * N + b * 64 + 32);
-        }
-      }
+      dequant_group<T>(P, S, K, N, group, block_n, g, b, O + g * group * N + b * 64, N);
     }
   });
 }
@@ -236,9 +246,9 @@ static bool fused_available() { return brgemm_bf16_runs(); }
 // consecutive items share a block, dequantized once into the thread's scratch [K, 64] (72 or
 // 192 KiB: stays in its L2) in brgemm's packed layout, then multiplied on the calling thread
 // by oneDNN's brgemm micro-kernel (float32 accumulation over all of K, one bfloat16 rounding).
-static void fused(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
-                  int64_t group, int64_t m_tile, at::Tensor& y) {
-  const int64_t M = rows.size(0), K = rows.size(1), N = y.size(1), NB = N / 64;
+// Row tiles for the many-row paths: NB column blocks times MT row tiles of mt rows, so that
+// the threads get about the same work.
+static std::pair<int64_t, int64_t> row_tiles(int64_t M, int64_t NB, int64_t m_tile) {
   int64_t MT = (M + m_tile - 1) / m_tile;
   // Few blocks (N = 192: 3) for the threads: split the rows further so that each thread
   // gets about the same work (a block then is dequantized by up to two threads).
@@ -250,7 +260,13 @@ static void fused(const at::Tensor& rows, const at::Tensor& packed, const at::Te
   for (int64_t more = MT + 1; NB * MT % threads != 0 && more <= 2 * MT; ++more)
     if (NB * more % threads == 0 && M / more >= 16) MT = more;
   const int64_t mt = (M + MT - 1) / MT;
-  MT = (M + mt - 1) / mt;
+  return {(M + mt - 1) / mt, mt};
+}
+
+static void fused(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
+                  int64_t group, int64_t m_tile, at::Tensor& y) {
+  const int64_t M = rows.size(0), K = rows.size(1), N = y.size(1), NB = N / 64;
+  const auto [MT, mt] = row_tiles(M, NB, m_tile);
   const uint8_t* P = packed.data_ptr<uint8_t>();
   const at::BFloat16* S = sz.data_ptr<at::BFloat16>();
   const at::BFloat16* A = rows.data_ptr<at::BFloat16>();
@@ -277,6 +293,44 @@ static void fused(const at::Tensor& rows, const at::Tensor& packed, const at::Te
   });
 }
 
+// The float32 many-row path: per work item one 64-column block of W^T dequantized exactly
+// into the thread's scratch [K, 64] (256 B per row: L2-sized for these models' K), then one
+// float32 GEMM of mt rows straight into y. The whole weight is never written out (the
+// dequantize-then-mm path wrote and read it, 4 bytes per weight, at every step).
+static void fused_f32(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
+                      int64_t group, int64_t m_tile, at::Tensor& y) {
+  const int64_t M = rows.size(0), K = rows.size(1), N = y.size(1), NB = N / 64;
+  const auto [MT, mt] = row_tiles(M, NB, m_tile);
+  const uint8_t* P = packed.data_ptr<uint8_t>();
+  const float* S = sz.data_ptr<float>();
+  const float* A = rows.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const int64_t block_n = int4_pack_block_n();
+  const bool brgemm = brgemm_f32_runs();
+  at::parallel_for(0, NB * MT, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> wbuf;
+    if (static_cast<int64_t>(wbuf.size()) < K * 64) wbuf.resize(K * 64);
+    float* W = wbuf.data();
+    int64_t have = -1;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / MT, m0 = (i % MT) * mt, mr = std::min(mt, M - m0);
+      if (b != have) {
+        for (int64_t g = 0; g < K / group; ++g)
+          dequant_group<float>(P, S, K, N, group, block_n, g, b, W + g * group * 64, 64);
+        have = b;
+      }
+      if (brgemm) {
+        at::native::cpublas::brgemm(mr, 64, K, K, 64, N, false, A + m0 * K, W,
+                                    Y + m0 * N + b * 64, false);
+      } else {
+        at::Tensor out = at::from_blob(Y + m0 * N + b * 64, {mr, 64}, {N, 1}, y.options());
+        at::mm_out(out, rows.narrow(0, m0, mr), at::from_blob(W, {K, 64}, y.options()));
+      }
+    }
+    if (brgemm) at::native::cpublas::brgemm_release(false);
+  });
+}
+
 // The many-row path on its own (also for tests and benchmarks): rows [M, K] of the scales'
 // dtype times the dequantized weight -> [M, N]. bfloat16 where brgemm runs: `fused` with
 // m_tile rows per item; else (or with m_tile 0) the whole W^T into this thread's scratch and
@@ -300,6 +354,11 @@ at::Tensor int4_mm(const at::Tensor& rows, const at::Tensor& packed, const at::T
       int4_pack_block_n() == 64) {
     at::Tensor y = at::empty({r.size(0), out_features}, r.options());
     if (r.size(0) > 0) fused(r, packed, sz, group, m_tile, y);
+    return y;
+  }
+  if (m_tile > 0 && sz.scalar_type() == at::kFloat) {
+    at::Tensor y = at::empty({r.size(0), out_features}, r.options());
+    if (r.size(0) > 0) fused_f32(r, packed, sz, group, m_tile, y);
     return y;
   }
   thread_local std::map<std::tuple<int64_t, int64_t, int>, at::Tensor> scratch;

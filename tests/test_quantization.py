@@ -261,17 +261,19 @@ def _gemm_weight(ref_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         (320, 256, 128, 40, 64),  # 5 blocks: an odd block count
     ],
 )
-def test_int4_many_row_path_tiles(n, k, gs, rows, m_tile):
-    """The many-row path block by block (``int4_mm``; the fused path where oneDNN's brgemm
-    runs natively, else the whole weight and one GEMM) equals the product with the dequantized
-    weight within the output rounding, at any tiling, and matches the whole-weight path."""
-    layer, ref_w = _int4_layer(n, k, gs)
-    x = torch.randn(rows, k).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_many_row_path_tiles(n, k, gs, rows, m_tile, dtype):
+    """The many-row path block by block (``int4_mm``; bfloat16: the fused path where oneDNN's
+    brgemm runs natively; float32: each block dequantized exactly into scratch, then a float32
+    GEMM) equals the product with the dequantized weight within the output rounding, at any
+    tiling, and matches the whole-weight path (m_tile 0: the whole W^T, then one GEMM)."""
+    layer, ref_w = _int4_layer(n, k, gs, dtype)
+    x = torch.randn(rows, k).to(dtype)
     mod = int4_dequant.kernel()
     got = mod.int4_mm(x, layer.packed, layer.scales_and_zeros, gs, n, m_tile)
     whole = mod.int4_mm(x, layer.packed, layer.scales_and_zeros, gs, n, 0)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    w = _gemm_weight(ref_w, torch.bfloat16)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    w = _gemm_weight(ref_w, dtype)
     _close_to_exact(got, x, w)
     _close_to_exact(whole, x, w)
 
