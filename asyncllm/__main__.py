@@ -36,25 +36,9 @@ def _generate(args: argparse.Namespace) -> int:
     )
     config = {"max_num_seqs": 1, **engine_config_from_args(args)}
     check_engine_config(args.model, config)
-    from asyncllm import AsyncEngine
+    from asyncllm.startup_report import start_engine
 
-    t0 = time.perf_counter()
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = AsyncEngine.from_pretrained(args.model, **config)
-    stats = engine.stats()
-    kernels = f"; C++ kernels: {stats['cpu_kernels']}" if stats["cpu_kernels"] else ""
-    print(
-        f"weights: {stats['precision']}, {int(stats['weight_bytes']) / 2**20:.0f} MiB; "
-        f"computed in {stats['dtype']}{kernels}",
-        file=sys.stderr,
-    )
-    if stats["compile"] == "compiling":
-        print(
-            "compiling the forward in the background (once per model and machine, about a "
-            "minute); answering eagerly meanwhile",
-            file=sys.stderr,
-        )
-    print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    engine = start_engine(args.model, config)
     tokenizer = engine.tokenizer
     if args.raw or not getattr(tokenizer, "chat_template", None):
         prompt: Any = args.prompt

@@ -1,7 +1,8 @@
 """The int4 layer's many-row path, old against new, in one process: ``Int4Linear`` at M rows.
 
 Candidates (``--candidates``), each one ``y = x W^T`` of the default model's projection shapes
-(out x in: 576x576, 192x576, 1536x576, 576x1536; group 32, bfloat16 activations and scales):
+(out x in: 576x576, 192x576, 1536x576, 576x1536; group 32, activations and scales in
+``--dtype``: bfloat16, or float32 as a float32 model's int4 layers run):
 
 * ``old``: the int4 op as built from ``--ref`` (default ``main``; its C++ source is read with
   ``git show`` and built as its own module, op ``asyncllm_old::int4_linear``: see
@@ -27,6 +28,8 @@ Run (about 10 minutes on 2 cores)::
     PYTHONPATH=. python benchmarks/int4_many_rows.py --threads 2 --repeats 7
     PYTHONPATH=. python benchmarks/int4_many_rows.py --rows 64 512 --candidates old m16 m64 m0
     PYTHONPATH=. python benchmarks/int4_many_rows.py --rows 2 4 8 16 32 --candidates int4 new old
+    PYTHONPATH=. python benchmarks/int4_many_rows.py --dtype float32 --rows 64 512 \
+        --candidates m0 m64
 """
 
 from __future__ import annotations
@@ -56,12 +59,12 @@ def old_op(ref: str) -> Callable[..., torch.Tensor]:
     return torch.ops.asyncllm_old.int4_linear.default  # type: ignore[no-any-return]
 
 
-def pack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A random int4 weight [n, k] in the layer's layout: (packed, scales and zeros)."""
     q = torch.randint(0, 16, (n, k), dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     scale = torch.rand(k // GROUP, n) * 0.01 + 1e-3
-    sz = torch.stack([scale, torch.randn(k // GROUP, n) * 0.01], -1).bfloat16().contiguous()
+    sz = torch.stack([scale, torch.randn(k // GROUP, n) * 0.01], -1).to(dtype).contiguous()
     return packed, sz
 
 
@@ -90,7 +93,9 @@ def main() -> None:
     ap.add_argument("--ref", default="main", help="the git ref whose kernel is 'old'")
     ap.add_argument("--candidates", nargs="+", default=["old", "new"])
     ap.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES])
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if int4_dequant.kernel() is None:
@@ -100,10 +105,10 @@ def main() -> None:
     med: dict[tuple[tuple[int, ...], int, str], float] = {}
     best: dict[tuple[tuple[int, ...], int, str], float] = {}
     for n, k in shapes:
-        weights = [pack(n, k) for _ in range(max(2, (args.mib << 20) // (n * k // 2)))]
+        weights = [pack(n, k, dtype) for _ in range(max(2, (args.mib << 20) // (n * k // 2)))]
         fns = {c: candidate(c, n, k, old) for c in args.candidates}
         for m in args.rows:
-            x = torch.randn(m, k).bfloat16()
+            x = torch.randn(m, k).to(dtype)
             times: dict[str, list[float]] = {c: [] for c in fns}
             for f in fns.values():  # warm-up: oneDNN primitives, page faults, scratch
                 for p, sz in weights:

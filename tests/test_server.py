@@ -587,10 +587,16 @@ def test_serve_command(tiny_llama_dir: Any) -> None:
     try:
         deadline = time.monotonic() + 90
         base = None
+        seen: list[str] = []
         while base is None:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            seen.append(line)
             m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
             base = m.group(1) if m else None
+        # what it loads and runs is said before it serves (as `generate` says it)
+        start = "".join(seen)
+        assert "loading " in start and "computed in float32" in start, start
+        assert "C++ kernels: attention=" in start and "loaded in " in start, start
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="k2", max_retries=0, timeout=30)
         name = os.path.basename(str(tiny_llama_dir))
         assert [m.id for m in client.models.list().data] == [name]

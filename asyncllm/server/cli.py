@@ -197,9 +197,9 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from asyncllm import AsyncEngine
+    from asyncllm.startup_report import start_engine
 
-    engine = AsyncEngine.from_pretrained(args.model, **engine_config_from_args(args))
+    engine = start_engine(args.model, engine_config_from_args(args))
     app = create_app(engine, args.served_model_name, **app_options)
 
     class Server(uvicorn.Server):
