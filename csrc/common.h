@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // An element as float: bfloat16 is the top half of a float32, so the conversion is exact and
@@ -28,54 +29,45 @@ static inline float to_f(at::BFloat16 x) {
   return f;
 }
 
-// Whether oneDNN's bfloat16 brgemm micro-kernel (at::native::cpublas::brgemm, B in the VNNI
-// layout [K / 2][N][2]) runs here at native speed. torch's could_pack says AMX only, yet
-// brgemm also runs on AVX-512 BF16 (vdpbf16ps): on a 2-core AMD EPYC (Zen 5, no AMX)
-// 64 x 64 x 576 ran at ~250 GFLOP/s per thread, 1.3x torch.mm's bfloat16. Native bfloat16 is
-// a compile-time fact of the variant; one small product, checked against exact values, tells
-// that the call works.
+// Whether oneDNN's brgemm micro-kernel (at::native::cpublas::brgemm) computes a product of
+// T exactly here, checked once on small exact values: A[m][k] = m + 1, B[k][n] = n, so
+// C[m][n] = K (m + 1) n. bfloat16 B is in the VNNI layout [K / 2][N][2] (rows 2i and 2i + 1
+// interleaved), float32 B row-major [K][N]. Any exception (no ukernel on this CPU): false.
+template <typename T>
+static inline bool brgemm_computes() {
+  constexpr bool vnni = std::is_same_v<T, at::BFloat16>;
+  constexpr int64_t M = 2, N = 16, K = 32;
+  try {
+    std::vector<T> a(M * K), b(K * N);
+    for (int64_t i = 0; i < M * K; ++i) a[i] = T(static_cast<float>(i / K + 1));
+    for (int64_t i = 0; i < K * N; ++i) b[i] = T(static_cast<float>(vnni ? i / 2 % N : i % N));
+    std::vector<float> c(M * N);
+    at::native::cpublas::brgemm(M, N, K, K, N, N, false, a.data(), b.data(), c.data(), vnni);
+    at::native::cpublas::brgemm_release(vnni);
+    for (int64_t i = 0; i < M * N; ++i)
+      if (c[i] != K * static_cast<float>(i / N + 1) * static_cast<float>(i % N)) return false;
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+// Whether oneDNN's bfloat16 brgemm runs here at native speed. torch's could_pack says AMX
+// only, yet brgemm also runs on AVX-512 BF16 (vdpbf16ps): on a 2-core AMD EPYC (Zen 5, no
+// AMX) 64 x 64 x 576 ran at ~250 GFLOP/s per thread, 1.3x torch.mm's bfloat16. Native
+// bfloat16 is a compile-time fact of the variant; one small product tells that the call works.
 static inline bool brgemm_bf16_runs() {
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
-  static const bool ok = [] {
-    try {
-      constexpr int64_t M = 2, N = 16, K = 32;  // A[m][k] = m + 1, B[k][n] = n: C = 32 (m+1) n
-      std::vector<at::BFloat16> a(M * K), b(K * N);
-      for (int64_t i = 0; i < M * K; ++i) a[i] = at::BFloat16(static_cast<float>(i / K + 1));
-      for (int64_t i = 0; i < K * N; ++i) b[i] = at::BFloat16(static_cast<float>(i / 2 % N));
-      std::vector<float> c(M * N);
-      at::native::cpublas::brgemm(M, N, K, K, N, N, false, a.data(), b.data(), c.data(), true);
-      at::native::cpublas::brgemm_release();
-      for (int64_t i = 0; i < M * N; ++i)
-        if (c[i] != 32.0f * static_cast<float>(i / N + 1) * static_cast<float>(i % N)) return false;
-      return true;
-    } catch (...) {
-      return false;
-    }
-  }();
+  static const bool ok = brgemm_computes<at::BFloat16>();
   return ok;
 #else
   return false;
 #endif
 }
 
-// Whether oneDNN's float32 brgemm micro-kernel runs here (B row-major [K][N]); checked once
-// on one small product of exact values. Where it does not, callers use at::mm.
+// Whether oneDNN's float32 brgemm runs here; where it does not, callers use at::mm.
 static inline bool brgemm_f32_runs() {
-  static const bool ok = [] {
-    try {
-      constexpr int64_t M = 2, N = 16, K = 8;  // A[m][k] = m + 1, B[k][n] = n: C = 8 (m+1) n
-      std::vector<float> a(M * K), b(K * N), c(M * N);
-      for (int64_t i = 0; i < M * K; ++i) a[i] = static_cast<float>(i / K + 1);
-      for (int64_t i = 0; i < K * N; ++i) b[i] = static_cast<float>(i % N);
-      at::native::cpublas::brgemm(M, N, K, K, N, N, false, a.data(), b.data(), c.data(), false);
-      at::native::cpublas::brgemm_release(false);
-      for (int64_t i = 0; i < M * N; ++i)
-        if (c[i] != 8.0f * static_cast<float>(i / N + 1) * static_cast<float>(i % N)) return false;
-      return true;
-    } catch (...) {
-      return false;
-    }
-  }();
+  static const bool ok = brgemm_computes<float>();
   return ok;
 }
 

@@ -365,12 +365,21 @@ def _embedding(lm: nn.Module) -> tuple[str, nn.Embedding] | None:
     return None
 
 
+def _progress(items: Any, desc: str) -> Any:
+    """``items`` with a progress bar on stderr where that is a terminal (tqdm's
+    ``disable=None``): a first start quantizes for seconds to minutes; logs stay quiet."""
+    from tqdm.auto import tqdm
+
+    items = list(items)
+    return tqdm(items, desc=desc, unit="layer", disable=None, leave=False, mininterval=0.5)
+
+
 def _from_float(
     lm: nn.Module, mode: str, gs: int, dtype: torch.dtype
 ) -> tuple[dict[str, nn.Module], str]:
     head = _head_name(lm)
     out: dict[str, nn.Module] = {}
-    for name, lin in _linears(lm):
+    for name, lin in _progress(_linears(lm), f"quantizing to {mode} (once; cached)"):
         if name == head:
             continue
         bias = lin.bias
@@ -420,7 +429,7 @@ def _from_gguf(
     tied = emb is not None and head is not None and lm.get_submodule(head).weight is emb[1].weight
     out: dict[str, nn.Module] = {}
     kinds: dict[str, set[str]] = {}
-    for name, lin in _linears(lm):
+    for name, lin in _progress(_linears(lm), "repacking the GGUF blocks (once; cached)"):
         if name == head:
             continue
         t, blocks, idx = find(name, lin.weight)
