@@ -21,6 +21,7 @@ import os
 import pathlib
 import platform
 import sys
+import threading
 
 from setuptools import setup
 
@@ -96,13 +97,25 @@ def _extensions():
             )
 
     class OptionalBuild(BuildExtension):
-        """Builds the kernels one module at a time (torch's ninja build writes one
-        build.ninja per temp folder: modules built side by side overwrite each other's) with
-        their sources in parallel; a failure warns and installs without that module."""
+        """Builds the kernel modules side by side (one per core, ``self.parallel``), each in
+        a temp folder of its own: torch's ninja build writes one build.ninja per temp folder,
+        and variants compile the same sources with other flags. ``build_temp`` is therefore
+        per thread (setuptools runs ``build_extension`` in a thread pool). A failure warns
+        and installs without that module."""
+
+        _local = threading.local()
+
+        @property  # type: ignore[override]
+        def build_temp(self) -> str:
+            return getattr(self._local, "build_temp", None) or self._build_temp
+
+        @build_temp.setter
+        def build_temp(self, value: str) -> None:
+            self._build_temp = value
 
         def finalize_options(self) -> None:
             super().finalize_options()
-            self.parallel = None
+            self.parallel = max(1, min(len(self.extensions), os.cpu_count() or 1))
 
         def build_extensions(self) -> None:
             self.failed: set[str] = set()
@@ -115,16 +128,14 @@ def _extensions():
             self.extensions = [ext for ext in self.extensions if ext.name not in self.failed]
 
         def build_extension(self, ext) -> None:
-            # A temp folder per module: variants compile the same sources with other flags.
-            base = self.build_temp
-            self.build_temp = os.path.join(base, ext.name)
+            self._local.build_temp = os.path.join(self._build_temp, ext.name)
             try:
                 super().build_extension(ext)
             except Exception as e:  # a compile error: torch's paths instead
                 _warn(f"{ext.name} did not build ({_last_line(e)})")
                 self.failed.add(ext.name)
             finally:
-                self.build_temp = base
+                self._local.build_temp = None
 
     return exts, {"build_ext": OptionalBuild.with_options(use_ninja=True)}
 
