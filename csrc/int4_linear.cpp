@@ -241,11 +241,6 @@ static inline void store64(const float* c, at::BFloat16* o) {
 // The fused many-row path is there: oneDNN's bfloat16 brgemm runs (AMX or AVX-512 BF16).
 static bool fused_available() { return brgemm_bf16_runs(); }
 
-// y [M, N] = rows [M, K] W^T (bfloat16), block by block without the whole W^T: a work item is
-// one 64-column block of W^T times m_tile rows; items run block-major, so a thread's
-// consecutive items share a block, dequantized once into the thread's scratch [K, 64] (72 or
-// 192 KiB: stays in its L2) in brgemm's packed layout, then multiplied on the calling thread
-// by oneDNN's brgemm micro-kernel (float32 accumulation over all of K, one bfloat16 rounding).
 // Row tiles for the many-row paths: NB column blocks times MT row tiles of mt rows, so that
 // the threads get about the same work.
 static std::pair<int64_t, int64_t> row_tiles(int64_t M, int64_t NB, int64_t m_tile) {
@@ -263,6 +258,11 @@ static std::pair<int64_t, int64_t> row_tiles(int64_t M, int64_t NB, int64_t m_ti
   return {(M + mt - 1) / mt, mt};
 }
 
+// y [M, N] = rows [M, K] W^T (bfloat16), block by block without the whole W^T: a work item is
+// one 64-column block of W^T times m_tile rows; items run block-major, so a thread's
+// consecutive items share a block, dequantized once into the thread's scratch [K, 64] (72 or
+// 192 KiB: stays in its L2) in brgemm's packed layout, then multiplied on the calling thread
+// by oneDNN's brgemm micro-kernel (float32 accumulation over all of K, one bfloat16 rounding).
 static void fused(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
                   int64_t group, int64_t m_tile, at::Tensor& y) {
   const int64_t M = rows.size(0), K = rows.size(1), N = y.size(1), NB = N / 64;

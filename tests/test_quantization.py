@@ -297,7 +297,7 @@ def test_int4_many_row_path_dequantizes_exactly(n, k, gs):
 @pytest.mark.parametrize("rows", [17, 513])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int4_linear_many_rows_with_bias(rows, dtype):
-    """The layer's many-row path (bfloat16 scales: fused; float32 ones: the whole weight)
+    """The layer's many-row path (fused, block by block, for bfloat16 and float32 scales)
     adds the bias and keeps x's shape and dtype."""
     layer, ref_w = _int4_layer(192, 96, 32, dtype)
     layer.bias = torch.randn(192)

@@ -20,10 +20,11 @@ items run block-major, so each thread dequantizes a block once into its own scra
 multiplies it with the rows on the calling thread; with few blocks (N = 192) the rows are
 split further so that both threads work. Dequantizing the whole weight and then calling one
 ``at::mm`` (the former path) wrote 2 bytes per weight to memory and read them back (about
-212 MB per decode step); it remains where the CPU has no native bfloat16
-(:data:`asyncllm.worker.cpu_extension.BRGEMM_BF16_SOURCE`) or the scales are float32. On a
-Zen 5 EPYC without AMX the fused path is 1.5-2.7x the former at 4-64 rows
-(``benchmarks/int4_many_rows.py``, docs/tuning.md).
+212 MB per decode step); it remains where oneDNN's bfloat16 brgemm does not run
+(``brgemm_bf16_runs`` in ``csrc/common.h``) and for ``m_tile`` 0. Float32 scales (a float32
+model's layers, and bfloat16 ones on the avx2 variant, whose CPUs emulate bfloat16 GEMMs)
+take the same block-by-block path in float32: each block dequantized exactly, then oneDNN's
+float32 brgemm (docs/tuning.md has the figures).
 
 The packed layout (``aten._convert_weight_to_int4pack_for_cpu(q_int32[N, K], 1)``, torch 2.13;
 checked against the codes in tests/test_quantization.py): uint8 ``[N, K/2]`` read as

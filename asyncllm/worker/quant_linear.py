@@ -235,7 +235,9 @@ INT4_KERNEL_MAX_ROWS_UNFUSED = 16
 
 
 #: Float32 scales: calls with up to this many rows run the float32 few-row kernel
-#: (``csrc/int4_gemv_f32.cpp``), more dequantize to float32 and run one float32 GEMM.
+#: (``csrc/int4_gemv_f32.cpp``), more the float32 many-row path (block by block, float32
+#: brgemm). The crossover was measured against the former many-row path (the whole weight
+#: dequantized, then one GEMM: the right-hand figures), slower than today's.
 #: ``python benchmarks/int4_f32.py`` (AMD EPYC Zen 3, AVX2, 1 thread, us per call, weights in
 #: cache; few-row kernel / dequantize + GEMM; torch's bfloat16 int4 kernel beside)::
 #:
