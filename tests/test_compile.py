@@ -505,3 +505,20 @@ def test_unclosed_compiled_forward_is_joined_at_exit(tmp_path: pathlib.Path) -> 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.read_text() == "done"
     assert (tmp_path / "a").read_bytes() == b"cached" and "does not load" not in proc.stderr
+
+
+def test_artifact_key_follows_the_kernel_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward is traced through the paths the switches select: with a kernel family
+    switched off it is another artifact (the fidelity harness's no-int4-kernel path loaded
+    the default path's artifact and ran the C++ kernel all the same)."""
+    from asyncllm._kernels.native import SWITCHES
+    from asyncllm.worker.compiled import artifact_key
+
+    model = torch.nn.Linear(4, 4)
+    keys = {artifact_key(model, 2)}
+    for var in SWITCHES.values():
+        monkeypatch.setenv(var, "0")
+        keys.add(artifact_key(model, 2))
+        monkeypatch.delenv(var)
+    assert len(keys) == 1 + len(SWITCHES)
+    assert artifact_key(model, 2) in keys

@@ -63,6 +63,7 @@ import torch
 from filelock import FileLock, Timeout
 
 import asyncllm._kernels.ops  # noqa: F401  (asyncllm::materialize)
+from asyncllm._kernels import native
 from asyncllm._kernels.native import cpu_flags
 from asyncllm.attention.backend_registry import step_metadata
 from asyncllm.worker.device import trim_host_memory
@@ -170,8 +171,8 @@ def artifact_key(model: torch.nn.Module, num_threads: int) -> str:
     """What a compiled forward depends on, hashed: the model's structure (module tree, config,
     and every parameter's and buffer's name, shape and dtype; not the weights' values, which
     are the graph's inputs), the thread count (Inductor's kernels fix it), torch,
-    transformers, Python, asyncllm's source and the CPU's flags (its kernels are built for
-    this CPU)."""
+    transformers, Python, asyncllm's source, the CPU's flags (its kernels are built for
+    this CPU) and which C++ kernel variant or torch path each kernel family runs."""
     import transformers
 
     h = hashlib.sha256()
@@ -186,6 +187,9 @@ def artifact_key(model: torch.nn.Module, num_threads: int) -> str:
         sys.version,
         _source_digest(),
         " ".join(sorted(cpu_flags())) or platform.processor(),
+        # The graph is traced through the paths the kernel switches select: a forward
+        # compiled with a kernel on ran it again with that kernel switched off.
+        repr(sorted(native.status().items())),
     ]
     for part in parts:
         h.update(part.encode() + b"\0")
