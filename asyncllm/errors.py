@@ -18,7 +18,10 @@ class ModelNotFoundError(AsyncLLMError, ValueError):
 
 
 class UnsupportedModelError(AsyncLLMError, ValueError):
-    """The model's architecture needs an attention feature the paged attention lacks."""
+    """The model cannot be served exactly: its config needs an attention feature the paged
+    attention lacks, or its modeling code does not run on the paged KV cache as the load-time
+    check found (:mod:`asyncllm.worker.paged_check`: its attention bypasses the cache, its
+    first step raises, or its logits differ from its own eager forward's)."""
 
 
 class ModelLoadError(AsyncLLMError, ValueError):

@@ -524,7 +524,6 @@ def test_failed_conversion_leaves_no_cache(tmp_path: pathlib.Path, monkeypatch: 
         Qwen2Config(**TINY_LLAMA),
         Qwen2Config(**TINY_LLAMA, use_sliding_window=False, sliding_window=4096),
         MistralConfig(**TINY_LLAMA, sliding_window=None),
-        FalconConfig(),
     ],
     ids=lambda c: c.model_type,
 )

@@ -28,6 +28,7 @@ from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
 from asyncllm.worker.cpu_linear import pack_linears
 from asyncllm.worker.kv_cache import KVCache
 from asyncllm.worker.logprobs import PromptRows, prompt_logprobs
+from asyncllm.worker.paged_check import check_paged_forward
 from asyncllm.worker.quant_linear import load_kernels
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.sampler import Sampler, sample_chunks
@@ -85,6 +86,8 @@ class ModelRunner:
 
     Raises:
         ValueError: an attention backend that cannot run on the model's device.
+        UnsupportedModelError: the model's attention does not run on the paged cache
+            (:func:`~asyncllm.worker.paged_check.check_paged_forward`).
     """
 
     def __init__(
@@ -109,6 +112,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
         self.attention_backend = select_attention_backend(attention_backend, self.device)
+        # Refuse a model whose attention does not run on the paged cache before serving it.
+        check_paged_forward(model, kv_cache, self.attention_backend)
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler(seed, self.device)
         #: The current step's timings when the engine has a step observer (its ``prep``,

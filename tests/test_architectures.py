@@ -1,0 +1,136 @@
+"""The families users bring, as 2-layer random models: each runs token for token like
+transformers' ``generate`` (float32, chunked prefill of 16, block size 4), or is refused at
+load with ``UnsupportedModelError``, never accepted and then wrong or dead
+(:mod:`asyncllm.worker.paged_check`)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+import transformers as tf
+
+from asyncllm import SamplingParams, UnsupportedModelError
+from asyncllm.bench.tiny_model import TINY_CONFIG
+from asyncllm.models import loader
+from asyncllm.worker import paged_check
+
+_MLA = dict(
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
+_MHA = dict(num_key_value_heads=4)  # families without GQA: their config ignores the field
+
+#: family -> (config class, fields over the tiny Llama's)
+RUNS: dict[str, tuple[type, dict[str, Any]]] = {
+    "llama": (tf.LlamaConfig, {}),
+    "qwen3": (tf.Qwen3Config, dict(head_dim=16)),
+    "mistral": (tf.MistralConfig, dict(sliding_window=None)),
+    "phi": (tf.PhiConfig, _MHA),
+    "gemma": (tf.GemmaConfig, dict(head_dim=16)),
+    "gpt_neox": (tf.GPTNeoXConfig, _MHA),
+    "gpt2": (tf.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, **_MHA)),
+    "olmo2": (tf.Olmo2Config, {}),
+    "granite": (tf.GraniteConfig, {}),
+    "starcoder2": (tf.Starcoder2Config, dict(sliding_window=None)),
+    "cohere": (tf.CohereConfig, {}),
+}
+
+#: family -> (config class, fields, what the refusal names)
+REFUSED: dict[str, tuple[type, dict[str, Any], str]] = {
+    # transformers' Falcon calls torch's attention itself: chunks attended to themselves only
+    "falcon": (
+        tf.FalconConfig,
+        dict(num_kv_heads=2, new_decoder_architecture=True),
+        "bypasses the paged KV cache",
+    ),
+    # its attention layers do not pass the engine's metadata on: the first step raised
+    "stablelm": (tf.StableLmConfig, {}, "first step on the paged KV cache fails"),
+    # MLA: K and V head sizes differ from the cache's: the first step raised
+    "deepseek_v3": (tf.DeepseekV3Config, _MLA, "first step on the paged KV cache fails"),
+}
+
+PROMPT = [5, 77, 1000, 23, 9, 400, 31, 8, 12000, 7, 66, 3]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SMALL = dict(
+    dtype="float32", block_size=4, max_num_batched_tokens=16, kv_cache_bytes=2**20, compile=False
+)
+
+
+def _save(path: pathlib.Path, config: Any, tokenizer_dir: pathlib.Path) -> pathlib.Path:
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tf.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return path
+
+
+def _reference(path: pathlib.Path) -> list[int]:
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT])
+    out = ref.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=GREEDY.max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(PROMPT) :].tolist()
+
+
+@pytest.mark.parametrize("family", sorted(RUNS))
+async def test_family_runs_like_transformers(family, tmp_path, default_model_dir, make_engine):
+    cls, fields = RUNS[family]
+    path = _save(tmp_path / family, cls(**{**TINY_CONFIG, **fields}), default_model_dir)
+    engine = make_engine(path, **SMALL)
+    async with engine:
+        got = [t async for out in engine.stream(PROMPT, GREEDY) for t in out.token_ids]
+    assert got == _reference(path)
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_family_is_refused_at_load(family, tmp_path, default_model_dir):
+    """Falcon was accepted and gave other tokens from the first one; StableLM and
+    DeepSeek-V3 were accepted and the engine died at its first step."""
+    from asyncllm import AsyncEngine
+
+    cls, fields, reason = REFUSED[family]
+    path = _save(tmp_path / family, cls(**{**TINY_CONFIG, **fields}), default_model_dir)
+    with pytest.raises(UnsupportedModelError, match=reason) as info:
+        AsyncEngine.from_pretrained(str(path), **SMALL)
+    assert repr(family) in str(info.value)
+
+
+def test_a_model_computed_otherwise_than_it_says_is_refused(
+    tmp_path, default_model_dir, monkeypatch
+):
+    """A config check that misses a feature (here a sliding window of 4 tokens, which the
+    paged attention would ignore over the probe's 8): the engine refuses the model because
+    its paged logits differ from its own eager forward's, not serve it wrongly."""
+    from asyncllm import AsyncEngine
+
+    config = tf.MistralConfig(**TINY_CONFIG, sliding_window=4)
+    path = _save(tmp_path / "mistral-window", config, default_model_dir)
+    monkeypatch.setattr(loader, "check_architecture", lambda config: None)
+    with pytest.raises(UnsupportedModelError, match="differ from its own eager forward"):
+        AsyncEngine.from_pretrained(str(path), **SMALL)
+
+
+def test_logits_agree_within_the_dtype_rounding():
+    want = torch.linspace(-8, 8, 64).reshape(2, 32)
+    assert paged_check.logits_agree(want + 1e-5, want, torch.float32)[0]
+    assert not paged_check.logits_agree(want + 0.1, want, torch.float32)[0]
+    assert paged_check.logits_agree(want + 0.1, want, torch.bfloat16)[0]
+    agree, err = paged_check.logits_agree(want.roll(1, 1), want, torch.bfloat16)
+    assert not agree and err > 0.1
