@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncllm import SamplingParams
+from asyncllm._kernels import native
 from asyncllm._kernels.native import SWITCHES
 from tests.conftest import first_divergence_is_near_tie
 
@@ -109,6 +111,60 @@ def test_cli_generate_answers_paris_on_every_path(default_model_dir, switch_off)
     assert "Paris" in proc.stdout.strip(), proc.stdout
     assert "prompt tokens" in proc.stderr and "TTFT" in proc.stderr and "tokens/s" in proc.stderr
     assert "weights: gguf" in proc.stderr and "computed in float32" in proc.stderr, proc.stderr
+
+
+def _processes_with(marker: str) -> dict[int, str]:
+    """pid -> command line of every process whose environment holds ``marker``."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if marker.encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                found[int(entry.name)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return found
+
+
+def test_four_generates_on_a_fresh_cache_build_nothing_and_leave_nothing(tmp_path):
+    """A fresh machine's first runs spawned C++ kernel builders (``cpu_extension``, ``cc1plus``)
+    that outlived them (issue: a fresh machine's first five minutes). Four ``generate`` at
+    once on an empty cache: no process but the four and their compile children (watched
+    every 0.1 s), each answers "Paris" with the installed C++ kernels on its first step (its
+    load line), the GGUF file is converted once, and 5 s after the last exits no process
+    started with that cache is alive."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    cache = tmp_path / "cache"
+    marker = f"ASYNCLLM_CACHE={cache}"
+    env = {**os.environ, "ASYNCLLM_CACHE": str(cache)}
+    cmd = [sys.executable, "-m", "asyncllm", "generate", "What is the capital of France?",
+           "--max-tokens", "8"]  # fmt: skip
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(4)
+    ]
+    seen: dict[int, str] = {}
+    deadline = time.monotonic() + 600
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        seen.update(_processes_with(marker))
+        time.sleep(0.1)
+    outs = [p.communicate(timeout=60) for p in procs]
+    ours = {p.pid for p in procs}
+    strangers = {pid: c for pid, c in seen.items() if pid not in ours and "compile_worker" not in c}
+    assert not strangers, strangers
+    want = " ".join(f"{k}={v}" for k, v in native.status().items())
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert "Paris" in out, out
+        assert f"C++ kernels: {want}" in err, err
+    assert len([d for d in (cache / "gguf").iterdir() if not d.name.startswith(".")]) == 1
+    time.sleep(5)
+    assert not _processes_with(marker)
 
 
 def test_cli_reports_bad_model_path(tmp_path):
