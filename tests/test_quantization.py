@@ -68,9 +68,13 @@ def test_content_key_and_match_rows_find_a_row_permutation(dtype, cols):
     assert idx is not None and torch.equal(w[perm][idx], w)
     assert torch.equal(match_rows(w, w.clone()), torch.arange(96))
     other = w.clone()
-    other[5, 3] = other[5, 3] + 1
+    other[5, 0] = other[5, 0] + 1  # the first word of a row is always in its signature
     assert content_key(other) != content_key(w)
     assert match_rows(other, w[perm]) is None
+    # The key reads some words of each row: a change elsewhere may keep it, never the match.
+    off = w.clone()
+    off[5, -1] = off[5, -1] + 1
+    assert match_rows(off, w[perm]) is None
     assert match_rows(w, w[:95]) is None
     wider = torch.float64 if dtype != torch.float64 else torch.float32
     assert match_rows(w.to(wider), w) is None
@@ -806,3 +810,29 @@ def test_gguf_tensor_kinds_are_cached(tmp_path, monkeypatch):
     os.utime(copy, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     with pytest.raises(AssertionError, match="parsed again"):
         gguf_quant.tensor_kinds(copy, tmp_path)
+
+
+def test_weights_whose_keys_collide_each_find_their_gguf_tensor():
+    """Two GGUF tensors of one shape that differ only off the words a content key reads:
+    each linear finds its own tensor (the key picks candidates, the bytes decide)."""
+    from gguf import GGMLQuantizationType as Kind
+
+    from asyncllm.models.gguf_quant import GGUFTensor
+    from asyncllm.models.quantization import _from_gguf
+
+    torch.manual_seed(0)
+    a = torch.randn(8, 1024)
+    b = a.clone()
+    b[:, -1] += 1  # the last word of every row: not among the sampled words
+    assert content_key(a) == content_key(b) and not torch.equal(a, b)
+    tensors = [
+        GGUFTensor(n, "F32", (8, 1024), w.numpy().view(np.uint8).reshape(-1), Kind.F32)
+        for n, w in (("a", a), ("b", b))
+    ]
+    lm = torch.nn.Sequential(torch.nn.Linear(1024, 8, bias=False))
+    for w in (a, b):
+        lm[0].weight.data.copy_(w)
+        assert _from_gguf(lm, tensors, torch.float32) == ({}, "gguf ()")
+    lm[0].weight.data.copy_(a + 1)
+    with pytest.raises(ValueError, match="no tensor of the GGUF file matches"):
+        _from_gguf(lm, tensors, torch.float32)

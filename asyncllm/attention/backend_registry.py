@@ -110,7 +110,8 @@ def paged_attention_forward(
         ``([1, T, H, D], None)`` as transformers expects.
 
     Raises:
-        RuntimeError: the model was called without the engine's metadata.
+        RuntimeError: the model was called outside a step: without the engine's metadata
+            (the keyword or :func:`step_metadata`).
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
@@ -118,9 +119,14 @@ def paged_attention_forward(
     # True on the engine's thread too while the background thread compiles.
     if torch.compiler.is_dynamo_compiling():
         return torch.ops.asyncllm.paged_attention(q, k, v, module.layer_idx, scale)[None], None
-    meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    # Some modeling code drops the keyword on its way to the layers (StableLM's decoder
+    # layer): the runner also sets the step's metadata on its thread (step_metadata).
+    meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG) or _current()
     if meta is None:
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {METADATA_KWARG} kwarg")
+        raise RuntimeError(
+            f"{ATTN_IMPLEMENTATION} attention called outside a step (no {METADATA_KWARG} "
+            "kwarg and no step_metadata on this thread)"
+        )
     return _write_and_attend(meta, module.layer_idx, q, k, v, scale)[None], None
 
 
@@ -153,6 +159,12 @@ def _write_and_attend(
 
 
 _step = threading.local()
+
+
+def _current() -> AttentionMetadata | None:
+    """The metadata :func:`step_metadata` set on this thread, or None."""
+    state = getattr(_step, "state", None)
+    return None if state is None else state[0]
 
 
 @contextmanager

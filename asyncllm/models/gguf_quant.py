@@ -69,11 +69,12 @@ class QuantBlocks:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], equal bit for bit to ``gguf.quants.dequantize``."""
-        s = self.scale.repeat_interleave(BLOCK, 1)
-        o = self.offset.repeat_interleave(BLOCK, 1)
+        rows, cols = self.q.shape
+        q = self.q.view(rows, cols // BLOCK, BLOCK).float()
+        s, o = self.scale[..., None], self.offset[..., None]  # broadcast over each block
         if self.kind == "Q4_0":  # d * (q - 8): exact in float32, like gguf's
-            return s * (self.q.float() - 8)
-        return s * self.q.float() + o
+            return (s * (q - 8)).view(rows, cols)
+        return (s * q + o).view(rows, cols)
 
     def take_rows(self, index: torch.Tensor) -> QuantBlocks:
         """The same weight with its rows reordered: row ``i`` is this one's ``index[i]``."""
@@ -187,26 +188,28 @@ def _row_bytes(weight: torch.Tensor) -> np.ndarray:
     return weight.detach().cpu().contiguous().view(torch.uint8).numpy()
 
 
-#: Rows per slice of :func:`content_key`'s integer pass (bounds its int64 temporary).
-_KEY_ROWS = 4096
+#: Elements of each row that :func:`content_key` reads (evenly spaced; all of a shorter row).
+_KEY_COLUMNS = 64
 
 
 def content_key(weight: torch.Tensor) -> tuple[tuple[int, ...], int]:
     """A key equal for two tensors of one dtype that hold the same rows in any order: the
     shape and a hash of the rows' sorted signatures. A row's signature is an exact integer
-    function of its bytes: their 16-bit words times fixed pseudo-random multipliers below
-    2**20, summed by a float64 matrix-vector product, exact in any order while every partial
-    sum stays below 2**53 (rows of up to 2**17 words). The same row gives the same signature
-    wherever it sits. Equal keys are not proof: :func:`match_rows` compares the bytes."""
+    function of the bytes of :data:`_KEY_COLUMNS` of its elements (evenly spaced): their
+    16-bit words times fixed pseudo-random multipliers below 2**20, summed by a float64
+    matrix-vector product (exact: every partial sum stays below 2**53). The same row gives
+    the same signature wherever it sits. Equal keys are not proof (rows may differ in other
+    elements): :func:`match_rows` compares the bytes."""
     raw = _row_bytes(weight)
-    if raw.shape[1] % 2 or raw.shape[1] > 1 << 18:  # hash each row's bytes instead
-        return tuple(weight.shape), hash(tuple(sorted(hash(r.tobytes()) for r in raw)))
-    words = torch.from_numpy(raw.view(np.int16))
+    rows, cols = weight.shape
+    step = max(1, cols // _KEY_COLUMNS)
+    picked = raw.reshape(rows, cols, -1)[:, ::step][:, :_KEY_COLUMNS].reshape(rows, -1)
+    if picked.shape[1] % 2:  # a zero byte makes whole 16-bit words (the same for every row)
+        picked = np.pad(picked, ((0, 0), (0, 1)))
+    words = torch.from_numpy(np.ascontiguousarray(picked).view(np.int16))
     gen = torch.Generator().manual_seed(words.shape[1])
     mult = torch.randint(1, 1 << 20, (words.shape[1],), generator=gen).double()
-    sig = torch.cat(
-        [words[i : i + _KEY_ROWS].double() @ mult for i in range(0, len(words), _KEY_ROWS)]
-    )
+    sig = words.double() @ mult
     return tuple(weight.shape), hash(tuple(sig.sort().values.tolist()))
 
 

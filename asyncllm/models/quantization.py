@@ -405,24 +405,25 @@ def _from_gguf(
 
     # Each GGUF tensor dequantized once and indexed by its rows' content, so a weight finds
     # its tensor (whatever its name, and with llama.cpp's q/k row reordering) in one lookup.
-    # The model holds the dequantized values rounded to its dtype (bfloat16 by default on
-    # CPUs that have it): round the file's the same way before comparing. Blocks with a
+    # The model holds the dequantized values rounded to its dtype (bfloat16 where asked):
+    # round the file's the same way before comparing. Blocks with a
     # kernel are unpacked here once (their dequantization is gguf-py's bit for bit, and
     # vectorized: 1.9 s of gguf-py's for the default model on the 2-core machine).
     held = next(lm.parameters()).dtype
-    index: dict[tuple[tuple[int, ...], int], tuple[Any, torch.Tensor, QuantBlocks | None]] = {}
+    index: dict[tuple[tuple[int, ...], int], list[tuple[Any, torch.Tensor, QuantBlocks | None]]]
+    index = {}
     for t in tensors:
         blocks = unpack(t.kind, t.raw, t.shape) if t.kind in KERNEL_TYPES else None
         dense = (blocks.dequantize() if blocks is not None else t.dequantize()).to(held)
-        index.setdefault(content_key(dense), (t, dense, blocks))
+        index.setdefault(content_key(dense), []).append((t, dense, blocks))
 
     def find(name: str, weight: torch.Tensor) -> tuple[Any, QuantBlocks | None, torch.Tensor]:
         w = weight.detach().cpu()
-        hit = index.get(content_key(w))
-        idx = None if hit is None else match_rows(w, hit[1])
-        if hit is None or idx is None:
-            raise ValueError(f"{name}: no tensor of the GGUF file matches this weight")
-        return hit[0], hit[2], idx
+        for t, dense, blocks in index.get(content_key(w), ()):  # a key is not proof
+            idx = match_rows(w, dense)
+            if idx is not None:
+                return t, blocks, idx
+        raise ValueError(f"{name}: no tensor of the GGUF file matches this weight")
 
     head = _head_name(lm)
     emb = _embedding(lm)

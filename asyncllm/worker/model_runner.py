@@ -217,13 +217,14 @@ class ModelRunner:
                 return self._forward_compiled(compiled, input_ids, positions, meta, keep)
             except Exception as e:  # never a dead engine: eager from now on
                 compiled.fail(e)  # not ready any more: stats() says "failed"
-        out = self.model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
-            use_cache=False,
-            logits_to_keep=keep.to(dev),
-            **{METADATA_KWARG: meta},
-        )
+        with step_metadata(meta, len(input_ids)):
+            out = self.model(
+                input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
+                position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
+                use_cache=False,
+                logits_to_keep=keep.to(dev),
+                **{METADATA_KWARG: meta},
+            )
         logits: torch.Tensor = out.logits[0]  # [len(keep), vocab]
         return logits
 

@@ -3,8 +3,8 @@
 :func:`asyncllm.models.loader.check_architecture` reads the config, but a plain-looking
 config does not prove the modeling code goes through transformers' attention interface, nor
 that the cache layout fits it: transformers' Falcon calls torch's attention itself (each
-chunk of a prompt would attend to itself only: wrong tokens, no error), StableLM's and
-DeepSeek-V2/V3's (MLA: K and V head sizes differ) first paged step raises. So before an
+chunk of a prompt would attend to itself only: wrong tokens, no error), DeepSeek-V2/V3's
+first paged step raises (MLA: K and V head sizes differ from the cache's). So before an
 engine serves a model, :func:`check_paged_forward` runs one short prompt through the paged
 path in two chunks (chunked prefill: the second chunk reads the first one's K/V from the
 cache), counts the layers that reached the cache, and compares the logits with the model's
@@ -25,6 +25,7 @@ from asyncllm.attention.backend_registry import (
     METADATA_KWARG,
     AttentionBackend,
     AttentionMetadata,
+    step_metadata,
 )
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.worker.kv_cache import KVCache
@@ -137,7 +138,7 @@ def _paged_logits(
             plan=backend.build_plan([n], [end], [table], bs, dev),
             backend=backend,
         )
-        with torch.inference_mode():
+        with torch.inference_mode(), step_metadata(meta, n):
             logits = model(
                 input_ids=torch.tensor([ids[start:end]], device=dev),
                 position_ids=torch.arange(start, end, device=dev)[None],
