@@ -101,23 +101,32 @@ def test_gguf_block_layouts_match_gguf(kind):
     assert torch.equal(emb(ids), ref[ids])
 
 
-def test_unsupported_gguf_type_is_refused(tiny_llama_dir):
-    """quantization='gguf' with a linear weight of a type without a kernel (Q5_0): a
-    ValueError naming the GGUF tensor and its type."""
+def test_a_gguf_type_without_a_kernel_runs_dense(tiny_llama_dir):
+    """quantization='gguf' with linear weights of a type without a kernel (Q5_0, as a
+    Q4_K_M file's Q6_K layers): they stay the dense weights the conversion dequantized, and
+    the precision names them; a type without a layout is refused by ``unpack``."""
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    _, lin = qz._linears(lm)[0]
-    w = lin.weight.detach().numpy()
-    raw = quantize(w, GGMLQuantizationType.Q5_0)
+    tensors = []
     with torch.no_grad():  # the model holds exactly what the file dequantizes to
-        deq = dequantize(raw, GGMLQuantizationType.Q5_0).reshape(w.shape)
-        lin.weight.copy_(torch.from_numpy(deq))
-    fake = GGUFTensor("blk.0.attn_q.weight", "Q5_0", w.shape, raw, GGMLQuantizationType.Q5_0)
-    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight.*Q5_0"):
-        qz._from_gguf(lm, [fake], torch.float32)
+        for name, lin in qz._linears(lm):
+            w = lin.weight.detach().numpy()
+            kind = (
+                GGMLQuantizationType.F32 if name == qz._head_name(lm) else GGMLQuantizationType.Q5_0
+            )
+            raw = quantize(w, kind)
+            lin.weight.copy_(torch.from_numpy(dequantize(raw, kind).reshape(w.shape)))
+            tensors.append(GGUFTensor(name, kind.name, w.shape, raw, kind))
+        emb = lm.get_input_embeddings().weight.detach()
+        raw = emb.numpy().view(np.uint8).reshape(-1)
+        tensors.append(
+            GGUFTensor("token_embd", "F32", tuple(emb.shape), raw, GGMLQuantizationType.F32)
+        )
+    out, precision = qz._from_gguf(lm, tensors, torch.float32)
+    assert out == {} and precision == f"gguf (Q5_0 dense x{len(tensors) - 2})"
     with pytest.raises(ValueError, match="Q5_K"):
-        unpack("Q5_K", raw, w.shape)
+        unpack("Q5_K", tensors[0].raw, tensors[0].shape)
 
 
 # --- kernels against the reference ----------------------------------------------------------
@@ -542,21 +551,26 @@ def test_int8_perplexity_within_2_percent(default_perplexities):
     assert abs(int8 / f32 - 1) < 0.02, (int8, f32)
 
 
-def test_auto_picks_gguf_only_where_every_layer_has_a_kernel(caplog):
-    """The "auto" setting: a layer of a type without a kernel (Q5_K) -> dequantized, logged;
-    an LM head or embedding table of such a type (kept dense anyway) does not count."""
+def test_auto_keeps_the_blocks_it_has_kernels_for(caplog):
+    """The "auto" setting: "gguf" where a linear type has a kernel, a type without one (Q5_K)
+    named as dequantized; only types without a kernel -> None; an LM head or embedding table
+    of such a type (kept dense or as exact codes anyway) does not count."""
     from types import SimpleNamespace as T
 
     path = pathlib.Path("model.gguf")
     cpu = torch.device("cpu")
     names = ["blk.0.attn_q.weight", "output.weight", "token_embd.weight", "blk.0.ffn_up.weight"]
-    ok = [T(name=n, kind=k) for n, k in zip(names, ["Q4_1", "Q6_K", "Q6_K", "Q8_0"], strict=True)]
+    ok = [T(name=n, kind=k) for n, k in zip(names, ["Q4_K", "Q6_K", "Q6_K", "Q8_0"], strict=True)]
+    mixed = [*ok, T(name="blk.1.ffn_down.weight", kind="Q5_K")]
+    none = [T(name="blk.0.attn_q.weight", kind="Q6_K"), T(name="blk.0.ffn_up.weight", kind="F16")]
     with caplog.at_level("INFO", logger="asyncllm"):
         assert qz._auto_mode(ok, path, cpu, torch.float32) == "gguf"
-        bad = [*ok, T(name="blk.1.ffn_down.weight", kind="Q5_K")]
-        assert qz._auto_mode(bad, path, cpu, torch.float32) is None
+        assert "dequantized" not in caplog.text
+        assert qz._auto_mode(mixed, path, cpu, torch.float32) == "gguf"
+        assert "Q5_K layers dequantized to float32" in caplog.text
+        assert qz._auto_mode(none, path, cpu, torch.float32) is None
+        assert "no tensor type with a kernel (Q6_K)" in caplog.text
         assert qz._auto_mode(None, None, cpu, torch.float32) is None
-    assert "Q5_K" in caplog.text and "dequantized" in caplog.text
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,19 @@ block along the input dimension):
 
 * ``Q4_0``: ``d`` (float16), 16 bytes of 4-bit codes; ``w = d * (q - 8)``;
 * ``Q4_1``: ``d``, ``m`` (float16), 16 bytes of codes; ``w = d * q + m``;
-* ``Q8_0``: ``d`` (float16), 32 signed bytes; ``w = d * q``.
+* ``Q8_0``: ``d`` (float16), 32 signed bytes; ``w = d * q``;
+* ``Q4_K``: 256 weights a super-block: ``d``, ``dmin`` (float16), 12 bytes packing eight
+  6-bit scales ``sc`` and minimums ``m`` (one per 32 weights), 128 bytes of 4-bit codes;
+  ``w = (d * sc) * q - dmin * m``: exactly a 32-weight block of scale ``d * sc`` and offset
+  ``-(dmin * m)`` (both products exact in float32), so it unpacks to the same blocks as
+  ``Q4_1``.
 
-In a block, byte ``j`` of the codes holds weight ``j`` in its low nibble and weight ``j + 16``
-in its high nibble. Every value is returned as is (float16 scales widened to float32), so a
-caller that computes ``scale * q + offset`` in float32 reproduces gguf's own dequantization
-bit for bit (a float16 times a code below 2**8 is exact in float32; one rounding follows).
+In a ``Q4_0``/``Q4_1`` block, byte ``j`` of the codes holds weight ``j`` in its low nibble
+and weight ``j + 16`` in its high nibble; in ``Q4_K``, each 32 bytes hold two 32-weight
+blocks, the first in the low nibbles. Every value is returned as is (float16 scales widened
+to float32), so a caller that computes ``scale * q + offset`` in float32 reproduces gguf's
+own dequantization bit for bit (a float16 times a code below 2**8 is exact in float32; one
+rounding follows).
 
 GGUF files may store a weight with its rows permuted (llama.cpp reorders the query and key
 projections of Llama-family models); :func:`match_rows` finds the permutation that maps a
@@ -34,6 +41,7 @@ from asyncllm.models.fingerprint import fingerprint
 from asyncllm.models.gguf_parse import reader
 
 __all__ = [
+    "INT4_TYPES",
     "KERNEL_TYPES",
     "QuantBlocks",
     "TensorKind",
@@ -46,7 +54,11 @@ __all__ = [
 
 BLOCK = 32
 #: GGUF tensor types with a quantized kernel (:mod:`asyncllm.worker.quant_linear`).
-KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0"})
+#: Of those, the types that run as int4 group 32 (``quant_linear.Int4Linear``).
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+#: Weights a ``Q4_K`` super-block holds.
+SUPER_BLOCK = 256
 #: Types that are plain floating point (kept as they are: norms, biases, small tensors).
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
@@ -56,10 +68,11 @@ class QuantBlocks:
     """One GGUF weight [rows, cols] as ``w = scale * q + offset`` per block of 32 columns.
 
     Attributes:
-        kind: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``.
+        kind: ``"Q4_0"``, ``"Q4_1"``, ``"Q4_K"`` or ``"Q8_0"``.
         q: codes, int16 [rows, cols]: 0..15 for Q4_*, -128..127 for Q8_0.
         scale: float32 [rows, cols / 32], the blocks' ``d``.
-        offset: float32 [rows, cols / 32]: ``m`` for Q4_1, ``-8 d`` for Q4_0, 0 for Q8_0.
+        offset: float32 [rows, cols / 32]: ``m`` for Q4_1, ``-8 d`` for Q4_0,
+            ``-(dmin * m)`` for Q4_K, 0 for Q8_0.
     """
 
     kind: str
@@ -82,17 +95,21 @@ class QuantBlocks:
 
 
 def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBlocks:
-    """Unpack the raw bytes of a ``Q4_0``/``Q4_1``/``Q8_0`` tensor of ``shape`` (rows, cols).
+    """Unpack the raw bytes of a ``Q4_0``/``Q4_1``/``Q4_K``/``Q8_0`` tensor of ``shape``
+    (rows, cols).
 
     Raises:
         ValueError: ``kind`` has no layout here, or the byte count does not match ``shape``.
     """
     rows, cols = shape
-    if cols % BLOCK:
-        raise ValueError(f"{kind} tensor of shape {shape}: columns not a multiple of {BLOCK}")
     sizes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-    if kind not in sizes:
+    if kind not in sizes and kind != "Q4_K":
         raise ValueError(f"GGUF tensor type {kind} has no quantized kernel in asyncllm")
+    width = SUPER_BLOCK if kind == "Q4_K" else BLOCK
+    if cols % width:
+        raise ValueError(f"{kind} tensor of shape {shape}: columns not a multiple of {width}")
+    if kind == "Q4_K":
+        return _unpack_q4_k(raw, rows, cols)
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // BLOCK, sizes[kind])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if kind == "Q8_0":
@@ -111,6 +128,28 @@ def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBlocks:
         torch.from_numpy(q.reshape(rows, cols)),
         torch.from_numpy(np.ascontiguousarray(d)),
         torch.from_numpy(np.ascontiguousarray(offset)),
+    )
+
+
+def _unpack_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantBlocks:
+    """``Q4_K`` as 32-weight blocks: ggml's ``block_q4_K`` (``get_scale_min_k4`` packs the
+    6-bit scales and minimums; gguf-py's ``Q4_K.dequantize_blocks`` is the reference)."""
+    sb = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // SUPER_BLOCK, 144)
+    d = sb[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, n, 1]
+    dmin = sb[..., 2:4].copy().view(np.float16).astype(np.float32)
+    packed = sb[..., 4:16].reshape(rows, -1, 3, 4)
+    lo, hi, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = np.concatenate([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    scale = d * sc.astype(np.float32)  # [rows, n, 8]
+    offset = -(dmin * mn.astype(np.float32))
+    codes = sb[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    q = (codes & 0x0F).astype(np.int16)  # [rows, n, 4 pairs, low/high, 32]
+    return QuantBlocks(
+        "Q4_K",
+        torch.from_numpy(q.reshape(rows, cols)),
+        torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1))),
+        torch.from_numpy(np.ascontiguousarray(offset.reshape(rows, -1))),
     )
 
 

@@ -2,16 +2,19 @@
 
 Settings:
 
-* ``"auto"`` (the default): ``"gguf"`` for a GGUF model whose linear weights all have a kernel
-  (``Q4_0``, ``Q4_1``, ``Q8_0``, or plain float), else ``None``; one log line says which.
+* ``"auto"`` (the default): ``"gguf"`` for a GGUF model with linear weights of a type that
+  has a kernel (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q8_0``; or only plain float), else ``None``;
+  one log line says which, and which types run dequantized.
 * ``None``: the model's dtype (a GGUF file dequantized to float32, as before).
 * ``"int8"``: weight-only int8, one scale per output channel (``Int8Linear``).
 * ``"int4"``: weight-only 4-bit, a scale and zero point per ``group_size`` input columns
   (``Int4Linear``; 32 by default, 64 or 128).
-* ``"gguf"``: a GGUF file's own blocks kept: ``Q4_0``/``Q4_1`` -> ``Int4Linear`` with group 32
-  (the codes as they are; the float16 scales exact in a float32 model, rounded to bfloat16
-  in a bfloat16 one),
-  ``Q8_0`` -> the dense weight (see :data:`Q8_0_LINEAR`), but a ``Q8_0`` LM head ->
+* ``"gguf"``: a GGUF file's own blocks kept: ``Q4_0``/``Q4_1``/``Q4_K`` -> ``Int4Linear``
+  with group 32 (the codes as they are; Q4_K's 6-bit sub-block scales and minimums folded
+  into each 32-weight block's scale and offset, exactly; the scales exact in a float32
+  model, rounded to bfloat16 in a bfloat16 one),
+  ``Q8_0`` and the types without a kernel (``Q5_K``, ``Q6_K``...) -> the dense weight (see
+  :data:`Q8_0_LINEAR`), but a ``Q8_0`` LM head ->
   ``Q8Linear`` (below); the ``Q8_0``/``Q4_*`` token embedding table -> :class:`QuantEmbedding`
   (lossless; a table tied to a ``Q8Linear`` head shares its codes).
 
@@ -295,14 +298,16 @@ def _auto_mode(
     if tensors is None or gguf_file is None:
         return None
     types = sorted({t.kind for t in tensors if not _is_embedding_name(t.name)})
-    missing = [k for k in types if k not in _gguf_kinds() and k not in _FLOAT]
-    if missing:
+    kept = [k for k in types if k in _gguf_kinds()]
+    dense = [k for k in types if k not in _gguf_kinds() and k not in _FLOAT]
+    dtype_name = str(dtype).removeprefix("torch.")
+    if dense and not kept:
         logger.info(
-            "asyncllm: %s has tensor types without a kernel (%s): running it dequantized to "
-            "%s (quantization=None)",
+            "asyncllm: %s has no tensor type with a kernel (%s): running it dequantized to %s "
+            "(quantization=None)",
             gguf_file.name,
-            ", ".join(missing),
-            str(dtype).removeprefix("torch."),
+            ", ".join(dense),
+            dtype_name,
         )
         return None
     try:
@@ -311,9 +316,10 @@ def _auto_mode(
         logger.info("asyncllm: %s: %s; running it dequantized", gguf_file.name, exc)
         return None
     logger.info(
-        "asyncllm: %s runs at its own precision (%s; quantization='gguf')",
+        "asyncllm: %s runs at its own precision (%s; quantization='gguf')%s",
         gguf_file.name,
-        ", ".join(types),
+        ", ".join(kept or types),
+        f"; its {', '.join(dense)} layers dequantized to {dtype_name} (no kernel)" * bool(dense),
     )
     return "gguf"
 
@@ -401,7 +407,13 @@ def _from_float(
 def _from_gguf(
     lm: nn.Module, tensors: list, dtype: torch.dtype
 ) -> tuple[dict[str, nn.Module], str]:
-    from asyncllm.models.gguf_quant import KERNEL_TYPES, content_key, match_rows, unpack
+    from asyncllm.models.gguf_quant import (
+        INT4_TYPES,
+        KERNEL_TYPES,
+        content_key,
+        match_rows,
+        unpack,
+    )
 
     # Each GGUF tensor dequantized once and indexed by its rows' content, so a weight finds
     # its tensor (whatever its name, and with llama.cpp's q/k row reordering) in one lookup.
@@ -436,15 +448,11 @@ def _from_gguf(
         t, blocks, idx = find(name, lin.weight)
         if t.kind in _FLOAT:
             continue
-        if t.kind not in ("Q4_0", "Q4_1"):
-            if t.kind == "Q8_0" and Q8_0_LINEAR == "dense":
-                kinds.setdefault(f"{t.kind} dense", set()).add(name)
-                continue
-            raise ValueError(
-                f"quantization='gguf': tensor {t.name} ({name}) is {t.kind}, which has no "
-                f"kernel here (supported: Q4_0, Q4_1, Q8_0); use quantization=None to run "
-                "it dequantized"
-            )
+        if t.kind not in INT4_TYPES:
+            # Q8_0 linears (Q8_0_LINEAR) and types without a kernel (Q5_K, Q6_K...: most
+            # Q4_K_M files hold a few) stay the dense weights the conversion dequantized.
+            kinds.setdefault(f"{t.kind} dense", set()).add(name)
+            continue
         blocks = _in_order(blocks, idx)
         out[name] = ql.Int4Linear(
             blocks.q, blocks.scale, blocks.offset, GGUF_GROUP, lin.bias, ql.int4_dtype(dtype)
@@ -464,7 +472,7 @@ def _from_gguf(
     elif emb is not None and not (tied and head not in out):
         name, table = emb
         t, blocks, idx = find(name, table.weight)
-        if t.kind in ("Q4_0", "Q4_1", "Q8_0"):
+        if t.kind in KERNEL_TYPES:
             blocks = _in_order(blocks, idx)
             out[name] = ql.QuantEmbedding(
                 blocks.q, blocks.scale, blocks.offset, dtype, table.padding_idx
