@@ -97,22 +97,44 @@ def _bench_args(model: pathlib.Path, out: pathlib.Path, *extra: str) -> list[str
     return ["--fidelity", "--quick", "--model", str(model), "--out", str(out), *extra]
 
 
-def test_float32_path_matches_the_float32_reference(tiny_llama_dir, tmp_path):
-    """The float32 path (no quantization) against transformers' float32 model: the same
-    top-1 token at every position, the perplexity within 1e-4 relative, the same greedy
-    answers (a difference allowed only at a float32 near-tie); the report renders."""
+#: Per path on the tiny model (--quick: 2 windows, 10 questions): the least top-1 agreement
+#: and greedy answers equal, and the largest |perplexity change|, from a measurement
+#: (2026-12-02, Xeon AVX-512 BF16 + AMX: float32 paths 100%, 10/10, within 1.5e-8;
+#: bfloat16 98.2%, 6/10; int8 98.4%, 8/10; int4 84.1%, 0/10, -2.9e-4: random weights give
+#: near-ties everywhere, so the lossy paths' bounds are loose) with a margin.
+TINY_BOUNDS = {
+    "float32": (1.0, 10, 1e-6),
+    "no-attention-kernel": (1.0, 10, 1e-6),
+    "bfloat16": (0.95, 3, 1e-3),
+    "int8": (0.95, 5, 1e-3),
+    "int4": (0.75, 0, 3e-3),
+}
+
+
+def test_each_path_agrees_with_the_float32_reference(tiny_llama_dir, tmp_path):
+    """Each path against transformers' float32 model: the float32 ones (the default, its
+    torch attention) the same top-1 token at every position, the same greedy answers (a
+    difference allowed only at a float32 near-tie), the perplexity within 1e-6 relative;
+    the lossy ones within their measured bounds (TINY_BOUNDS); the report renders."""
     from asyncllm.bench import runner
 
     out = tmp_path / "fid"
-    argv = _bench_args(tiny_llama_dir, out, "--fidelity-paths", "float32", "--peers", "none")
+    paths = ",".join(TINY_BOUNDS)
+    argv = _bench_args(tiny_llama_dir, out, "--fidelity-paths", paths, "--peers", "none")
     assert runner.main(argv) == 0
     s = json.loads((out / "fidelity.json").read_text())
-    (row,) = s["paths"]
-    assert row["variant"] == "float32" and row["precision"] == "float32"
-    assert row["top1"] == 1.0 and row["positions"] == s["reference"]["positions"] > 200
-    assert abs(row["ppl_vs_ref"]) < 1e-4
-    assert row["questions"] == 10
-    assert all(d["ref_gap"] is not None and d["ref_gap"] <= 1e-4 for d in row["differing"])
+    rows = {row["variant"]: row for row in s["paths"]}
+    assert rows.keys() == TINY_BOUNDS.keys()
+    for name, (top1, greedy, ppl) in TINY_BOUNDS.items():
+        row = rows[name]
+        assert row["positions"] == s["reference"]["positions"] > 200
+        assert row["questions"] == 10
+        assert row["top1"] >= top1, (name, row["top1"])
+        assert row["questions"] - len(row["differing"]) >= greedy, (name, row["differing"])
+        assert abs(row["ppl_vs_ref"]) <= ppl, (name, row["ppl_vs_ref"])
+    f32 = rows["float32"]
+    assert f32["precision"] == "float32"
+    assert all(d["ref_gap"] is not None and d["ref_gap"] <= 1e-4 for d in f32["differing"])
     line = json.loads((out / "fidelity.jsonl").read_text().splitlines()[0])
     assert line["workload"] == "fidelity" and line["counted"] and line["machine"]["cores"]
     md = (out / "fidelity.md").read_text()
