@@ -134,3 +134,20 @@ def test_logits_agree_within_the_dtype_rounding():
     assert paged_check.logits_agree(want + 0.1, want, torch.bfloat16)[0]
     agree, err = paged_check.logits_agree(want.roll(1, 1), want, torch.bfloat16)
     assert not agree and err > 0.1
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), MemoryError()])
+def test_a_failing_eager_forward_refuses_and_memory_errors_pass(tiny_llama_dir, monkeypatch, error):
+    """The check's reference forward failing refuses the model (it cannot be checked); running
+    out of memory is the machine's limit, not the model's, and is raised as it is."""
+    from asyncllm import AsyncEngine
+
+    def fail(model, ids):  # type: ignore[no-untyped-def]
+        raise error
+
+    monkeypatch.setattr(paged_check, "_eager_logits", fail)
+    want = MemoryError if isinstance(error, MemoryError) else UnsupportedModelError
+    with pytest.raises(want) as info:
+        AsyncEngine.from_pretrained(str(tiny_llama_dir), **SMALL)
+    if want is UnsupportedModelError:
+        assert "its own eager forward fails (RuntimeError: boom)" in str(info.value)

@@ -64,8 +64,10 @@ def check_paged_forward(model: Any, kv_cache: KVCache, backend: AttentionBackend
 
     Raises:
         UnsupportedModelError: a layer's attention did not reach the paged cache, the paged
-            forward raised, or its logits differ from the eager forward's beyond rounding
-            (:func:`logits_agree`); the message names the model type and what failed.
+            (or the model's eager) forward raised, or its logits differ from the eager
+            forward's beyond rounding (:func:`logits_agree`); the message names the model
+            type and what failed.
+        MemoryError, torch.OutOfMemoryError: as raised by the forward.
     """
     model_type = getattr(model.config, "model_type", type(model).__name__)
     layers = len(kv_cache.key_caches)
@@ -75,6 +77,8 @@ def check_paged_forward(model: Any, kv_cache: KVCache, backend: AttentionBackend
     calls = [0]
     try:
         paged = _paged_logits(model, kv_cache, _counting(backend, calls), ids)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise  # the machine's limit, not the model's
     except Exception as exc:
         raise UnsupportedModelError(
             f"model_type {model_type!r}: its first step on the paged KV cache fails "
@@ -86,7 +90,15 @@ def check_paged_forward(model: Any, kv_cache: KVCache, backend: AttentionBackend
             f"{calls[0]} of {layers * len(PROBE_CHUNKS)} layer calls reached it: its modeling "
             "code calls an attention function of its own); asyncllm cannot serve it"
         )
-    eager = _eager_logits(model, ids)
+    try:
+        eager = _eager_logits(model, ids)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r}: its own eager forward fails ({type(exc).__name__}: "
+            f"{exc}); asyncllm cannot check it, so does not serve it"
+        ) from exc
     agree, err = logits_agree(paged, eager, kv_cache.key_caches[0].dtype)
     if not agree:
         raise UnsupportedModelError(
