@@ -65,7 +65,7 @@ def inputs(batch: int, ctx: int, shared: int, dtype: torch.dtype, seed: int = 0)
 def per_call_us(mod: Any, args: tuple[Any, ...], out: torch.Tensor, iters: int) -> float:
     t0 = time.perf_counter_ns()
     for _ in range(iters):
-        mod.paged_decode(*args, 0.125, out)
+        mod.paged_decode(*args, 0.125, 0, 0.0, out)
     return (time.perf_counter_ns() - t0) / iters / 1e3
 
 
@@ -87,8 +87,8 @@ def main() -> None:
             q, kc, vc, tables, lens = inputs(batch, ctx, shared, dtype)
             args = (q, kc, vc, tables, lens)
             o_old, o_new = torch.empty(q.shape, dtype=dtype), torch.empty(q.shape, dtype=dtype)
-            old.paged_decode(*args, 0.125, o_old)
-            new.paged_decode(*args, 0.125, o_new)
+            old.paged_decode(*args, 0.125, 0, 0.0, o_old)
+            new.paged_decode(*args, 0.125, 0, 0.0, o_new)
             diff = (o_old.float() - o_new.float()).abs().max().item()
             one = per_call_us(old, args, o_old, 3)
             iters = max(5, int(20_000 / max(one, 1.0)))  # ~20 ms per measurement

@@ -76,7 +76,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 for _ in range(5):
                     for kc, vc in caches[k]:
-                        mod.paged_decode(q, kc, vc, tables, lens, 0.125, out)
+                        mod.paged_decode(q, kc, vc, tables, lens, 0.125, 0, 0.0, out)
                 times[k].append((time.perf_counter() - t0) / 5 * 1e3)
         cells = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in times.items())
         print(f"batch {batch:2d}, context {ctx}, shared {shared}: {cells}")

@@ -20,21 +20,39 @@ static inline T from_f(float x) { return static_cast<T>(x); }
 // Positions per tile: a tile's scores are computed (one vector of 16) before its softmax.
 constexpr int64_t TILE = 16;
 
-// The online softmax of one query row over its next n scores sg[0..n), of which the first
-// nv are visible (causal mask: the rest get weight 0): sg becomes the weights
-// exp(s - max); returns the factor the row's earlier accumulator is scaled by.
-static inline float softmax_update(float* __restrict sg, int64_t n, int64_t nv, float& m,
-                                   float& l) {
+// Which of a tile's scores each of its rows sees, and what is done to them first: row g
+// sees positions lo[g] .. hi[g] - 1 of the tile (lo null: from 0; hi null: all n; the
+// causal mask's diagonal sets hi, a sliding window lo), the others get weight 0; with cap > 0
+// a score s becomes cap * tanh(s / cap) (attention logit soft-capping, Gemma 2) before the
+// softmax.
+struct Visible {
+  const int64_t* lo = nullptr;
+  const int64_t* hi = nullptr;
+  float cap = 0.f;
+};
+
+// Soft-capping of n scores in place (scalar tanh: only soft-capped models pay for it).
+static inline void soft_cap(float* __restrict s, int64_t n, float cap) {
+  if (cap > 0.f)
+    for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] / cap);
+}
+
+// The online softmax of one query row over its next n scores sg[0..n), of which lo .. nv - 1
+// are visible (the rest get weight 0): sg becomes the weights exp(s - max); returns the
+// factor the row's earlier accumulator is scaled by.
+static inline float softmax_update(float* __restrict sg, int64_t n, int64_t lo, int64_t nv,
+                                   float& m, float& l) {
   float mx = m;
-  for (int64_t t = 0; t < nv; ++t) mx = std::max(mx, sg[t]);
+  for (int64_t t = lo; t < nv; ++t) mx = std::max(mx, sg[t]);
   const float c = std::exp(m - mx);
   float sum = 0.f;
+  for (int64_t t = 0; t < lo; ++t) sg[t] = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < nv; ++t) {
+  for (int64_t t = lo; t < nv; ++t) {
     sg[t] = std::exp(sg[t] - mx);  // vectorized (libmvec) under -ffast-math
     sum += sg[t];
   }
-  for (int64_t t = nv; t < n; ++t) sg[t] = 0.f;
+  for (int64_t t = std::max(lo, nv); t < n; ++t) sg[t] = 0.f;
   l = l * c + sum;
   m = mx;
   return c;
@@ -69,14 +87,14 @@ static inline const float* rows_f(const T* x, int64_t stride, int64_t n, int64_t
 
 // One tile of one KV head for its G query rows (the query heads that share the KV head, or
 // in a prefill those of several query tokens): n <= TILE positions whose K and V rows
-// start at k and v (row stride `stride`), of which row g sees the first nv[g] (all n where
-// nv is null); qv [G, D] the scaled queries, acc [G, D], m [G], l [G] the rows' running
+// start at k and v (row stride `stride`), of which row g sees those `vis` says; qv [G, D]
+// the scaled queries, acc [G, D], m [G], l [G] the rows' running
 // state; buf [TILE, D], s [G, TILE], c [G] scratch. Portable C++
 // (auto-vectorized); tile_avx512 below is the same with the G heads' accumulators in
 // registers.
 template <typename T, int64_t DC>
 static void tile_portable(const float* __restrict qv, const T* k, const T* v, const T* kn,
-                          const T* vn, int64_t stride, int64_t n, const int64_t* nv,
+                          const T* vn, int64_t stride, int64_t n, Visible vis,
                           int64_t G, int64_t D_, float* __restrict buf,
                           float* __restrict s, float* __restrict c, float* __restrict acc,
                           float* __restrict m, float* __restrict l) {
@@ -94,7 +112,9 @@ static void tile_portable(const float* __restrict qv, const T* k, const T* v, co
       s[g * TILE + t] = dot;
     }
   for (int64_t g = 0; g < G; ++g) {
-    c[g] = softmax_update(s + g * TILE, n, nv ? nv[g] : n, m[g], l[g]);
+    soft_cap(s + g * TILE, n, vis.cap);
+    c[g] = softmax_update(s + g * TILE, n, vis.lo ? vis.lo[g] : 0, vis.hi ? vis.hi[g] : n,
+                          m[g], l[g]);
     float* ag = acc + g * D;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) ag[d] *= c[g];
@@ -157,10 +177,19 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
-// softmax_update of a row's 16 scores held in a vector (lanes nv.. masked), in registers:
-// the weights go to sg[0..16).
-static inline float softmax16(__m512 x, int64_t nv, float* sg, float& m, float& l) {
-  const __mmask16 vis = static_cast<__mmask16>((1u << nv) - 1u);
+// softmax_update of row g's 16 scores held in a vector (the lanes `v` says it sees, the
+// soft-cap applied first), in registers: the weights go to sg[0..16).
+static inline float softmax16(__m512 x, int64_t n, const Visible& v, int64_t g, float* sg,
+                              float& m, float& l) {
+  if (v.cap > 0.f) {
+    alignas(64) float t[16];
+    _mm512_store_ps(t, x);
+    soft_cap(t, 16, v.cap);
+    x = _mm512_load_ps(t);
+  }
+  const int64_t lo = v.lo ? v.lo[g] : 0, hi = v.hi ? v.hi[g] : n;
+  const __mmask16 vis =
+      hi > lo ? static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u)) : 0;
   // Masked lanes as -1e30, not the -inf of _mm512_mask_reduce_max_ps (-ffast-math assumes
   // finite values).
   const __m512 xv = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), vis, x);
@@ -220,7 +249,7 @@ static inline void accumulate_rows(const T* v, int64_t stride, int64_t n, int64_
 // query heads at once in registers (accumulate_rows).
 template <typename T, int NC>
 static void tile_avx512(const float* __restrict qv, const T* k, const T* v, const T* kn,
-                        const T* vn, int64_t stride, int64_t n, const int64_t* nv,
+                        const T* vn, int64_t stride, int64_t n, Visible vis,
                         int64_t G, float* __restrict buf, float* __restrict s,
                         float* __restrict c, float* __restrict acc, float* __restrict m,
                         float* __restrict l) {
@@ -255,7 +284,7 @@ static void tile_avx512(const float* __restrict qv, const T* k, const T* v, cons
         P[t] = _mm512_setzero_ps();
       }
     }
-    c[g] = softmax16(sum16(P), nv ? nv[g] : n, s + g * TILE, m[g], l[g]);
+    c[g] = softmax16(sum16(P), n, vis, g, s + g * TILE, m[g], l[g]);
   }
   prefetch_rows(vn, stride, n, D);
   accumulate_rows<NC>(v, stride, n, G, s, c, acc);
@@ -267,7 +296,7 @@ static void tile_avx512(const float* __restrict qv, const T* k, const T* v, cons
 // accumulation of tile_avx512. qv holds at least R rounded up to 4 rows.
 template <typename T, int NC>
 static void tile_rows_avx512(const float* __restrict qv, const T* k, const T* v, const T* kn,
-                             const T* vn, int64_t stride, int64_t n, const int64_t* nv,
+                             const T* vn, int64_t stride, int64_t n, Visible vis,
                              int64_t R, float* __restrict buf, float* __restrict kt,
                              float* __restrict s, float* __restrict c, float* __restrict acc,
                              float* __restrict m, float* __restrict l) {
@@ -305,8 +334,7 @@ static void tile_rows_avx512(const float* __restrict qv, const T* k, const T* v,
     }
     for (int64_t j = 0; j < 4 && r0 + j < R; ++j) {
       const int64_t r = r0 + j;
-      c[r] = softmax16(_mm512_add_ps(a[j][0], a[j][1]), nv ? nv[r] : n, s + r * TILE, m[r],
-                       l[r]);
+      c[r] = softmax16(_mm512_add_ps(a[j][0], a[j][1]), n, vis, r, s + r * TILE, m[r], l[r]);
     }
   }
   prefetch_rows(vn, stride, n, D);
@@ -449,13 +477,13 @@ static void prefix_gemm(const T* K, const T* V, int64_t bs, int64_t tok, const i
 // One tile (see tile_portable): the AVX-512 one where it is compiled for D = DC.
 template <typename T, int64_t DC>
 static inline void run_tile(const float* qv, const T* k, const T* v, const T* kp, const T* vp,
-                            int64_t stride, int64_t n, const int64_t* nv, int64_t G, int64_t D,
+                            int64_t stride, int64_t n, Visible vis, int64_t G, int64_t D,
                             float* buf, float* s, float* c, float* acc, float* m, float* l) {
 #if defined(__AVX512F__)
   if constexpr (DC > 0 && DC % 16 == 0)
-    return tile_avx512<T, DC / 16>(qv, k, v, kp, vp, stride, n, nv, G, buf, s, c, acc, m, l);
+    return tile_avx512<T, DC / 16>(qv, k, v, kp, vp, stride, n, vis, G, buf, s, c, acc, m, l);
 #endif
-  tile_portable<T, DC>(qv, k, v, kp, vp, stride, n, nv, G, D, buf, s, c, acc, m, l);
+  tile_portable<T, DC>(qv, k, v, kp, vp, stride, n, vis, G, D, buf, s, c, acc, m, l);
 }
 
 // The state and scratch of a work item's R query rows against one KV head, and its tile: a
@@ -485,17 +513,17 @@ struct RowTiles {
     }
   }
 
-  // One KV tile (as tile_portable) for all R rows, row r seeing the first nv[r] positions.
+  // One KV tile (as tile_portable) for all R rows, row r seeing what vis says.
   template <typename T, int64_t DC>
   void tile(const T* k, const T* v, const T* kp, const T* vp, int64_t stride, int64_t n,
-            const int64_t* nv) {
+            Visible vis) {
 #if defined(__AVX512F__)
     if constexpr (DC > 0 && DC % 16 == 0)
-      return tile_rows_avx512<T, DC / 16>(qv.data(), k, v, kp, vp, stride, n, nv, R, buf.data(),
+      return tile_rows_avx512<T, DC / 16>(qv.data(), k, v, kp, vp, stride, n, vis, R, buf.data(),
                                           kt.data(), s.data(), c.data(), acc.data(), m.data(),
                                           l.data());
 #endif
-    run_tile<T, DC>(qv.data(), k, v, kp, vp, stride, n, nv, R, D, buf.data(), s.data(),
+    run_tile<T, DC>(qv.data(), k, v, kp, vp, stride, n, vis, R, D, buf.data(), s.data(),
                     c.data(), acc.data(), m.data(), l.data());
   }
 };
@@ -665,7 +693,7 @@ struct PagedLayer {
         });
         for_each_tile(K, V, BT + grp.seqs[0] * M, grp.blocks * bs, bs, tok, D, it.h, it.h + 1, 0,
                       [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
-                          int64_t) { w.tile<T, DC>(k, v, kp, vp, tok, n, nullptr); });
+                          int64_t) { w.tile<T, DC>(k, v, kp, vp, tok, n, Visible{}); });
         for (int64_t r = 0; r < w.R; ++r) {
           const int64_t row = slot[grp.seqs[it.s0 + r / G]] * H + it.h * G + r % G;
           std::copy(w.acc.begin() + r * D, w.acc.begin() + (r + 1) * D, st.acc.begin() + row * D);
@@ -678,13 +706,16 @@ struct PagedLayer {
 
   // out[b, hq, :] = softmax(q[b, hq] . K^T * scale) V over positions [0, lens[b]) of
   // sequence b (q [B, H, D], out [B, H, D]), read through its block table; KV head hq / G
-  // serves query head hq. Blocks that sequences share from the start go through
-  // attend_shared first (cascade attention: the online softmax over a sequence's positions in
-  // order, the shared ones in one pass for all its sharers), the rest per sequence.
-  void decode(float sc) const {
+  // serves query head hq. With window > 0 only the last `window` positions (a sliding
+  // window: from lens[b] - window), with cap > 0 soft-capped scores (Visible). Blocks that
+  // sequences share from the start go through attend_shared first (cascade attention: the
+  // online softmax over a sequence's positions in order, the shared ones in one pass for all
+  // its sharers; not with a window or a cap), the rest per sequence.
+  void decode(float sc, int64_t window, float cap) const {
     // slot[b]: sequence b's rows in st (it shares a prefix), or -1; skip[b]: its shared blocks.
-    const std::vector<SharedPrefix> groups =
-        B > 1 ? shared_prefixes(BT, L, B, M, bs) : std::vector<SharedPrefix>();
+    const std::vector<SharedPrefix> groups = B > 1 && window <= 0 && cap <= 0.f
+                                                 ? shared_prefixes(BT, L, B, M, bs)
+                                                 : std::vector<SharedPrefix>();
     std::vector<int64_t> slot(B, -1), skip(B, 0);
     RowState st;
     if (!groups.empty()) {
@@ -705,6 +736,7 @@ struct PagedLayer {
     at::parallel_for(0, B * (Hkv / per), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qv_(H * D), acc_(H * D), buf_(TILE * D), s_(G * TILE), c_(G), m_(H),
           l_(H);
+      std::vector<int64_t> lo(G);
       float* __restrict qv = qv_.data();
       float* __restrict acc = acc_.data();
       float *m = m_.data(), *l = l_.data();
@@ -724,10 +756,17 @@ struct PagedLayer {
             l[hq] = 0.f;
           }
         }
-        for_each_tile(K, V, BT + b * M, L[b], bs, tok, D, h0, h1, skip[b],
+        // The first visible position: blocks wholly before it are not read.
+        const int64_t start = window > 0 ? std::max<int64_t>(0, L[b] - window) : 0;
+        for_each_tile(K, V, BT + b * M, L[b], bs, tok, D, h0, h1, std::max(skip[b], start / bs),
                       [&](int64_t h, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
-                          int64_t) {
-                        run_tile<T, DC>(qv + h * G * D, k, v, kp, vp, tok, n, nullptr, G, D,
+                          int64_t p0) {
+                        Visible vis{nullptr, nullptr, cap};
+                        if (start > p0) {
+                          std::fill(lo.begin(), lo.end(), std::min(n, start - p0));
+                          vis.lo = lo.data();
+                        }
+                        run_tile<T, DC>(qv + h * G * D, k, v, kp, vp, tok, n, vis, G, D,
                                         buf_.data(), s_.data(), c_.data(), acc + h * G * D,
                                         m + h * G, l + h * G);
                       });
@@ -742,17 +781,20 @@ struct PagedLayer {
 
   // Chunks of any length: sequence b's query rows QS[b] .. QS[b] + QL[b] - 1 are its last
   // q_len = QL[b] positions of lens[b] (context including them); its query token i (of
-  // ctx = lens[b] - q_len cached before the chunk) sees positions 0 .. ctx + i; out rows of
-  // no sequence are left as they are. A work item is (sequence, KV head, tile of up to QT
+  // ctx = lens[b] - q_len cached before the chunk) sees positions 0 .. ctx + i (with
+  // window > 0 only the last `window` of them: from ctx + i - window + 1; with cap > 0 the
+  // scores soft-capped, see Visible); out rows of no sequence are left as they are. A work item is (sequence, KV head, tile of up to QT
   // query tokens); items go to threads longest first from a shared counter (a chunk's later
   // tiles read more context).
   //
   // Sequence b with SK[b] > 0 (SK null: none) starts from a state given for its rows: its
   // first SK[b] blocks (all before its chunk) already attended, row r's normalized output in
   // IO [R, H, D] and log-sum-exp in IL [R, H] (float32; cascade attention over a prefix that
-  // several chunks share, attended together outside), so its tiles start at block SK[b].
-  void prefill(const int64_t* QS, const int64_t* QL, float sc, const int64_t* SK = nullptr,
-               const float* IO = nullptr, const float* IL = nullptr) const {
+  // several chunks share, attended together outside), so its tiles start at block SK[b];
+  // not with a window or a cap.
+  void prefill(const int64_t* QS, const int64_t* QL, float sc, int64_t window, float cap,
+               const int64_t* SK = nullptr, const float* IO = nullptr,
+               const float* IL = nullptr) const {
     struct Item {
       int64_t b, t0, nt, h, cost;
     };
@@ -761,8 +803,9 @@ struct PagedLayer {
       const int64_t ql = QL[b], ctx = L[b] - ql, done = SK != nullptr ? SK[b] * bs : 0;
       for (int64_t t0 = 0; t0 < ql; t0 += QT) {
         const int64_t nt = std::min(QT, ql - t0);
+        const int64_t seen = ctx + t0 + nt - done;  // positions the tile's last token sees
         for (int64_t h = 0; h < Hkv; ++h)
-          items.push_back({b, t0, nt, h, nt * (ctx + t0 + nt - done)});
+          items.push_back({b, t0, nt, h, nt * (window > 0 ? std::min(seen, window + nt) : seen)});
       }
     }
     std::stable_sort(items.begin(), items.end(),
@@ -770,11 +813,11 @@ struct PagedLayer {
     const int64_t N = static_cast<int64_t>(items.size());
     std::atomic<int64_t> next{0};
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N));
-    const bool gemm = gemm_shared();
+    const bool gemm = gemm_shared() && window <= 0 && cap <= 0.f;
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       RowTiles w;
       static thread_local GemmScratch gw;  // grown once: no zero-fill per call
-      std::vector<int64_t> nv(QT * G);
+      std::vector<int64_t> lo(QT * G), hi(QT * G);
       for (int64_t i = next.fetch_add(1); i < N; i = next.fetch_add(1)) {
         const Item it = items[i];
         const int64_t b = it.b, h = it.h, nt = it.nt;
@@ -793,7 +836,9 @@ struct PagedLayer {
         }
         // The blocks every row sees whole (before the first token's block): one GEMM,
         // merged into the rows' state (cascade attention within the sequence).
-        int64_t from = skip;
+        // The first position the item's first token sees (a sliding window's start).
+        const int64_t first_pos = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
+        int64_t from = std::max(skip, first_pos / bs);
         const int64_t whole = (last + 1) / bs;
         if (gemm && (whole - skip) * bs >= PREFILL_GEMM_MIN) {
           prefix_gemm<T, DC>(
@@ -814,17 +859,26 @@ struct PagedLayer {
         for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1, from,
                       [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
                           int64_t p0) {
-                        // Rows that see only part of the tile: the causal mask's diagonal.
-                        const int64_t* mask = nullptr;
+                        // Rows that see only part of the tile: the causal mask's diagonal
+                        // (hi), a sliding window's start (lo).
+                        Visible vis{nullptr, nullptr, cap};
                         if (last - p0 + 1 < n) {
                           for (int64_t tt = 0; tt < nt; ++tt) {
                             const int64_t see =
                                 std::max<int64_t>(0, std::min(n, last + tt - p0 + 1));
-                            for (int64_t g = 0; g < G; ++g) nv[tt * G + g] = see;
+                            for (int64_t g = 0; g < G; ++g) hi[tt * G + g] = see;
                           }
-                          mask = nv.data();
+                          vis.hi = hi.data();
                         }
-                        w.tile<T, DC>(k, v, kp, vp, tok, n, mask);
+                        if (window > 0 && last + nt - window > p0) {
+                          for (int64_t tt = 0; tt < nt; ++tt) {
+                            const int64_t from_t = std::max<int64_t>(
+                                0, std::min(n, last + tt - window + 1 - p0));
+                            for (int64_t g = 0; g < G; ++g) lo[tt * G + g] = from_t;
+                          }
+                          vis.lo = lo.data();
+                        }
+                        w.tile<T, DC>(k, v, kp, vp, tok, n, vis);
                       });
         for (int64_t r = 0; r < w.R; ++r) {
           T* dst = O + ((first + r / G) * H + h * G + r % G) * D;
@@ -840,13 +894,18 @@ struct PagedLayer {
 template <typename T>
 static void dispatch(const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& tables,
-                     const at::Tensor& lens, float sc, at::Tensor& out) {
+                     const at::Tensor& lens, float sc, int64_t window, float cap,
+                     at::Tensor& out) {
+#define ASYNCLLM_DECODE(DC) \
+  return PagedLayer<T, DC>(q, key_cache, value_cache, tables, lens, out).decode(sc, window, cap)
   switch (q.size(2)) {
-    case 64: return PagedLayer<T, 64>(q, key_cache, value_cache, tables, lens, out).decode(sc);
-    case 80: return PagedLayer<T, 80>(q, key_cache, value_cache, tables, lens, out).decode(sc);
-    case 128: return PagedLayer<T, 128>(q, key_cache, value_cache, tables, lens, out).decode(sc);
-    default: return PagedLayer<T, 0>(q, key_cache, value_cache, tables, lens, out).decode(sc);
+    case 64: ASYNCLLM_DECODE(64);
+    case 80: ASYNCLLM_DECODE(80);
+    case 128: ASYNCLLM_DECODE(128);
+    case 256: ASYNCLLM_DECODE(256);
+    default: ASYNCLLM_DECODE(0);
   }
+#undef ASYNCLLM_DECODE
 }
 
 // Cascade attention's shared part for prefill chunks: query rows `rows` [Tg] int64 of q
@@ -915,24 +974,27 @@ void shared_prefix_attention(const at::Tensor& q, const at::Tensor& key_cache,
   return shared_prefix_rows<128>(q, key_cache, value_cache, blocks, rows, sc, out, lse);
 }
 
+// window > 0: a sliding window of that many positions; softcap > 0: soft-capped scores
+// (PagedLayer::decode).
 void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& tables,
-                  const at::Tensor& lens, double scale, at::Tensor& out) {
-  const float sc = static_cast<float>(scale);
+                  const at::Tensor& lens, double scale, int64_t window, double softcap,
+                  at::Tensor& out) {
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   if (key_cache.scalar_type() == at::kBFloat16)
-    return dispatch<at::BFloat16>(q, key_cache, value_cache, tables, lens, sc, out);
-  return dispatch<float>(q, key_cache, value_cache, tables, lens, sc, out);
+    return dispatch<at::BFloat16>(q, key_cache, value_cache, tables, lens, sc, window, cap, out);
+  return dispatch<float>(q, key_cache, value_cache, tables, lens, sc, window, cap, out);
 }
 
 // Attention of chunks of any length (prefills, decodes, a mix) over the paged cache: see
-// PagedLayer::prefill; q, caches and out float32 or bfloat16 alike.
-// With skip [B] int64, init_out [R, H, D] and init_lse [R, H] (float32, contiguous): the
+// PagedLayer::prefill (window, softcap as paged_decode); q, caches and out float32 or
+// bfloat16 alike. With skip [B] int64, init_out [R, H, D] and init_lse [R, H] (float32, contiguous): the
 // sequences' first skip[b] blocks already attended (PagedLayer::prefill's SK, IO, IL).
 void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& tables,
                    const at::Tensor& lens, const at::Tensor& qstart,
-                   const at::Tensor& qlens, double scale, at::Tensor& out,
-                   const c10::optional<at::Tensor>& skip, const c10::optional<at::Tensor>& init_out,
+                   const at::Tensor& qlens, double scale, int64_t window, double softcap,
+                   at::Tensor& out, const c10::optional<at::Tensor>& skip, const c10::optional<at::Tensor>& init_out,
                    const c10::optional<at::Tensor>& init_lse) {
   const auto T = key_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == T && value_cache.scalar_type() == T &&
@@ -951,6 +1013,8 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t* SK = nullptr;
   const float *IO = nullptr, *IL = nullptr;
   if (skip.has_value()) {
+    TORCH_CHECK(window <= 0 && softcap <= 0.0,
+                "paged_prefill: no shared-prefix state with a sliding window or soft-capping");
     TORCH_CHECK(init_out.has_value() && init_lse.has_value() &&
                     skip->scalar_type() == at::kLong && skip->is_contiguous() &&
                     skip->numel() == lens.numel() && init_out->scalar_type() == at::kFloat &&
@@ -968,18 +1032,19 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
       TORCH_CHECK(SK[b] >= 0 && SK[b] * bs <= Ls[b] - QLs[b] && SK[b] <= tables.size(1),
                   "paged_prefill: skip[b] must cover only blocks before sequence b's chunk");
   }
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const bool bf = T == at::kBFloat16;
   const int64_t *QS = qstart.data_ptr<int64_t>(), *QL = qlens.data_ptr<int64_t>();
 #define ASYNCLLM_PREFILL(DC)                                                                  \
   return bf ? PagedLayer<at::BFloat16, DC>(q, key_cache, value_cache, tables, lens, out)     \
-                  .prefill(QS, QL, sc, SK, IO, IL)                                           \
+                  .prefill(QS, QL, sc, window, cap, SK, IO, IL)                              \
             : PagedLayer<float, DC>(q, key_cache, value_cache, tables, lens, out)             \
-                  .prefill(QS, QL, sc, SK, IO, IL)
+                  .prefill(QS, QL, sc, window, cap, SK, IO, IL)
   switch (q.size(2)) {
     case 64: ASYNCLLM_PREFILL(64);
     case 80: ASYNCLLM_PREFILL(80);
     case 128: ASYNCLLM_PREFILL(128);
+    case 256: ASYNCLLM_PREFILL(256);
     default: ASYNCLLM_PREFILL(0);
   }
 #undef ASYNCLLM_PREFILL
@@ -1002,11 +1067,13 @@ static void write_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* S,
 
 // One decode step of a layer: the new K/V rows (k, v [R, Hkv, D]) of the n = lens.size(0)
 // sequences written at their slots [n], then paged_decode of q rows 0..n-1 into out [R, H, D]
-// (contiguous); rows n..R-1 are padding: out rows zero, nothing written.
+// (contiguous; window, softcap as paged_decode); rows n..R-1 are padding: out rows zero,
+// nothing written.
 void paged_write_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         at::Tensor& key_cache, at::Tensor& value_cache,
                         const at::Tensor& slots, const at::Tensor& tables,
-                        const at::Tensor& lens, double scale, at::Tensor& out) {
+                        const at::Tensor& lens, double scale, int64_t window, double softcap,
+                        at::Tensor& out) {
   const int64_t n = lens.size(0), R = q.size(0);
   const auto T = key_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == T && k.scalar_type() == T && v.scalar_type() == T &&
@@ -1029,7 +1096,8 @@ void paged_write_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
     write_rows<float>(k, key_cache, S, n);
     write_rows<float>(v, value_cache, S, n);
   }
-  paged_decode(q.narrow(0, 0, n), key_cache, value_cache, tables, lens, scale, o);
+  paged_decode(q.narrow(0, 0, n), key_cache, value_cache, tables, lens, scale, window, softcap,
+               o);
   if (R > n) out.narrow(0, n, R - n).zero_();
 }
 
@@ -1058,7 +1126,8 @@ void disarm_decode() { armed_decode.reset(); }
 bool decode_armed() { return armed_decode != nullptr; }
 
 static at::Tensor paged_attention_cpu_op(const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& v, int64_t layer, double scale) {
+                                         const at::Tensor& v, int64_t layer, double scale,
+                                         int64_t window, double softcap) {
   const ArmedDecode* a = armed_decode.get();
   if (a != nullptr && layer >= 0 && layer < static_cast<int64_t>(a->key_caches.size()) &&
       q.dim() == 3 && q.scalar_type() == a->key_caches[layer].scalar_type() &&
@@ -1066,14 +1135,14 @@ static at::Tensor paged_attention_cpu_op(const at::Tensor& q, const at::Tensor& 
     at::Tensor out = at::empty(q.sizes(), q.options());
     paged_write_decode(q, k, v, const_cast<at::Tensor&>(a->key_caches[layer]),
                        const_cast<at::Tensor&>(a->value_caches[layer]), a->slots, a->tables,
-                       a->lens, scale, out);
+                       a->lens, scale, window, softcap, out);
     return out;
   }
   pybind11::gil_scoped_acquire gil;
   // Leaked on purpose: a py::object must not be destroyed after the interpreter finalizes.
   static pybind11::object* impl = new pybind11::object(
       pybind11::module_::import("asyncllm.attention.backend_registry").attr("paged_attention_op"));
-  return (*impl)(q, k, v, layer, scale).cast<at::Tensor>();
+  return (*impl)(q, k, v, layer, scale, window, softcap).cast<at::Tensor>();
 }
 
 // The op's CPU kernel, registered when the loader imports this variant (not at import time:

@@ -5,6 +5,7 @@ load with ``UnsupportedModelError``, never accepted and then wrong or dead
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 from typing import Any
 
@@ -31,6 +32,10 @@ _MLA = dict(
     topk_group=1,
 )
 _MHA = dict(num_key_value_heads=4)  # families without GQA: their config ignores the field
+#: A sliding window shorter than the prompt (12 tokens) and its 8 generated ones, crossing
+#: the blocks of 4 tokens.
+WINDOW = 6
+_MIXED = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
 
 #: family -> (config class, fields over the tiny Llama's)
 RUNS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -47,6 +52,20 @@ RUNS: dict[str, tuple[type, dict[str, Any]]] = {
     "cohere": (tf.CohereConfig, {}),
     # its decoder layers drop the engine's keyword: the step's metadata on the thread serves
     "stablelm": (tf.StableLmConfig, dict(use_qkv_bias=True, use_parallel_residual=True)),
+    # sliding windows (every layer, or mixed with full layers) and soft-capping
+    "mistral-window": (tf.MistralConfig, dict(sliding_window=WINDOW)),
+    "starcoder2-window": (tf.Starcoder2Config, dict(sliding_window=WINDOW)),
+    "phi3-window": (tf.Phi3Config, dict(sliding_window=WINDOW, pad_token_id=0)),
+    "qwen2-window": (
+        tf.Qwen2Config,
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
+    "gemma2": (
+        tf.Gemma2Config,
+        dict(head_dim=16, attn_logit_softcapping=0.05, final_logit_softcapping=0.5, **_MIXED),
+    ),
+    "gemma3": (tf.Gemma3TextConfig, dict(head_dim=16, **_MIXED)),
+    "cohere2": (tf.Cohere2Config, _MIXED),
 }
 
 #: family -> (config class, fields, what the refusal names)
@@ -59,6 +78,12 @@ REFUSED: dict[str, tuple[type, dict[str, Any], str]] = {
     ),
     # MLA: K and V head sizes differ from the cache's: the first step raised
     "deepseek_v3": (tf.DeepseekV3Config, _MLA, "first step on the paged KV cache fails"),
+    # attention sinks: a learned per-head logit in every softmax, which the kernels lack
+    "gpt_oss": (
+        tf.GptOssConfig,
+        dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, **_MIXED),
+        "attention sinks",
+    ),
 }
 
 PROMPT = [5, 77, 1000, 23, 9, 400, 31, 8, 12000, 7, 66, 3]
@@ -75,9 +100,9 @@ def _save(path: pathlib.Path, config: Any, tokenizer_dir: pathlib.Path) -> pathl
     return path
 
 
-def _reference(path: pathlib.Path) -> list[int]:
+def _reference(path: pathlib.Path, prompt: list[int] = PROMPT) -> list[int]:
     ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([PROMPT])
+    ids = torch.tensor([prompt])
     out = ref.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -86,7 +111,7 @@ def _reference(path: pathlib.Path) -> list[int]:
         eos_token_id=None,
         pad_token_id=0,
     )
-    return out[0, len(PROMPT) :].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("family", sorted(RUNS))
@@ -97,6 +122,29 @@ async def test_family_runs_like_transformers(family, tmp_path, default_model_dir
     async with engine:
         got = [t async for out in engine.stream(PROMPT, GREEDY) for t in out.token_ids]
     assert got == _reference(path)
+
+
+async def test_windows_survive_prefix_caching_and_preemption(
+    tmp_path, default_model_dir, make_engine
+):
+    """Gemma 3's sliding and full layers: four prompts after one 9-token prefix (the later
+    ones hit the prefix cache), in a pool of 10 blocks that preempts them (offload), each
+    give transformers' tokens."""
+    cls, fields = RUNS["gemma3"]
+    path = _save(tmp_path / "gemma3", cls(**{**TINY_CONFIG, **fields}), default_model_dir)
+    prompts = [PROMPT[:9] + [100 + i, 2000 + i, 30 + i] for i in range(4)]
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # layers, K and V, KV heads, head size, float32, tokens
+    engine = make_engine(path, **{**SMALL, "kv_cache_bytes": 10 * block_bytes})
+
+    async def run(prompt: list[int]) -> list[int]:
+        return [t async for out in engine.stream(prompt, GREEDY) for t in out.token_ids]
+
+    async with engine:
+        first = await run(prompts[0])
+        rest = await asyncio.gather(*(run(p) for p in prompts[1:]))
+        stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert [first, *rest] == [_reference(path, p) for p in prompts]
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
@@ -115,14 +163,20 @@ def test_family_is_refused_at_load(family, tmp_path, default_model_dir):
 def test_a_model_computed_otherwise_than_it_says_is_refused(
     tmp_path, default_model_dir, monkeypatch
 ):
-    """A config check that misses a feature (here a sliding window of 4 tokens, which the
-    paged attention would ignore over the probe's 8): the engine refuses the model because
-    its paged logits differ from its own eager forward's, not serve it wrongly."""
+    """An attention that misses a feature (here it drops a sliding window of 4 tokens over
+    the probe's 8): the engine refuses the model because its paged logits differ from its
+    own eager forward's, not serve it wrongly."""
     from asyncllm import AsyncEngine
+    from asyncllm.attention import backend_registry
 
     config = tf.MistralConfig(**TINY_CONFIG, sliding_window=4)
     path = _save(tmp_path / "mistral-window", config, default_model_dir)
-    monkeypatch.setattr(loader, "check_architecture", lambda config: None)
+    attend = backend_registry._write_and_attend
+
+    def windowless(meta, layer, q, k, v, scale, window, softcap, num_tokens=None):
+        return attend(meta, layer, q, k, v, scale, 0, softcap, num_tokens)
+
+    monkeypatch.setattr(backend_registry, "_write_and_attend", windowless)
     with pytest.raises(UnsupportedModelError, match="differ from its own eager forward"):
         AsyncEngine.from_pretrained(str(path), **SMALL)
 

@@ -119,7 +119,7 @@ def test_avx2_variant_matches_torch(dtype):
             d = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs).base.decodes
             assert d is not None
             out = torch.empty(q.shape, dtype=dtype)
-            mod.paged_decode(q, kc, vc, d.block_tables, torch.tensor(seq_lens), 0.1, out)
+            mod.paged_decode(q, kc, vc, d.block_tables, torch.tensor(seq_lens), 0.1, 0, 0.0, out)
             tol = 2e-5 if dtype == torch.float32 else 2**-8
             torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
     # The chunk kernel's portable tiles: prefills over cached prefixes and from scratch,
@@ -132,7 +132,7 @@ def test_avx2_variant_matches_torch(dtype):
     c = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 8).chunks
     assert c is not None
     out = torch.empty(q.shape, dtype=dtype)
-    mod.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, out,
+    mod.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, 0, 0.0, out,
                       None, None, None)  # fmt: skip
     tol = 2e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
@@ -154,7 +154,7 @@ def test_avx2_variant_matches_the_loaded_one(dtype):
         assert d is not None
         outs = [torch.empty(q.shape, dtype=dtype) for _ in range(2)]
         for m, out in zip((mod, loaded), outs, strict=True):
-            m.paged_decode(q, kc, vc, d.block_tables, torch.tensor(plain), 0.1, out)
+            m.paged_decode(q, kc, vc, d.block_tables, torch.tensor(plain), 0.1, 0, 0.0, out)
         torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=tol, atol=tol)
     query_lens, seq_lens = [20, 1, 37, 3], [20, 70, 37 + 21, 3 + 16]
     q, kc, vc, tables = _random_step(query_lens, seq_lens, 8, 2, 3, 80, seed=7)
@@ -163,7 +163,7 @@ def test_avx2_variant_matches_the_loaded_one(dtype):
     assert c is not None
     outs = [torch.empty(q.shape, dtype=dtype) for _ in range(2)]
     for m, out in zip((mod, loaded), outs, strict=True):
-        m.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, out,
+        m.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, 0, 0.0, out,
                         None, None, None)  # fmt: skip
     torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=tol, atol=tol)
 
@@ -192,7 +192,7 @@ def test_paged_attention_op_runs_an_armed_decode_step_in_cpp(dtype):
             meta = dataclasses.replace(meta, backend=backend)
         with backend_registry.step_metadata(meta, len(seq_lens)):
             assert cpu_paged.load().decode_armed() == (kind == "native")
-            out = torch.ops.asyncllm.paged_attention(q, *kv, 1, 0.1)
+            out = torch.ops.asyncllm.paged_attention(q, *kv, 1, 0.1, 0, 0.0)
         return out, kcs + vcs
 
     in_cpp, caches = step("native")
@@ -202,7 +202,7 @@ def test_paged_attention_op_runs_an_armed_decode_step_in_cpp(dtype):
     assert not in_cpp[len(seq_lens) :].any()
     assert all(torch.equal(a, b) for a, b in zip(caches, want, strict=True))
     # no step armed: the Python implementation's dry run (zeros)
-    assert not torch.ops.asyncllm.paged_attention(q, *kv, 0, 0.1).any()
+    assert not torch.ops.asyncllm.paged_attention(q, *kv, 0, 0.1, 0, 0.0).any()
     # a step with a prefill chunk is not armed
     plan = cpu_paged.CpuPagedPlan.build([1, 4], [9, 4], tables[:2], bs)
     meta = backend_registry.AttentionMetadata([kc], [vc], torch.arange(5), plan,
@@ -454,10 +454,10 @@ def test_shared_prefix_state_must_precede_the_chunks():
     mod = cpu_paged.load()
     out = torch.empty(8, 4, 16)
     with pytest.raises(RuntimeError, match="before sequence"):  # 3 blocks: 48 > 36 cached
-        mod.paged_prefill(q, kc, vc, *args, 0.25, out, torch.tensor([3, 0]), *init)
+        mod.paged_prefill(q, kc, vc, *args, 0.25, 0, 0.0, out, torch.tensor([3, 0]), *init)
     with pytest.raises(RuntimeError, match="init_out"):
         mod.paged_prefill(
-            q, kc, vc, *args, 0.25, out, torch.tensor([1, 0]), init[0].bfloat16(), init[1]
+            q, kc, vc, *args, 0.25, 0, 0.0, out, torch.tensor([1, 0]), init[0].bfloat16(), init[1]
         )
 
 
@@ -699,3 +699,53 @@ def test_packing_releases_the_weight_file(model_dir, request):
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=5e-3)  # oneDNN's summation order
     assert cpu_linear.own_weights(model) == 0  # nothing left to copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("hkv", "group", "dim", "bs"),
+    # the AVX-512 tiles (64, 128, 256) and the portable ones (24); blocks of 4 to 32 tokens
+    [(2, 3, 64, 16), (1, 4, 256, 32), (2, 2, 24, 8), (2, 1, 128, 4)],
+)
+@pytest.mark.parametrize(("window", "softcap"), [(1, 0.0), (7, 0.0), (40, 0.0), (0, 3.0), (9, 2.0)])
+def test_window_and_softcap_match_torch(dtype, hkv, group, dim, bs, window, softcap):
+    """Sliding windows (shorter than a tile, across blocks, past most contexts) and
+    soft-capped scores in the decode kernel, the chunk kernel (prefills from scratch and
+    over cached context, decodes mixed in) and the fused write-and-decode, against the torch
+    path in float32 (itself against dense attention: tests/test_torch_paged_attention.py)."""
+    # absolute, of values ~3; bfloat16: plus the output's rounding (relative)
+    tol, rtol = (6e-5, 0.0) if dtype == torch.float32 else (3 * 2**-8, 2**-7)
+    steps = [([1] * 6, [1, 15, 17, 40, 100, 250]), ([20, 1, 37, 3], [20, 70, 58, 19])]
+    for seed, (query_lens, seq_lens) in enumerate(steps):
+        q, kc, vc, tables = _random_step(query_lens, seq_lens, bs, hkv, group, dim, seed=seed)
+        q, kc, vc = (t.to(dtype) * 3 for t in (q, kc, vc))  # scores the cap bends
+        tplan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
+        ref = torch_paged.paged_attention(
+            q.float(), kc.float(), vc.float(), tplan, 0.1, window, softcap
+        )
+        plan = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, bs)
+        out = cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.1, window, softcap)
+        torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=tol)
+        if plan.chunks is None:  # decode-only: the fused write-and-decode too
+            k = kc[[t[(n - 1) // bs] for t, n in zip(tables, seq_lens, strict=True)],
+                   [(n - 1) % bs for n in seq_lens]]  # fmt: skip
+            slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs
+                                  for t, n in zip(tables, seq_lens, strict=True)])  # fmt: skip
+            v = vc.view(-1, hkv, dim)[slots]
+            fused = cpu_paged.write_and_decode(
+                q, k, v, kc.clone(), vc.clone(), slots, plan, 0.1, window, softcap
+            )
+            assert fused is not None
+            torch.testing.assert_close(fused.float(), ref, rtol=rtol, atol=tol)
+
+
+def test_chunk_kernel_refuses_shared_state_with_a_window():
+    q, kc, vc, tables = _random_step([4, 4], [36, 36], 16, 2, 2, 16, seed=3)
+    c = cpu_paged.CpuPagedPlan.build([4, 4], [36, 36], tables, 16).chunks
+    assert c is not None
+    init = (torch.zeros(8, 4, 16), torch.zeros(8, 4))
+    with pytest.raises(RuntimeError, match="sliding window"):
+        cpu_paged.load().paged_prefill(
+            q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.25, 4, 0.0,
+            torch.empty(8, 4, 16), torch.tensor([1, 1]), *init,
+        )  # fmt: skip

@@ -523,26 +523,29 @@ def test_failed_conversion_leaves_no_cache(tmp_path: pathlib.Path, monkeypatch: 
         LlamaConfig(**TINY_LLAMA),
         Qwen2Config(**TINY_LLAMA),
         Qwen2Config(**TINY_LLAMA, use_sliding_window=False, sliding_window=4096),
+        Qwen2Config(**TINY_LLAMA, use_sliding_window=True, sliding_window=16, max_window_layers=0),
         MistralConfig(**TINY_LLAMA, sliding_window=None),
+        MistralConfig(**TINY_LLAMA, sliding_window=4096),
+        Gemma2Config(),  # sliding windows and soft-capping
     ],
     ids=lambda c: c.model_type,
 )
 def test_supported_architectures(config):
+    """What the config allows; whether the model really runs is the engine's load-time
+    check (tests/test_architectures.py)."""
     check_architecture(config)
+
+
+def _chunked_llama() -> LlamaConfig:
+    config = LlamaConfig(**TINY_LLAMA)
+    config.layer_types = ["chunked_attention", "full_attention"]
+    return config
 
 
 @pytest.mark.parametrize(
     ("config", "feature"),
     [
-        (MistralConfig(**TINY_LLAMA, sliding_window=4096), "sliding-window"),
-        (
-            Qwen2Config(
-                **TINY_LLAMA, use_sliding_window=True, sliding_window=16, max_window_layers=0
-            ),
-            "sliding-window",
-        ),
-        (Gemma2Config(), "soft-capping"),
-        (Gemma2Config(), "sliding-window"),
+        (_chunked_llama(), "'chunked_attention' attention layers"),
         (T5Config(), "encoder-decoder"),
         (BartConfig(), "encoder-decoder"),
         (LlamaConfig(**TINY_LLAMA, add_cross_attention=True), "cross-attention"),
@@ -562,10 +565,10 @@ def test_unsupported_architectures(config, feature: str):
 
 def test_architecture_checked_before_weights(tiny_hf_dir):
     path, _ = tiny_hf_dir
-    MistralConfig(**TINY_LLAMA, sliding_window=32).save_pretrained(path)
+    LlamaConfig(**TINY_LLAMA, add_cross_attention=True).save_pretrained(path)
     (path / "model.safetensors").unlink()
     (path / "pytorch_model.bin").write_bytes(b"garbage")  # would fail if read
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+    with pytest.raises(UnsupportedModelError, match="cross-attention"):
         load_model(path, dtype=torch.float32, device=torch.device("cpu"))
 
 

@@ -8,21 +8,30 @@ import torch
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
 
 
-def _dense(q, k, v, scale):
-    """q [n, H, D] at the last n positions of k/v [L, Hkv, D], causal; GQA by repetition."""
+def dense_attention(q, k, v, scale, window=0, softcap=0.0):
+    """q [n, H, D] at the last n positions of k/v [L, Hkv, D], causal; GQA by repetition;
+    a sliding window of ``window`` positions and soft-capped scores as transformers' eager
+    Gemma 2 attention (``sliding_window_overlay``: kv > q - window)."""
     n, h, _ = q.shape
     length, hkv, _ = k.shape
     k = k.repeat_interleave(h // hkv, dim=1)
     v = v.repeat_interleave(h // hkv, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double()) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(length - n, length)[:, None]
-    scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+    k_pos = torch.arange(length)[None, :]
+    hidden = k_pos > q_pos
+    if window > 0:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.double()).to(q.dtype)
 
 
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_prefill_and_decode_over_shuffled_blocks(gqa, block_size):
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (1, 0.0), (6, 0.0), (0, 2.0), (5, 1.5)])
+def test_mixed_prefill_and_decode_over_shuffled_blocks(gqa, block_size, window, softcap):
     g = torch.Generator().manual_seed(gqa * 100 + block_size)
     hkv, d = 2, 16
     h = hkv * gqa
@@ -58,9 +67,12 @@ def test_mixed_prefill_and_decode_over_shuffled_blocks(gqa, block_size):
         [n for _, n in seqs], [c + n for c, n in seqs], tables, block_size
     )
     scale = d**-0.5
-    out = paged_attention(torch.cat(queries), k_cache, v_cache, plan, scale)
+    out = paged_attention(torch.cat(queries), k_cache, v_cache, plan, scale, window, softcap)
     expected = torch.cat(
-        [_dense(q, k, v, scale) for q, k, v in zip(queries, full_k, full_v, strict=True)]
+        [
+            dense_attention(q, k, v, scale, window, softcap)
+            for q, k, v in zip(queries, full_k, full_v, strict=True)
+        ]
     )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 

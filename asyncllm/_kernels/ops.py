@@ -36,7 +36,8 @@ __all__ = ["LIB", "implement", "int4_linear_reference"]
 LIB = torch.library.Library("asyncllm", "DEF")
 
 LIB.define(
-    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor"
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, "
+    "int window, float softcap) -> Tensor"
 )
 LIB.define(
     "int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? bias, "
@@ -69,20 +70,32 @@ def implement(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 @torch.library.register_fake("asyncllm::paged_attention", lib=LIB)
 def _paged_attention_fake(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     return query.new_empty(query.shape)
 
 
 @implement("paged_attention")
 def _paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     # The step's metadata and KV caches live with the attention backend (not arguments: they
     # stay out of compiled graphs); the torch path and the Triton kernels run there.
     from asyncllm.attention.backend_registry import paged_attention_op
 
-    return paged_attention_op(query, key, value, layer, scale)
+    return paged_attention_op(query, key, value, layer, scale, window, softcap)
 
 
 # --- int4_linear -------------------------------------------------------------------------

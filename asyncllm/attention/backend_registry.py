@@ -48,10 +48,16 @@ class AttentionBackend:
             (:mod:`~asyncllm.attention.triton_paged`).
         build_plan: ``(query_lens, seq_lens, block_tables, block_size, device) -> plan``.
         write: ``(key, value, key_cache, value_cache, slot_mapping) -> None``.
-        attend: ``(query, key_cache, value_cache, plan, scale) -> [num_tokens, H, D]``.
+        attend: ``(query, key_cache, value_cache, plan, scale, window, softcap) ->
+            [num_tokens, H, D]``; ``window`` > 0: a query at position ``p`` sees only
+            positions ``> p - window`` (a sliding window, transformers'
+            ``sliding_window_overlay``); ``softcap`` > 0: each scaled score ``s`` becomes
+            ``softcap * tanh(s / softcap)`` before the mask and softmax (Gemma 2's attention
+            logit soft-capping); 0 turns either off.
         write_and_decode: optional fast path for decode-only steps, ``(query, key, value,
-            key_cache, value_cache, slot_mapping, plan, scale) -> [R, H, D]`` with rows past
-            the plan's sequences zero (padding), or None where it does not apply.
+            key_cache, value_cache, slot_mapping, plan, scale, window, softcap) -> [R, H,
+            D]`` with rows past the plan's sequences zero (padding), or None where it does
+            not apply.
         arm_step: optional, ``(metadata) -> disarm or None``: called by
             :func:`step_metadata` to hand a step to a native implementation of
             ``asyncllm::paged_attention`` (the CPU kernel's), ``disarm()`` after the step.
@@ -104,7 +110,9 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]``.
 
-    Writes the new K/V to the layer's cache, then attends over the paged context.
+    Writes the new K/V to the layer's cache, then attends over the paged context, with the
+    layer's ``sliding_window`` and ``softcap`` where the modeling code passes them (Gemma
+    2/3, Mistral, Qwen2, Phi-3...: see :class:`AttentionBackend`'s ``attend``).
 
     Returns:
         ``([1, T, H, D], None)`` as transformers expects.
@@ -112,13 +120,21 @@ def paged_attention_forward(
     Raises:
         RuntimeError: the model was called outside a step: without the engine's metadata
             (the keyword or :func:`step_metadata`).
+        NotImplementedError: the layer needs attention sinks (``s_aux``, gpt-oss), which the
+            paged kernels do not compute (the load-time check refuses such a model).
     """
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = int(kwargs.get("sliding_window") or 0)
+    softcap = float(kwargs.get("softcap") or 0.0)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    layer = module.layer_idx
     # Dynamo's trace only: torch.compiler.is_compiling() is one flag for the whole process,
     # True on the engine's thread too while the background thread compiles.
     if torch.compiler.is_dynamo_compiling():
-        return torch.ops.asyncllm.paged_attention(q, k, v, module.layer_idx, scale)[None], None
+        out = torch.ops.asyncllm.paged_attention(q, k, v, layer, scale, window, softcap)
+        return out[None], None
     # Some modeling code drops the keyword on its way to the layers (StableLM's decoder
     # layer): the runner also sets the step's metadata on its thread (step_metadata).
     meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG) or _current()
@@ -127,7 +143,7 @@ def paged_attention_forward(
             f"{ATTN_IMPLEMENTATION} attention called outside a step (no {METADATA_KWARG} "
             "kwarg and no step_metadata on this thread)"
         )
-    return _write_and_attend(meta, module.layer_idx, q, k, v, scale)[None], None
+    return _write_and_attend(meta, layer, q, k, v, scale, window, softcap)[None], None
 
 
 def _write_and_attend(
@@ -137,6 +153,8 @@ def _write_and_attend(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
+    window: int,
+    softcap: float,
     num_tokens: int | None = None,
 ) -> torch.Tensor:
     """``query [R, H, D]``, ``key/value [R, Hkv, D]`` -> contiguous ``[R, H, D]``; rows from
@@ -146,16 +164,19 @@ def _write_and_attend(
     n = rows if num_tokens is None else min(num_tokens, rows)
     if backend.write_and_decode is not None:
         out = backend.write_and_decode(
-            query, key, value, k_cache, v_cache, meta.slot_mapping, meta.plan, scale
-        )
+            query, key, value, k_cache, v_cache, meta.slot_mapping, meta.plan, scale, window,
+            softcap,
+        )  # fmt: skip
         if out is not None:
             return out
     if n < rows:
         out = query.new_zeros(query.shape)
-        out[:n] = _write_and_attend(meta, layer, query[:n], key[:n], value[:n], scale)
+        out[:n] = _write_and_attend(
+            meta, layer, query[:n], key[:n], value[:n], scale, window, softcap
+        )
         return out
     backend.write(key, value, k_cache, v_cache, meta.slot_mapping)
-    return backend.attend(query, k_cache, v_cache, meta.plan, scale).contiguous()
+    return backend.attend(query, k_cache, v_cache, meta.plan, scale, window, softcap).contiguous()
 
 
 _step = threading.local()
@@ -190,10 +211,17 @@ def step_metadata(meta: AttentionMetadata | None, num_tokens: int = 0) -> Iterat
 
 
 def paged_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``asyncllm::paged_attention``: write the new K/V of ``layer`` and attend, with the
-    metadata of :func:`step_metadata`.
+    metadata of :func:`step_metadata` (``window``, ``softcap``: as
+    :class:`AttentionBackend`'s ``attend``).
 
     ``query [T, H, D]``, ``key/value [T, Hkv, D]`` -> contiguous ``[T, H, D]``. It writes the
     layer's caches, which are not arguments (they stay out of the compiled graph); the op
@@ -203,7 +231,7 @@ def paged_attention_op(
     meta, n = getattr(_step, "state", None) or (None, 0)
     if meta is None:
         return query.new_zeros(query.shape)
-    return _write_and_attend(meta, layer, query, key, value, scale, n)
+    return _write_and_attend(meta, layer, query, key, value, scale, window, softcap, n)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -332,9 +332,13 @@ def decode_attention(
     block_tables: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``[Bd, H, D]`` attention of one query token per sequence over its paged context, in
-    the query's dtype.
+    the query's dtype (``window``, ``softcap``: a sliding window and attention logit
+    soft-capping, as :class:`~asyncllm.attention.backend_registry.AttentionBackend`'s
+    ``attend``; 0: none).
 
     Raises:
         RuntimeError: the kernel is not available.
@@ -343,7 +347,10 @@ def decode_attention(
     """
     mod = _check_dtypes(query, key_cache, value_cache)
     out = torch.empty(query.shape, dtype=query.dtype)
-    mod.paged_decode(query, key_cache, value_cache, block_tables, lens, float(scale), out)
+    mod.paged_decode(
+        query, key_cache, value_cache, block_tables, lens, float(scale), int(window),
+        float(softcap), out,
+    )  # fmt: skip
     return out
 
 
@@ -358,6 +365,8 @@ def chunk_attention(
     scale: float,
     out: torch.Tensor | None = None,
     shared: SharedChunks | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``[T, H, D]`` causal attention of chunks of any length over their paged context, in
     the query's dtype (the K/V of the new tokens already written).
@@ -376,10 +385,13 @@ def chunk_attention(
         out: ``[T, H, D]`` contiguous, the query's dtype, to write the sequences' rows into
             (the others are left as they are); default a new tensor.
         shared: the sequences' shared prefixes: attended first per group
-            (:meth:`SharedChunks.attend`), the kernel going on from that state.
+            (:meth:`SharedChunks.attend`), the kernel going on from that state; not with a
+            ``window`` or ``softcap``.
+        window, softcap: as :func:`decode_attention`.
 
     Raises:
-        RuntimeError: the kernel is not available, or the shapes do not match.
+        RuntimeError: the kernel is not available, the shapes do not match, or ``shared``
+            comes with a window or soft-capping.
         ValueError: as :func:`decode_attention`.
     """
     mod = _check_dtypes(query, key_cache, value_cache)
@@ -390,7 +402,7 @@ def chunk_attention(
         init = (shared.skip, *shared.attend(query, key_cache, value_cache, scale))
     mod.paged_prefill(
         query, key_cache, value_cache, block_tables, seq_lens, query_start, query_lens,
-        float(scale), out, *init,
+        float(scale), int(window), float(softcap), out, *init,
     )  # fmt: skip
     return out
 
@@ -412,32 +424,39 @@ def paged_attention_cpu(
     value_cache: torch.Tensor,
     plan: CpuPagedPlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Like :func:`~asyncllm.attention.torch_paged.paged_attention`; float32 or bfloat16
     caches on CPU (the query of the same dtype) go through the kernels: a decode-only step
     through the decode kernel, a step with prefill chunks through the chunk kernel (its
     decodes too), but for long bfloat16 chunks (:data:`TORCH_MIN_PAIRS`); everything else
-    through the torch path."""
+    through the torch path. Shared prefixes (cascade attention) only without a ``window``
+    or ``softcap``."""
     if not _kernel_reads(query, key_cache, value_cache) or load() is None:
-        return paged_attention(query, key_cache, value_cache, plan.base, scale)
+        return paged_attention(query, key_cache, value_cache, plan.base, scale, window, softcap)
     if plan.chunks is not None:
         chunks = plan.chunks if query.dtype == torch.float32 else plan.short_chunks
         if chunks is plan.chunks:
             out = torch.empty(query.shape, dtype=query.dtype)
         else:  # empty_like of a strided query is strided: the kernel writes a contiguous one
-            out = paged_attention(query, key_cache, value_cache, plan.torch_part, scale)
+            out = paged_attention(
+                query, key_cache, value_cache, plan.torch_part, scale, window, softcap
+            )
             if chunks is None:  # every sequence went to the torch path
                 return out
             out = out.contiguous()
+        cascade = query.dtype == torch.bfloat16 and window <= 0 and softcap <= 0
         return chunk_attention(
             query, key_cache, value_cache, chunks.tables, chunks.seq_lens, chunks.query_start,
-            chunks.query_lens, scale, out,
-            chunks.shared if query.dtype == torch.bfloat16 else None,
+            chunks.query_lens, scale, out, chunks.shared if cascade else None, window, softcap,
         )  # fmt: skip
     d = plan.base.decodes
     if d is None or plan.dec_lens is None:  # an empty step
-        return paged_attention(query, key_cache, value_cache, plan.base, scale)
-    return decode_attention(query, key_cache, value_cache, d.block_tables, plan.dec_lens, scale)
+        return paged_attention(query, key_cache, value_cache, plan.base, scale, window, softcap)
+    return decode_attention(
+        query, key_cache, value_cache, d.block_tables, plan.dec_lens, scale, window, softcap
+    )
 
 
 def write_and_decode(
@@ -449,9 +468,12 @@ def write_and_decode(
     slot_mapping: torch.Tensor,
     plan: CpuPagedPlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """A decode-only step's whole attention layer in one kernel call: the new K/V written at
-    ``slot_mapping`` and every sequence's one query attended, ``query [R, H, D]``,
+    ``slot_mapping`` and every sequence's one query attended (``window``, ``softcap`` as
+    :func:`decode_attention`), ``query [R, H, D]``,
     ``key/value [R, Hkv, D]`` -> ``[R, H, D]``, rows past the plan's sequences (padding of
     a compiled step) zero and not written. None where the step has prefills or the kernel
     cannot run it (the caller writes and attends separately then)."""
@@ -463,7 +485,7 @@ def write_and_decode(
     out = torch.empty(query.shape, dtype=query.dtype)
     mod.paged_write_decode(
         query, key, value, key_cache, value_cache, slot_mapping, tables, plan.dec_lens,
-        float(scale), out,
+        float(scale), int(window), float(softcap), out,
     )  # fmt: skip
     return out
 

@@ -10,12 +10,17 @@ rows ``query_start_loc[b]:query_start_loc[b + 1]``, which are its last ``q_len``
 ``seq_lens[b]`` (context including the new tokens). Query ``i`` attends to context positions
 ``<= seq_lens[b] - q_len + i``: causal inside the chunk, full over earlier blocks. Grouped-query
 attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+Per layer, a sliding window of ``w`` positions keeps only the context positions ``> p - w``
+for the query at position ``p`` (transformers' ``sliding_window_overlay``: Mistral, Gemma 2/3,
+Qwen2's sliding layers), and attention logit soft-capping replaces each scaled score ``s`` by
+``c * tanh(s / c)`` before the mask (Gemma 2; transformers' ``eager_attention_forward``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +54,21 @@ class _Decodes:
     rows: torch.Tensor  # [Bd] query rows of single-token sequences
     block_tables: torch.Tensor  # [Bd, max_blocks] int64
     flat_blocks: torch.Tensor  # [Bd * max_blocks] int64, the tables row by row
+    lens: torch.Tensor  # [Bd] int64 context lengths
     mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
     identity: bool  # rows are 0..Bd-1 and cover the whole step
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def mask_for(self, window: int) -> torch.Tensor:
+        """The mask with a sliding window of ``window`` positions (0: none), built once per
+        step and window."""
+        if window <= 0:
+            return self.mask
+        if window not in self.windowed:
+            pos = torch.arange(self.mask.shape[-1], device=self.mask.device)[None, :]
+            seen = self.mask[:, 0, 0] & (pos >= self.lens[:, None] - window)
+            self.windowed[window] = seen[:, None, None, :]
+        return self.windowed[window]
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,19 @@ class _Prefill:
     blocks: torch.Tensor  # [num_blocks_used] int64
     ctx_len: int
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when plain causal
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def mask_for(self, window: int) -> torch.Tensor | None:
+        """The mask with a sliding window of ``window`` positions (0: none; None: plain
+        causal), built once per step and window."""
+        if window <= 0 or window >= self.ctx_len:  # no position falls out of the window
+            return self.mask
+        if window not in self.windowed:
+            dev = self.blocks.device
+            q_pos = torch.arange(self.ctx_len - (self.end - self.start), self.ctx_len, device=dev)
+            k_pos = torch.arange(self.ctx_len, device=dev)[None, :]
+            self.windowed[window] = (k_pos <= q_pos[:, None]) & (k_pos > q_pos[:, None] - window)
+        return self.windowed[window]
 
 
 @dataclass(frozen=True)
@@ -121,6 +152,7 @@ class PagedAttentionPlan:
                 rows=torch.tensor(dec_rows, dtype=torch.long, device=device),
                 block_tables=tables,
                 flat_blocks=tables.view(-1),
+                lens=lens,
                 mask=mask[:, None, None, :],
                 identity=len(dec_rows) == row,
             )
@@ -134,12 +166,39 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return g.transpose(-3, -2)
 
 
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """``q [B, Hkv, M, D]`` over ``k/v [B, Hkv, L, D]`` (the M rows of a KV head: its query
+    heads, or its query heads times tokens), ``mask`` broadcastable to ``[B, Hkv, M, L]``
+    (True = attend; None: causal, M == L). Soft-capped scores (``softcap`` > 0) are not
+    something ``scaled_dot_product_attention`` computes: those go through an explicit
+    float32 softmax, as transformers' eager attention does."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+        )
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     plan: PagedAttentionPlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of a step's queries over their paged context (the K/V already written).
 
@@ -148,6 +207,8 @@ def paged_attention(
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         plan: the step's :class:`PagedAttentionPlan`.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        window: a sliding window of this many positions (0: none), see the module's text.
+        softcap: attention logit soft-capping (0: none), see the module's text.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]``, the query's dtype.
@@ -166,8 +227,8 @@ def paged_attention(
         k = key_cache.index_select(0, d.flat_blocks).view(shape).transpose(1, 2)
         v = value_cache.index_select(0, d.flat_blocks).view(shape).transpose(1, 2)
         heads = q.shape[1]
-        o = F.scaled_dot_product_attention(
-            q.reshape(bd, hkv, heads // hkv, dim), k, v, attn_mask=d.mask, scale=scale
+        o = _attention(
+            q.reshape(bd, hkv, heads // hkv, dim), k, v, d.mask_for(window), scale, softcap
         ).reshape(bd, heads, dim)
         if d.identity:
             return o
@@ -178,14 +239,20 @@ def paged_attention(
         v = _gather(value_cache, p.blocks)[:, : p.ctx_len]
         # 4-D inputs: CPU SDPA takes its flash kernel only for [B, H, L, D] (3-D ones go
         # to the unfused math path, ~3x slower on a 512-token chunk).
-        o = F.scaled_dot_product_attention(
-            q[None],
-            k[None],
-            v[None],
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )[0]
+        mask = p.mask_for(window)
+        if softcap <= 0:
+            o = F.scaled_dot_product_attention(
+                q[None],
+                k[None],
+                v[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )[0]
+        else:
+            group = q.shape[0] // k.shape[0]
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            o = _attention(q[None], k[None], v[None], mask, scale, softcap)[0]
         out[p.start : p.end] = o.transpose(0, 1)
     return out

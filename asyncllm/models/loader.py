@@ -129,8 +129,8 @@ def check_architecture(config: PretrainedConfig) -> None:
     Raises:
         UnsupportedModelError: naming ``config.model_type`` and every feature it needs that a
             plain causal paged attention lacks: encoder-decoder or cross-attention, an encoder
-            model, no causal LM class in transformers, sliding-window or other non-full
-            attention layers, attention logit soft-capping, or ALiBi position biases.
+            model, no causal LM class in transformers, attention layers other than full or
+            sliding-window ones (chunked, linear...), or ALiBi position biases.
     """
     model_type = getattr(config, "model_type", None) or type(config).__name__
     text = config.get_text_config(decoder=True)
@@ -152,21 +152,11 @@ def check_architecture(config: PretrainedConfig) -> None:
         add("a non-causal-LM architecture (transformers has no ForCausalLM class for it)")
 
     for cfg in configs:
-        layer_types = getattr(cfg, "layer_types", None) or ()
-        for kind in dict.fromkeys(layer_types):
-            if kind == "sliding_attention":
-                add("sliding-window attention")
-            elif kind != "full_attention":
+        # Sliding-window and soft-capped layers run (the attention takes both per layer);
+        # other kinds (chunked, linear, state-space...) do not.
+        for kind in dict.fromkeys(getattr(cfg, "layer_types", None) or ()):
+            if kind not in ("full_attention", "sliding_attention"):
                 add(f"{kind!r} attention layers")
-        window = getattr(cfg, "sliding_window", None)
-        if hasattr(cfg, "use_sliding_window"):
-            # Qwen2-style configs keep a sliding_window value that is inert unless enabled.
-            if cfg.use_sliding_window and window is not None:
-                add("sliding-window attention")
-        elif window is not None:
-            add("sliding-window attention")
-        if getattr(cfg, "attn_logit_softcapping", None) is not None:
-            add("attention logit soft-capping")
         attn_config = getattr(cfg, "attn_config", None)
         if (
             getattr(cfg, "alibi", False)
