@@ -10,6 +10,10 @@ tests/test_triton_kernels.py`` they run in place, one by one.
 Tolerances (output vs the float32 torch reference on the same rounded inputs): float32
 ``2e-5`` abs + rel; float16 ``2e-3`` abs + rel (output rounding and float16 probabilities in
 the P @ V product); bfloat16 ``1.6e-2`` abs + rel (8-bit mantissa, same sources).
+
+Sliding window and soft-cap are checked against :func:`_dense_reference`, float32 attention
+with explicit masks written here (transformers' eager attention of Gemma 2: ``tanh`` soft-cap,
+then causal and ``kv > q - window`` masks, then softmax).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import sys
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+import asyncllm
 from asyncllm import EngineConfig, SamplingParams
 from asyncllm.attention import cpu_paged, torch_paged, triton_paged
 from asyncllm.worker.model_runner import select_attention_backend
@@ -116,6 +122,67 @@ def _reference(s, block_size, scale):
     )
 
 
+def _dense_reference(s, block_size, scale, window=0, softcap=0.0):
+    """Float32 attention of each sequence over its whole context, masks spelled out."""
+    ref_k, ref_v = s["ref_k"].flatten(0, 1), s["ref_v"].flatten(0, 1)
+    ref_k[s["slots"]], ref_v[s["slots"]] = s["key"], s["value"]
+    outs, row = [], 0
+    for q_len, seq_len, table in zip(s["query_lens"], s["seq_lens"], s["tables"], strict=True):
+        pos = torch.arange(seq_len)
+        slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        q = s["query"][row : row + q_len].float()  # [q_len, H, D]
+        gqa = q.shape[1] // ref_k.shape[1]
+        k = ref_k[slots].float().repeat_interleave(gqa, dim=1)  # [seq_len, H, D]
+        v = ref_v[slots].float().repeat_interleave(gqa, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        visible = pos[None, :] <= q_pos
+        if window:
+            visible &= pos[None, :] > q_pos - window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
+        row += q_len
+    return torch.cat(outs)
+
+
+def _poison_outside_window(s, block_size, window):
+    """NaN into the kernel caches at the positions no query of their sequence may see, so a
+    read of one (even with zero weight: 0 * NaN) shows."""
+    if not window:
+        return
+    for q_len, seq_len, table in zip(s["query_lens"], s["seq_lens"], s["tables"], strict=True):
+        for p in range(max(0, seq_len - q_len - window + 1)):
+            for cache in (s["k_cache"], s["v_cache"]):
+                cache[table[p // block_size], p % block_size] = float("nan")
+
+
+def _run_windowed(seqs, block_size, gqa, head_dim, dtype, window, softcap, num_splits=None):
+    s = _step(seqs, block_size, 2, gqa, head_dim, dtype, seed=window + 7 * block_size)
+    scale = head_dim**-0.5
+    expected = _dense_reference(s, block_size, scale, window, softcap)
+    triton_paged.write_kv_cache(s["key"], s["value"], s["k_cache"], s["v_cache"], s["slots"])
+    _poison_outside_window(s, block_size, window)
+    plan = triton_paged.TritonPagedPlan.build(
+        s["query_lens"], s["seq_lens"], s["tables"], block_size
+    )
+    out = _poisoned_out(s["query"])
+    triton_paged.paged_attention(
+        s["query"], s["k_cache"], s["v_cache"], plan, scale, window, softcap,
+        num_splits=num_splits, out=out,
+    )  # fmt: skip
+    _check(out, expected, dtype)
+
+
+@triton.jit
+def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    # The kernels' tanh, reached through the package: its module loads on first use only.
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(y_ptr + i, asyncllm._kernels.paged_common.tanh_f32(x), mask=i < n)
+
+
 def _poisoned_out(query):
     return torch.full(query.shape, float("nan"), dtype=query.dtype)
 
@@ -124,6 +191,34 @@ def _check(out, expected, dtype):
     assert not out.isnan().any(), f"{int(out.isnan().sum())} output elements not written"
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
+
+# (cached, new) per sequence. Decodes: contexts crossing several blocks of 4 and 16, a
+# one-token context. Prefill: a fresh 37-token prompt (two 32-query tiles, the second starting
+# inside the first's window), a 6-token chunk after 9 cached tokens. Mixed: both at once.
+WINDOW_STEPS = {
+    "decode": [(40, 1), (0, 1), (13, 1), (5, 1)],
+    "prefill": [(0, 37), (9, 6)],
+    "mixed": [(21, 1), (0, 37), (2, 1), (9, 6), (0, 1)],
+}
+# (step, window, softcap, block_size, dtype, gqa): windows 1, 3, 6 and one longer than every
+# context (the kernels then run without one), the soft-cap alone and with windows.
+WINDOW_CASES = [
+    ("decode", 1, 0.0, 4, torch.float32, 2),
+    ("decode", 6, 0.0, 16, torch.float32, 3),
+    ("decode", 3, 5.0, 4, torch.float32, 3),
+    ("decode", 0, 5.0, 16, torch.float32, 2),
+    ("prefill", 1, 0.0, 16, torch.float32, 2),
+    ("prefill", 3, 0.0, 4, torch.float32, 2),
+    ("prefill", 6, 5.0, 16, torch.float32, 3),
+    ("prefill", 0, 5.0, 4, torch.float32, 3),
+    ("mixed", 1, 5.0, 4, torch.float32, 3),
+    ("mixed", 3, 0.0, 16, torch.float32, 2),
+    ("mixed", 6, 0.0, 4, torch.float32, 2),
+    ("mixed", 1000, 0.0, 16, torch.float32, 3),
+    ("mixed", 1000, 5.0, 4, torch.float32, 2),
+    ("mixed", 3, 5.0, 16, torch.bfloat16, 2),
+    ("mixed", 6, 5.0, 4, torch.float16, 3),
+]
 
 # Each row covers a dtype, a GQA ratio (1, 3, 8), a block size (16, 32) and a head_dim (64,
 # 128); every pair of values appears across the rows.
@@ -188,6 +283,47 @@ class TestUnderInterpreter:
             s["query"], s["k_cache"], s["v_cache"], plan, scale, num_splits=num_splits, out=out
         )
         _check(out, expected, dtype)
+
+    @pytest.mark.parametrize(
+        ("step", "window", "softcap", "block_size", "dtype", "gqa"), WINDOW_CASES
+    )
+    def test_window_and_softcap(self, step, window, softcap, block_size, dtype, gqa):
+        """Sliding window and soft-cap against the dense reference; the cache positions outside
+        every query's window hold NaN, so the kernels must not read them."""
+        _run_windowed(WINDOW_STEPS[step], block_size, gqa, 16, dtype, window, softcap)
+
+    @pytest.mark.parametrize("num_splits", [1, 3])
+    def test_window_decode_split_k(self, num_splits):
+        """Split-K over the window only: splits start at the window's first position; the
+        shorter contexts leave splits empty."""
+        seqs = [(149, 1), (39, 1), (4, 1), (69, 1)]
+        _run_windowed(seqs, 16, 2, 16, torch.float32, 70, 5.0, num_splits=num_splits)
+
+    def test_tanh_f32_accuracy(self):
+        """The kernels' tanh against torch's in float64: 1e-6 relative from 1e-8 to 30 (both
+        branches and the switch between them), exact +-1 beyond, also at infinity."""
+        import asyncllm._kernels.paged_common  # noqa: F401  (what _tanh_kernel calls)
+
+        mag = torch.cat([torch.logspace(-8, 1.5, 20000), torch.linspace(0.24, 0.26, 2001)])
+        x = torch.cat(
+            [mag, -mag, torch.tensor([0.0, 40.0, -40.0, float("inf"), -float("inf")])]
+        ).float()
+        y = torch.empty_like(x)
+        _tanh_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096)
+        ref = torch.tanh(x.double())
+        rel = (y.double() - ref).abs() / ref.abs().clamp_min(1e-30)
+        assert rel.max() < 1e-6, (rel.max().item(), x[rel.argmax()].item())
+        assert y[-4:].tolist() == [1.0, -1.0, 1.0, -1.0] and y[-5] == 0.0
+
+    def test_window_softcap_rejected(self):
+        s = _step([(3, 1)], 16, 2, 1, 16, torch.float32, seed=0)
+        plan = triton_paged.TritonPagedPlan.build(s["query_lens"], s["seq_lens"], s["tables"], 16)
+        args = (s["query"], s["k_cache"], s["v_cache"], plan, 0.25)
+        with pytest.raises(ValueError, match="window"):
+            triton_paged.paged_attention(*args, -1)
+        for softcap in (-1.0, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match="softcap"):
+                triton_paged.paged_attention(*args, 0, softcap)
 
     def test_strided_rows_and_odd_head_dim(self):
         """Transposed views, as transformers passes them, a strided output buffer, and a

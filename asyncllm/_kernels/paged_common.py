@@ -1,8 +1,10 @@
-"""Pieces shared by the paged attention kernels: reading K/V tiles through a block table."""
+"""Pieces shared by the paged attention kernels: reading K/V tiles through a block table, the
+tanh of logit soft-capping, and the checks of the inputs."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -34,6 +36,25 @@ def load_kv_tile(
     return tl.load(
         cache_ptr + row[:, None] + d[None, :], mask=pos_mask[:, None] & d_mask[None, :], other=0.0
     )
+
+
+@triton.jit
+def tanh_f32(x):
+    """``tanh(x)`` of a float32 tensor (not every Triton version has ``tl.tanh``).
+
+    ``|x| >= 0.25``: ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` in ``(0, 0.61]``, so nothing
+    overflows for large ``|x|`` and ``1 - e`` loses at most a bit; ``|x| < 0.25``: the Taylor
+    series to ``x^9`` (truncation below 1e-8 relative), where ``1 - e`` would cancel. The sign
+    is restored last. Within 1e-6 relative of ``torch.tanh`` in float32.
+    """
+    a = tl.abs(x)
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    poly = a2 * (0.13333333333333333 + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203))
+    small = a + a * a2 * (-0.3333333333333333 + poly)
+    t = tl.where(a < 0.25, small, t)
+    return tl.where(x < 0.0, -t, t)
 
 
 def dot_options(kernel: object, dtype: torch.dtype) -> tuple[bool, str]:
@@ -87,3 +108,15 @@ def check_paged_inputs(
     if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("head_dim must be the contiguous dimension of the query and caches")
     return num_heads, num_kv_heads, head_dim, block_size
+
+
+def check_window_softcap(window: int, softcap: float) -> None:
+    """Validate the sliding window (tokens, 0: none) and the logit soft-cap (0.0: none).
+
+    Raises:
+        ValueError: a negative window, or a negative or non-finite soft-cap.
+    """
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no sliding window), got {window}")
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be finite and >= 0.0 (0.0: none), got {softcap}")

@@ -16,6 +16,13 @@ the online softmax of FlashAttention-2 (Dao, 2023).
   ``M = max_s m_s``.
 
 Splitting the context lets a few long sequences still occupy every SM.
+
+Sliding window and logit soft-capping follow transformers' eager attention of Gemma 2/3
+(Mistral and Qwen2 share the window): the score is ``s = scale * q.k``, with a soft-cap ``c``
+``s = c * tanh(s / c)``; with a window ``w`` the query at position ``p`` sees only the keys at
+``k > p - w`` (``sliding_window_overlay``), i.e. its last ``w`` positions. A decode's query
+is its last position, so its visible context is the contiguous range ``[seq_len - w,
+seq_len)``: the splits cover that range alone and earlier blocks are never read.
 """
 
 from __future__ import annotations
@@ -24,7 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm._kernels.paged_common import check_paged_inputs, dot_options, load_kv_tile, num_sms
+from asyncllm._kernels.paged_common import (
+    check_paged_inputs,
+    check_window_softcap,
+    dot_options,
+    load_kv_tile,
+    num_sms,
+    tanh_f32,
+)
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256
@@ -44,7 +58,9 @@ def _paged_decode_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
-    scale_log2,
+    qk_scale,
+    softcap_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -66,9 +82,13 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # qk_scale: scale * log2(e), or scale / softcap with SOFTCAP (then softcap_log2 = softcap *
+    # log2(e)). WINDOW: the splits start at the window's first position, seq_len - window.
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,6 +110,8 @@ def _paged_decode_kernel(
         q = q.to(tl.float32)
 
     start = split * split_len
+    if WINDOW:
+        start += tl.maximum(seq_len - window, 0)
     end = tl.minimum(start + split_len, seq_len)
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -103,7 +125,11 @@ def _paged_decode_kernel(
         )  # fmt: skip
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if SOFTCAP:
+            s = tanh_f32(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale)
+            s = s * softcap_log2
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -141,18 +167,22 @@ def _paged_decode_reduce_kernel(
     seq_lens_ptr,
     stride_ot,
     stride_oh,
+    window,
     split_len,
     num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(seq_ids_ptr + i)
     row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if WINDOW:
+        seq_len = tl.minimum(seq_len, window)  # the splits cover the window only
     used = tl.cdiv(seq_len, split_len)  # splits that saw at least one position
     s = tl.arange(0, BLOCK_S)
     s_mask = s < used
@@ -200,6 +230,8 @@ def paged_decode(
     block_tables: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -208,10 +240,10 @@ def paged_decode(
 ) -> None:
     """Attention of one query token per sequence over its paged context, written into ``out``.
 
-    Sequence ``seq_ids[i]``'s query is row ``query_start_loc[seq]`` of ``query``; it attends to
-    all ``seq_lens[seq]`` positions of its context (its own K/V already written). Only those
-    rows of ``out`` are written. Query head ``h`` reads KV head ``h // (num_heads //
-    num_kv_heads)``.
+    Sequence ``seq_ids[i]``'s query is row ``query_start_loc[seq]`` of ``query``, at the last
+    position ``seq_lens[seq] - 1`` of its context (its own K/V already written); it attends to
+    all of it, or with ``window`` to its last ``window`` positions only. Only those rows of
+    ``out`` are written. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` float16, bfloat16 or float32, head_dim
@@ -225,6 +257,11 @@ def paged_decode(
         block_tables: ``[num_seqs, max_blocks]`` int32 physical blocks, padded, row-contiguous.
         max_seq_len: ``max(seq_lens[seq_ids])`` on the host (sizes the splits; no device sync).
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        window: sliding window in tokens, 0 for none: the query at position ``p`` sees the keys
+            at ``k > p - window`` (transformers' ``sliding_window_overlay``, Gemma 2/3, Mistral,
+            Qwen2). One at least ``max_seq_len`` runs the kernel without a window.
+        softcap: logit soft-cap, 0.0 for none: scores ``s = softcap * tanh(s / softcap)``
+            before the mask and the float32 softmax (transformers' Gemma 2 eager attention).
         num_splits: context splits per sequence; None picks one from the device's SM count
             (:func:`choose_num_splits`). 1 skips the reduction kernel.
         block_n: context positions per tile (a power of two >= 16); None:
@@ -242,12 +279,15 @@ def paged_decode(
         return
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
+    check_window_softcap(window, softcap)
+    windowed = 0 < window < max_seq_len
+    span = window if windowed else max_seq_len  # the most positions a decode sees
     dev = query.device
     block_n = block_n or default_block_n(dev, query.dtype)
     if num_splits is None:
-        num_splits = choose_num_splits(num_decodes, num_kv_heads, max_seq_len, block_n, dev)
-    split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_seq_len, split_len))
+        num_splits = choose_num_splits(num_decodes, num_kv_heads, span, block_n, dev)
+    split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(span, split_len))
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     if num_splits > 1:
@@ -274,7 +314,9 @@ def paged_decode(
         query_start_loc,
         seq_lens,
         block_tables,
-        scale * LOG2E,
+        scale / softcap if softcap else scale * LOG2E,
+        softcap * LOG2E,
+        window if windowed else 0,  # one specialization of the int argument without a window
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -296,6 +338,8 @@ def paged_decode(
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         SPLIT=num_splits > 1,
+        WINDOW=windowed,
+        SOFTCAP=softcap > 0.0,
         UPCAST=upcast,
         PRECISION=precision,
         **extra,
@@ -311,10 +355,12 @@ def paged_decode(
             seq_lens,
             out.stride(0),
             out.stride(1),
+            window if windowed else 0,
             split_len,
             num_splits,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_splits),
+            WINDOW=windowed,
         )

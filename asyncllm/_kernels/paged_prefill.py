@@ -12,6 +12,12 @@ queries are the last positions of the sequence's ``seq_len``-token context: quer
 position ``seq_len - q_len + i`` and attends to every position up to its own, i.e. all earlier
 blocks (prefix-cache hits, earlier chunks) and causally within the chunk. A tile stops at the
 position of its last query, so later K/V tiles are never read.
+
+Sliding window and logit soft-capping follow transformers' eager attention of Gemma 2/3
+(Mistral and Qwen2 share the window): the score is ``s = scale * q.k``, with a soft-cap ``c``
+``s = c * tanh(s / c)``; with a window ``w`` the query at ``p`` additionally sees only the keys
+at ``k > p - w`` (``sliding_window_overlay``). A tile then starts at its first query's first
+visible position, so the blocks before it are never read, and masks the rest per query.
 """
 
 from __future__ import annotations
@@ -20,7 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm._kernels.paged_common import check_paged_inputs, dot_options, load_kv_tile
+from asyncllm._kernels.paged_common import (
+    check_paged_inputs,
+    check_window_softcap,
+    dot_options,
+    load_kv_tile,
+    tanh_f32,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -36,7 +48,9 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
-    scale_log2,
+    qk_scale,
+    softcap_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -54,9 +68,13 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # qk_scale: scale * log2(e), or scale / softcap with SOFTCAP (then softcap_log2 = softcap *
+    # log2(e)).
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -82,10 +100,13 @@ def _paged_prefill_kernel(
         q = q.to(tl.float32)
 
     end = tl.minimum(seq_len, prefix + tile_start + BLOCK_M)  # last query's position + 1
+    begin = 0
+    if WINDOW:
+        begin = tl.maximum(prefix + tile_start - window + 1, 0)  # first query's first key
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n in range(0, end, BLOCK_N):
+    for n in range(begin, end, BLOCK_N):
         pos = n + tl.arange(0, BLOCK_N)
         p_mask = pos < end
         k = load_kv_tile(
@@ -94,8 +115,14 @@ def _paged_prefill_kernel(
         )  # fmt: skip
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if SOFTCAP:
+            s = tanh_f32(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale)
+            s = s * softcap_log2
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]
+        if WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -141,7 +168,10 @@ def paged_prefill(
     block_tables: torch.Tensor,
     block_m: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     *,
+    max_seq_len: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -150,8 +180,9 @@ def paged_prefill(
 
     Sequence ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b + 1]``, the last
     ``q_len`` positions of its ``seq_lens[b]``-token context (K/V of all of them already in the
-    cache). Only the rows of the tiled sequences are written. Query head ``h`` reads KV head
-    ``h // (num_heads // num_kv_heads)``.
+    cache); the query at position ``p`` sees the keys at ``k <= p``, and with ``window`` only
+    those at ``k > p - window``. Only the rows of the tiled sequences are written. Query head
+    ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` float16, bfloat16 or float32, head_dim
@@ -167,6 +198,13 @@ def paged_prefill(
         block_tables: ``[num_seqs, max_blocks]`` int32 physical blocks, padded, row-contiguous.
         block_m: queries per tile (a power of two >= 16), the one ``tile_starts`` was built with.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        window: sliding window in tokens, 0 for none: the query at position ``p`` sees the keys
+            at ``k > p - window`` (transformers' ``sliding_window_overlay``, Gemma 2/3, Mistral,
+            Qwen2).
+        softcap: logit soft-cap, 0.0 for none: scores ``s = softcap * tanh(s / softcap)``
+            before the mask and the float32 softmax (transformers' Gemma 2 eager attention).
+        max_seq_len: the longest context among the tiled sequences, known on the host; a window
+            at least this long runs the kernel without one. None: not known.
         block_n: context positions per tile (a power of two >= 16); None:
             :func:`default_block_n`.
         num_warps, num_stages: Triton launch options; None: Triton's defaults.
@@ -182,6 +220,8 @@ def paged_prefill(
         return
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
+    check_window_softcap(window, softcap)
+    windowed = window > 0 and (max_seq_len is None or window < max_seq_len)
     upcast, precision = dot_options(_paged_prefill_kernel, query.dtype)
     extra = {
         k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -196,7 +236,9 @@ def paged_prefill(
         query_start_loc,
         seq_lens,
         block_tables,
-        scale * LOG2E,
+        scale / softcap if softcap else scale * LOG2E,
+        softcap * LOG2E,
+        window if windowed else 0,  # one specialization of the int argument without a window
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -214,6 +256,8 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n or default_block_n(query.device, query.dtype),
         BLOCK_SIZE=block_size,
+        WINDOW=windowed,
+        SOFTCAP=softcap > 0.0,
         UPCAST=upcast,
         PRECISION=precision,
         **extra,

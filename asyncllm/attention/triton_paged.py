@@ -4,6 +4,8 @@ Same roles and cache layout as :mod:`asyncllm.attention.torch_paged` (the CPU pa
 reference): :meth:`TritonPagedPlan.build` once per step, then per layer :func:`write_kv_cache`
 and :func:`paged_attention`. Decodes (``q_len == 1``) go to the split-K decode kernel, longer
 chunks to the varlen prefill kernel; a mixed step launches both, over disjoint query rows.
+Both take a sliding window and a logit soft-cap with the semantics of transformers' eager
+attention for Gemma 2/3 (see :func:`paged_attention`).
 
 The kernel modules (and their ``@triton.jit`` decorations) are imported on first use, so
 importing this module, or ``asyncllm``, never needs Triton. On a CPU they run only in Triton's
@@ -52,6 +54,8 @@ class TritonPagedPlan:
         prefill_tile_seqs, prefill_tile_starts: ``[num_tiles]`` int32 sequence and first
             chunk offset of each ``prefill_block_m``-query tile of the longer chunks, or None.
         prefill_block_m: queries per prefill tile.
+        max_prefill_len: longest context among the longer chunks' sequences (tokens; 0
+            without them).
     """
 
     num_tokens: int
@@ -63,6 +67,7 @@ class TritonPagedPlan:
     prefill_tile_seqs: torch.Tensor | None
     prefill_tile_starts: torch.Tensor | None
     prefill_block_m: int
+    max_prefill_len: int
 
     @staticmethod
     def build(
@@ -90,6 +95,7 @@ class TritonPagedPlan:
         starts = [0]
         decodes: list[int] = []
         long_q = [q for q in query_lens if q > 1]
+        prefill_len = 0
         block_m = prefill_block_m(max(long_q, default=1), device)
         tile_seqs: list[int] = []
         tile_starts: list[int] = []
@@ -108,6 +114,7 @@ class TritonPagedPlan:
             if q_len == 1:
                 decodes.append(b)
             else:
+                prefill_len = max(prefill_len, ctx)
                 for s in range(0, q_len, block_m):
                     tile_seqs.append(b)
                     tile_starts.append(s)
@@ -127,6 +134,7 @@ class TritonPagedPlan:
             prefill_tile_seqs=i32(tile_seqs) if tile_seqs else None,
             prefill_tile_starts=i32(tile_starts) if tile_starts else None,
             prefill_block_m=block_m,
+            max_prefill_len=prefill_len,
         )
 
 
@@ -159,11 +167,20 @@ def paged_attention(
     value_cache: torch.Tensor,
     plan: TritonPagedPlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a step's queries over their paged context (the K/V already written).
+
+    Sequence ``b``'s query rows are the last ``q_len`` positions of its ``seq_len``; the query
+    at position ``p`` sees the keys at ``k <= p`` (causal) and, with a ``window``, only those at
+    ``k > p - window`` (its last ``window`` positions: transformers' ``sliding_window_overlay``).
+    Scores are ``s = scale * q.k``, with a ``softcap`` then ``s = softcap * tanh(s /
+    softcap)``, before the mask and the float32 softmax (transformers' Gemma 2/3 eager
+    attention). Keys outside the window are not read and weigh exactly zero.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` float16, bfloat16 or float32, head_dim
@@ -172,6 +189,9 @@ def paged_attention(
             query's dtype.
         plan: the step's :class:`TritonPagedPlan`.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        window: sliding window in tokens (the model's ``sliding_window`` on its sliding
+            layers); 0: none.
+        softcap: attention logit soft-cap (``attn_logit_softcapping``); 0.0: none.
         num_splits: context splits of the decode kernel; None: chosen from the device.
         out: where to write the result (like ``query``, head_dim contiguous); None: a new
             contiguous tensor.
@@ -180,11 +200,14 @@ def paged_attention(
         ``out``: ``[num_tokens, num_heads, head_dim]``, the query's dtype.
 
     Raises:
-        ValueError: shapes, dtypes or layouts the kernels do not support.
+        ValueError: shapes, dtypes or layouts the kernels do not support, a negative window,
+            or a negative or non-finite soft-cap.
     """
+    from asyncllm._kernels.paged_common import check_window_softcap
     from asyncllm._kernels.paged_decode import paged_decode
     from asyncllm._kernels.paged_prefill import paged_prefill
 
+    check_window_softcap(window, softcap)
     if query.shape[0] != plan.num_tokens:
         raise ValueError(f"query has {query.shape[0]} rows, the plan {plan.num_tokens}")
     if out is None:
@@ -194,12 +217,13 @@ def paged_attention(
     if plan.decode_seqs is not None:
         paged_decode(
             query, key_cache, value_cache, out, plan.decode_seqs, plan.query_start_loc,
-            plan.seq_lens, plan.block_tables, plan.max_decode_len, scale, num_splits=num_splits,
+            plan.seq_lens, plan.block_tables, plan.max_decode_len, scale, window, softcap,
+            num_splits=num_splits,
         )  # fmt: skip
     if plan.prefill_tile_seqs is not None:
         paged_prefill(
             query, key_cache, value_cache, out, plan.prefill_tile_seqs,
             plan.prefill_tile_starts, plan.query_start_loc, plan.seq_lens, plan.block_tables,
-            plan.prefill_block_m, scale,
+            plan.prefill_block_m, scale, window, softcap, max_seq_len=plan.max_prefill_len,
         )  # fmt: skip
     return out
