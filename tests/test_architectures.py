@@ -134,7 +134,7 @@ async def test_windows_survive_prefix_caching_and_preemption(
     path = _save(tmp_path / "gemma3", cls(**{**TINY_CONFIG, **fields}), default_model_dir)
     prompts = [PROMPT[:9] + [100 + i, 2000 + i, 30 + i] for i in range(4)]
     block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # layers, K and V, KV heads, head size, float32, tokens
-    engine = make_engine(path, **{**SMALL, "kv_cache_bytes": 10 * block_bytes})
+    engine = make_engine(path, **{**SMALL, "kv_cache_bytes": 10 * block_bytes, "max_model_len": 32})
 
     async def run(prompt: list[int]) -> list[int]:
         return [t async for out in engine.stream(prompt, GREEDY) for t in out.token_ids]

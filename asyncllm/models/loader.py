@@ -213,14 +213,15 @@ def load_model(
     *,
     dtype: torch.dtype,
     device: torch.device,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "eager",
     quantization: str | None = None,
     quantization_group_size: int = DEFAULT_GROUP_SIZE,
 ) -> LoadedModel:
     """Resolve ``model`` (see :func:`resolve_model_dir`), check it and load it onto ``device``.
 
     The architecture is checked before any weight is read. ``attn_implementation`` is passed
-    to transformers as is. Nothing is fetched from the network and no global state is set.
+    to transformers as is: "eager" by default, which every family supports (Gemma 2 and
+    GPT-Neo refuse "sdpa"); the engine switches the model to its paged attention after. Nothing is fetched from the network and no global state is set.
     ``quantization`` and ``quantization_group_size`` are ``EngineConfig``'s (see
     :func:`asyncllm.models.quantization.quantize_model`; None keeps the dtype, ``"auto"``
     keeps a GGUF file's own quantization where a kernel exists).

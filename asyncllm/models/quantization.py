@@ -81,7 +81,8 @@ Mode = Literal["auto", "int8", "int4", "gguf"] | None
 #: GGUF block size (the group of a Q4_* weight run by Int4Linear).
 GGUF_GROUP = 32
 #: 5: a float32 model's int4 scales and zero points are float32 (exact), not bfloat16.
-_CACHE_VERSION = 5
+#: 6: a quantized embedding keeps the scale of a scaled embedding module (Gemma 3).
+_CACHE_VERSION = 6
 
 
 class QuantInfo:
@@ -468,18 +469,44 @@ def _from_gguf(
     if emb is not None and tied and isinstance(out.get(head or ""), Q8Linear):
         # The table is the head's weight: its lookups read the head's codes (shared).
         h = out[head or ""]
-        out[emb[0]] = ql.QuantEmbedding(h.q, h.scale, None, dtype, emb[1].padding_idx)
+        quant = ql.QuantEmbedding(
+            h.q, h.scale, None, dtype, emb[1].padding_idx, getattr(emb[1], "embed_scale", None)
+        )
+        if _same_lookups(quant, emb[1]):
+            out[emb[0]] = quant
     elif emb is not None and not (tied and head not in out):
         name, table = emb
         t, blocks, idx = find(name, table.weight)
         if t.kind in KERNEL_TYPES:
             blocks = _in_order(blocks, idx)
-            out[name] = ql.QuantEmbedding(
-                blocks.q, blocks.scale, blocks.offset, dtype, table.padding_idx
-            )
-            kinds.setdefault(f"{t.kind} embedding", set()).add(name)
+            quant = ql.QuantEmbedding(
+                blocks.q, blocks.scale, blocks.offset, dtype, table.padding_idx,
+                getattr(table, "embed_scale", None),
+            )  # fmt: skip
+            if _same_lookups(quant, table):
+                out[name] = quant
+                kinds.setdefault(f"{t.kind} embedding", set()).add(name)
     parts = ", ".join(f"{k} x{len(v)}" for k, v in sorted(kinds.items()))
     return out, f"gguf ({parts})"
+
+
+def _same_lookups(quant: nn.Module, table: nn.Embedding) -> bool:
+    """``quant`` returns what ``table`` (the model's own embedding module, possibly a
+    subclass with a ``forward`` of its own, e.g. Gemma 3's scaled one) returns, on 64 ids
+    spread over the vocabulary: else the table stays as it is (logged), never replaced by a
+    lookup that computes something else."""
+    ids = torch.linspace(0, table.num_embeddings - 1, 64).long().to(table.weight.device)
+    with torch.no_grad():
+        got, want = quant(ids), table(ids)
+    same = got.dtype == want.dtype and bool(
+        (got.float() - want.float()).abs().max() <= 1e-6 * want.float().abs().max()
+    )
+    if not same:
+        logger.info(
+            "the %s embedding table stays dense: its codes' lookups differ from the model's "
+            "own embedding", type(table).__name__,
+        )  # fmt: skip
+    return same
 
 
 def _in_order(blocks: QuantBlocks | None, idx: torch.Tensor) -> QuantBlocks:

@@ -363,6 +363,9 @@ class QuantEmbedding(nn.Module):
             kept as they are (shared with a tied ``Q8Linear`` head).
         dtype: the output dtype.
         padding_idx: kept for transformers code that reads it.
+        embed_scale: a factor the looked-up rows are multiplied by in ``dtype``, as the
+            scaled embeddings of some families do in their own ``forward`` (Gemma 3's
+            ``Gemma3TextScaledWordEmbedding``: ``sqrt(hidden_size)``); None: none.
     """
 
     q: torch.Tensor
@@ -376,6 +379,7 @@ class QuantEmbedding(nn.Module):
         offset: torch.Tensor | None,
         dtype: torch.dtype,
         padding_idx: int | None = None,
+        embed_scale: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = q.shape
@@ -385,6 +389,9 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("q", q.to(torch.int8).contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("offset", None if offset is None else offset.float().contiguous())
+        self.register_buffer(
+            "embed_scale", None if embed_scale is None else embed_scale.detach().clone()
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -397,7 +404,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         o = None if self.offset is None else self.offset[ids]
-        return self._dequantize(self.q[ids], self.scale[ids], o)
+        rows = self._dequantize(self.q[ids], self.scale[ids], o)
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(rows.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 codes g{self.group}"
@@ -493,7 +501,7 @@ _META = (
 _BUFFERS = {
     "Int4Linear": ("packed", "scales_and_zeros", "bias"),
     "Int8Linear": ("q", "scale", "bias"),
-    "QuantEmbedding": ("q", "scale", "offset"),
+    "QuantEmbedding": ("q", "scale", "offset", "embed_scale"),
     "Q8Linear": ("q", "scale", "bias"),
 }
 
