@@ -111,10 +111,14 @@ def tiny_llama_512_dir(
 def tiny_qwen2_dir(
     tmp_path_factory: pytest.TempPathFactory, default_model_dir: pathlib.Path
 ) -> pathlib.Path:
-    """A 2-layer random Qwen2 (q/k/v biases, GQA 4:2) with SmolLM2's tokenizer."""
+    """A 2-layer random Qwen2 (q/k/v biases, GQA 4:2) with SmolLM2's tokenizer; its second
+    layer attends over a sliding window of 8 tokens (Qwen2's ``max_window_layers``), so the
+    tests that run it (eager and compiled, preempted, quantized) run a window too."""
     torch.manual_seed(1)
     path = tmp_path_factory.mktemp("tiny-qwen2")
-    model = Qwen2ForCausalLM(Qwen2Config(**TINY, use_sliding_window=False))
+    config = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    model = Qwen2ForCausalLM(config)
     with torch.no_grad():  # random init leaves biases at zero; make them matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

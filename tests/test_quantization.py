@@ -850,3 +850,31 @@ def test_weights_whose_keys_collide_each_find_their_gguf_tensor():
     lm[0].weight.data.copy_(a + 1)
     with pytest.raises(ValueError, match="no tensor of the GGUF file matches"):
         _from_gguf(lm, tensors, torch.float32)
+
+
+def test_a_quantized_embedding_computes_what_the_models_own_does():
+    """Gemma 3's embedding multiplies its rows by sqrt(hidden_size) in its own forward; the
+    codes' lookup keeps that factor (it was dropped: Gemma 3's GGUF answered gibberish). An
+    embedding whose forward does something else stays as it is."""
+    from torch import nn
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (100, 64), generator=g, dtype=torch.int8)
+    scale = torch.rand(100, 2, generator=g)
+    rows = q.float() * scale.repeat_interleave(32, -1)
+    table = Gemma3TextScaledWordEmbedding(100, 64, 0, embed_scale=8.0)
+    table.weight.data.copy_(rows)
+    quant = ql.QuantEmbedding(q, scale, None, torch.float32, 0, table.embed_scale)
+    ids = torch.tensor([3, 99, 0])
+    assert torch.equal(quant(ids), table(ids)) and qz._same_lookups(quant, table)
+
+    class Shifted(nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) + 1
+
+    shifted = Shifted(100, 64)
+    shifted.weight.data.copy_(rows)
+    assert not qz._same_lookups(ql.QuantEmbedding(q, scale, None, torch.float32), shifted)
+    state = ql.module_state(quant)  # the quantized-weights cache keeps the factor
+    assert torch.equal(ql.module_from_state(state)(ids), table(ids))
