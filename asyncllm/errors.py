@@ -19,13 +19,17 @@ class ModelNotFoundError(AsyncLLMError, ValueError):
 
 class UnsupportedModelError(AsyncLLMError, ValueError):
     """The model cannot be served exactly: its config needs an attention feature the paged
-    attention lacks, or its modeling code does not run on the paged KV cache as the load-time
-    check found (:mod:`asyncllm.worker.paged_check`: its attention bypasses the cache, its
-    first step raises, or its logits differ from its own eager forward's)."""
+    attention lacks, its transformers class computes attention in its own code (not through
+    transformers' attention interface), or its modeling code does not run on the paged KV
+    cache as the load-time check found (:mod:`asyncllm.worker.paged_check`: its attention
+    bypasses the cache, its first step raises, or its logits differ from its own eager
+    forward's)."""
 
 
 class ModelLoadError(AsyncLLMError, ValueError):
-    """The model files exist but cannot be read (corrupt or truncated file)."""
+    """The model files exist but cannot be read (corrupt or truncated file), or hold weights
+    that are not finite numbers (inf/NaN: a GGUF block scale, or a weight that makes the
+    logits non-finite); the message names the file, tensor or module."""
 
 
 class EngineDeadError(AsyncLLMError, RuntimeError):

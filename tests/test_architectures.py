@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers as tf
 
-from asyncllm import SamplingParams, UnsupportedModelError
+from asyncllm import ModelLoadError, SamplingParams, UnsupportedModelError
+from asyncllm.attention.backend_registry import ATTN_IMPLEMENTATION
 from asyncllm.bench.tiny_model import TINY_CONFIG
 from asyncllm.models import loader
 from asyncllm.worker import paged_check
@@ -68,13 +69,28 @@ RUNS: dict[str, tuple[type, dict[str, Any]]] = {
     "cohere2": (tf.Cohere2Config, _MIXED),
 }
 
+_OWN_ATTENTION = "calls attention code of its own"
+
 #: family -> (config class, fields, what the refusal names)
 REFUSED: dict[str, tuple[type, dict[str, Any], str]] = {
-    # transformers' Falcon calls torch's attention itself: chunks attended to themselves only
+    # transformers' Falcon calls torch's attention itself: chunks attended to themselves
+    # only (the probe saw it too: test_attention_that_bypasses_the_cache_is_refused)
     "falcon": (
         tf.FalconConfig,
         dict(num_kv_heads=2, new_decoder_architecture=True),
-        "bypasses the paged KV cache",
+        _OWN_ATTENTION,
+    ),
+    # their own attention code and no SDPA: building them raised transformers' ValueError,
+    # reported as a ModelLoadError (GPT-Neo's local layers are refused by config too)
+    "gpt_neo": (
+        tf.GPTNeoConfig,
+        dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]]),
+        _OWN_ATTENTION,
+    ),
+    "xglm": (
+        tf.XGLMConfig,
+        dict(d_model=64, num_layers=2, attention_heads=4, ffn_dim=128),
+        _OWN_ATTENTION,
     ),
     # MLA: K and V head sizes differ from the cache's: the first step raised
     "deepseek_v3": (tf.DeepseekV3Config, _MLA, "first step on the paged KV cache fails"),
@@ -160,16 +176,32 @@ def test_family_is_refused_at_load(family, tmp_path, default_model_dir):
     assert repr(family) in str(info.value)
 
 
+def test_attention_that_bypasses_the_cache_is_refused(tmp_path, default_model_dir, monkeypatch):
+    """Past the class check (a modeling code it misjudges): the probe counts the layer calls
+    that reached the cache and refuses Falcon, whose attention never does."""
+    from asyncllm import AsyncEngine
+
+    cls, fields, _ = REFUSED["falcon"]
+    path = _save(tmp_path / "falcon", cls(**{**TINY_CONFIG, **fields}), default_model_dir)
+    monkeypatch.setattr(loader, "_check_attention_interface", lambda config: None)
+    with pytest.raises(UnsupportedModelError, match="bypasses the paged KV cache"):
+        AsyncEngine.from_pretrained(str(path), **SMALL)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "std"), [("float32", 0.02), ("bfloat16", 0.02), ("bfloat16", 1.0)]
+)
 def test_a_model_computed_otherwise_than_it_says_is_refused(
-    tmp_path, default_model_dir, monkeypatch
+    tmp_path, default_model_dir, monkeypatch, dtype, std
 ):
     """An attention that misses a feature (here it drops a sliding window of 4 tokens over
     the probe's 8): the engine refuses the model because its paged logits differ from its
-    own eager forward's, not serve it wrongly."""
+    own eager forward's, not serve it wrongly; in bfloat16 too, also with weights large
+    enough to widen the bound (std 1.0: rounding noise 0.3, the window's gap 1.2)."""
     from asyncllm import AsyncEngine
     from asyncllm.attention import backend_registry
 
-    config = tf.MistralConfig(**TINY_CONFIG, sliding_window=4)
+    config = tf.MistralConfig(**TINY_CONFIG, sliding_window=4, initializer_range=std)
     path = _save(tmp_path / "mistral-window", config, default_model_dir)
     attend = backend_registry._write_and_attend
 
@@ -178,16 +210,117 @@ def test_a_model_computed_otherwise_than_it_says_is_refused(
 
     monkeypatch.setattr(backend_registry, "_write_and_attend", windowless)
     with pytest.raises(UnsupportedModelError, match="differ from its own eager forward"):
-        AsyncEngine.from_pretrained(str(path), **SMALL)
+        AsyncEngine.from_pretrained(str(path), **{**SMALL, "dtype": dtype})
+
+
+def _noisy_phi3(path: pathlib.Path, tokenizer_dir: pathlib.Path) -> pathlib.Path:
+    """A tiny Phi-3 with weights 25x the usual (std 0.5) and jittered norms: exact on the
+    paged path in float32, but bfloat16 rounding moves its logits by ~0.16 of their scale
+    (float32 against bfloat16 eager), and its paged logits by 0.078 from its eager ones."""
+    config = tf.Phi3Config(**TINY_CONFIG, sliding_window=None, pad_token_id=0)
+    config.initializer_range = 0.5
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+    tf.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return path
+
+
+async def test_a_bfloat16_model_with_large_rounding_noise_is_served(
+    tmp_path, default_model_dir, make_engine
+):
+    """The fixed bfloat16 bound (0.05) refused it; its gap is under twice what one rounding
+    step of its input does to its eager logits (0.19 here), so it is served, and in float32
+    it runs token for token like transformers."""
+    path = _noisy_phi3(tmp_path / "phi3", default_model_dir)
+    for dtype in ("bfloat16", "float32"):
+        engine = make_engine(path, **{**SMALL, "dtype": dtype})
+        async with engine:
+            got = [t async for out in engine.stream(PROMPT, GREEDY) for t in out.token_ids]
+        assert len(got) == GREEDY.max_tokens
+    assert got == _reference(path)
+
+
+def test_a_chunk_that_attends_only_to_itself_is_refused_in_noisy_bfloat16(
+    tmp_path, default_model_dir, monkeypatch
+):
+    """Falcon's failure (each chunk attends to itself only) put into the probe's paged
+    logits of the noisy Phi-3: off by 1.3 of their scale, above any widened bound."""
+    from asyncllm import AsyncEngine
+
+    real = paged_check._paged_logits
+
+    def self_only(model, kv_cache, backend, ids):  # type: ignore[no-untyped-def]
+        logits = real(model, kv_cache, backend, ids)  # the layer calls are still counted
+        first = paged_check.PROBE_CHUNKS[0]
+        model.set_attn_implementation("eager")
+        try:
+            with torch.inference_mode():
+                tail = model(
+                    input_ids=torch.tensor([ids[first:]]),
+                    position_ids=torch.arange(first, len(ids))[None],
+                    use_cache=False,
+                ).logits[0]
+        finally:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        return torch.cat([logits[:first], tail])
+
+    path = _noisy_phi3(tmp_path / "phi3", default_model_dir)
+    monkeypatch.setattr(paged_check, "_paged_logits", self_only)
+    with pytest.raises(UnsupportedModelError, match="more than bfloat16 rounding explains"):
+        AsyncEngine.from_pretrained(str(path), **{**SMALL, "dtype": "bfloat16"})
 
 
 def test_logits_agree_within_the_dtype_rounding():
     want = torch.linspace(-8, 8, 64).reshape(2, 32)
     assert paged_check.logits_agree(want + 1e-5, want, torch.float32)[0]
     assert not paged_check.logits_agree(want + 0.1, want, torch.float32)[0]
+    assert not paged_check.logits_agree(want + 0.1, want, torch.float32, noise=1.0)[0]
     assert paged_check.logits_agree(want + 0.1, want, torch.bfloat16)[0]
     agree, err = paged_check.logits_agree(want.roll(1, 1), want, torch.bfloat16)
     assert not agree and err > 0.1
+    # bfloat16: twice the measured noise where that is larger, never above the ceiling
+    assert not paged_check.logits_agree(want + 1.0, want, torch.bfloat16)[0]  # 0.125
+    assert paged_check.logits_agree(want + 1.0, want, torch.bfloat16, noise=0.07)[0]
+    assert not paged_check.logits_agree(want + 1.0, want, torch.bfloat16, noise=0.06)[0]
+    assert not paged_check.logits_agree(want + 2.4, want, torch.bfloat16, noise=5.0)[0]
+    assert not paged_check.logits_agree(want * float("nan"), want, torch.bfloat16, 5.0)[0]
+
+
+@pytest.mark.parametrize(("value", "dtype"), [("inf", "float32"), ("nan", "bfloat16")])
+def test_non_finite_weights_are_refused_as_a_corrupt_file(tiny_llama_dir, tmp_path, value, dtype):
+    """One inf/NaN weight (what a Q4_K block with an inf scale dequantizes to) made every
+    logit NaN, and the check blamed the paged cache ("differ by nan"); the weights are."""
+    from asyncllm import AsyncEngine
+
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float(value)
+    path = tmp_path / "corrupt"
+    model.save_pretrained(path)
+    tf.AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(path)
+    with pytest.raises(ModelLoadError, match="hold non-finite values") as info:
+        AsyncEngine.from_pretrained(str(path), **{**SMALL, "dtype": dtype})
+    assert "model.layers.0.mlp." in str(info.value) and "paged" not in str(info.value)
+
+
+def test_activations_that_overflow_are_refused_as_such(tiny_llama_dir, tmp_path):
+    """Finite weights whose activations overflow the dtype: not a corrupt file, and not
+    the paged cache's doing."""
+    from asyncllm import AsyncEngine
+
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(3e38)
+    path = tmp_path / "overflow"
+    model.save_pretrained(path)
+    tf.AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(path)
+    with pytest.raises(UnsupportedModelError, match=r"activations overflow float32.*model\.norm"):
+        AsyncEngine.from_pretrained(str(path), **SMALL)
 
 
 @pytest.mark.parametrize("error", [RuntimeError("boom"), MemoryError()])

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, dequantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncllm.bench.tiny_model import TINY_CONFIG
+from asyncllm.errors import ModelLoadError
 from asyncllm.models import quantization as qz
 from asyncllm.models.gguf_quant import GGUFTensor, unpack
 from asyncllm.worker import quant_linear as ql
@@ -74,6 +75,41 @@ def test_q4_k_needs_whole_super_blocks():
         unpack("Q4_K", random_q4_k(2, 256)[:, :72], (2, 128))
 
 
+def _f16(value: float) -> np.ndarray:
+    return np.array([value], np.float16).view(np.uint8)
+
+
+@pytest.mark.parametrize(("at", "value"), [(0, np.inf), (0, -np.inf), (2, np.nan), (2, np.inf)])
+def test_q4_k_with_a_non_finite_scale_is_a_corrupt_tensor(at, value):
+    """An inf/NaN ``d`` (bytes 0-1) or ``dmin`` (2-3) was passed through: its block's
+    weights came out inf/NaN (ggml's too) and the check blamed the paged cache."""
+    raw = random_q4_k(16, 512)
+    raw[3, 144 + at : 144 + at + 2] = _f16(value)  # row 3, second super-block
+    field = "d" if at == 0 else "dmin"
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"blk\.3\.ffn_up\.weight: a non-finite {field} \(inf/NaN\) in 1 of its 32 Q4_K",
+    ):
+        unpack("Q4_K", raw, (16, 512), "blk.3.ffn_up.weight")
+
+
+@pytest.mark.parametrize(
+    ("kind", "size", "at"), [("Q4_0", 18, 0), ("Q4_1", 20, 0), ("Q4_1", 20, 2), ("Q8_0", 34, 0)]
+)
+def test_other_blocks_with_a_non_finite_scale_are_corrupt(kind, size, at):
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (4, 2, size), dtype=np.uint8)
+    raw[..., 0:2] = _f16(0.01)
+    if kind == "Q4_1":
+        raw[..., 2:4] = _f16(-0.05)
+    unpack(kind, raw.reshape(4, -1), (4, 64), "ok")  # finite: unpacked
+    raw[1, 1, at : at + 2] = _f16(np.nan)
+    with pytest.raises(
+        ModelLoadError, match=rf"corrupt GGUF tensor blk\.0\.attn_q\.weight.*{kind}"
+    ):
+        unpack(kind, raw.reshape(4, -1), (4, 64), "blk.0.attn_q.weight")
+
+
 def test_a_q4_k_model_runs_as_int4_and_computes_the_file_s_function():
     """A 2-layer Llama (hidden 256: Q4_K needs rows of whole 256-weight super-blocks) with
     every linear of its decoder layers a Q4_K tensor (the model holds exactly what the file
@@ -113,3 +149,11 @@ def test_a_q4_k_model_runs_as_int4_and_computes_the_file_s_function():
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     cpu = torch.device("cpu")
     assert qz._auto_mode(tensors, pathlib.Path("m.gguf"), cpu, torch.float32) == "gguf"
+
+    # A corrupt block scale in one of the file's tensors: refused at load, naming it.
+    bad = tensors[1]
+    raw = bad.raw.copy()
+    raw[0, 0:2] = np.array([np.inf], np.float16).view(np.uint8)
+    tensors[1] = GGUFTensor(bad.name, "Q4_K", bad.shape, raw, Q4_K)
+    with pytest.raises(ModelLoadError, match=rf"corrupt GGUF tensor {bad.name}: "):
+        qz._from_gguf(lm, tensors, torch.float32)

@@ -9,6 +9,7 @@ import os
 import pathlib
 import time
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from transformers import (
     BloomConfig,
     FalconConfig,
     Gemma2Config,
+    GPTNeoConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -26,6 +28,7 @@ from transformers import (
     Qwen2Config,
     T5Config,
     ViTConfig,
+    XGLMConfig,
 )
 
 from asyncllm.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
@@ -282,6 +285,25 @@ def test_truncated_gguf(tmp_path: pathlib.Path):
     assert str(path) in str(info.value)
     assert info.value.__cause__ is not None
     _assert_cache_clean()
+
+
+def test_gguf_with_a_non_finite_block_scale_is_corrupt(tmp_path, tiny_hf_dir, monkeypatch):
+    """A GGUF block with an inf scale dequantizes (gguf-py's way) to an inf weight: the
+    conversion's self-check said its saved copy "differs by up to nan"; the file is corrupt,
+    and the message says which weight. (transformers' GGUF reading stubbed by the tiny
+    model it would give; the default model's file with one Q4_1 ``d`` set to inf gives
+    ``model.layers.0.mlp.up_proj.weight`` the same way.)"""
+    _, model = tiny_hf_dir
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("inf")
+    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    monkeypatch.setattr(loader.AutoTokenizer, "from_pretrained", lambda *a, **k: _tiny_tokenizer())
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    out = tmp_path / "out"
+    with pytest.raises(ModelLoadError, match=r"corrupt GGUF file .*layers\.0\.mlp\.up_proj"):
+        loader._write_converted(path, out)
+    assert not out.exists()  # refused before anything is saved
 
 
 @pytest.mark.parametrize("keep", [0, 4, 100, -16])
@@ -569,6 +591,52 @@ def test_architecture_checked_before_weights(tiny_hf_dir):
     (path / "model.safetensors").unlink()
     (path / "pytorch_model.bin").write_bytes(b"garbage")  # would fail if read
     with pytest.raises(UnsupportedModelError, match="cross-attention"):
+        load_model(path, dtype=torch.float32, device=torch.device("cpu"))
+
+
+_GPT_NEO: dict[str, Any] = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4)
+
+
+def _garbage_weights(path: pathlib.Path) -> None:
+    """Replace the weights by a file that fails if read."""
+    (path / "model.safetensors").unlink()
+    (path / "pytorch_model.bin").write_bytes(b"garbage")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        GPTNeoConfig(**_GPT_NEO, attention_types=[[["global"], 2]]),
+        XGLMConfig(vocab_size=256, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128),
+        FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+    ],
+    ids=lambda c: c.model_type,
+)
+def test_attention_of_its_own_is_refused_before_weights(tiny_hf_dir, config):
+    """GPT-Neo and XGLM raised ModelLoadError with transformers' "does not support an
+    attention implementation through torch.nn.functional.scaled_dot_product_attention";
+    every class whose attention skips transformers' interface is refused by its config."""
+    path, _ = tiny_hf_dir
+    config.save_pretrained(path)
+    _garbage_weights(path)
+    with pytest.raises(UnsupportedModelError, match="cannot run on asyncllm's paged KV cache"):
+        load_model(path, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_gpt_neo_local_attention_is_refused(tiny_hf_dir, monkeypatch):
+    """Its local layers attend to the last ``window_size`` tokens: a window the probe's 8
+    tokens cannot see, so the config is refused even were its attention switchable."""
+    local = GPTNeoConfig(**_GPT_NEO, attention_types=[[["global", "local"], 1]])
+    with pytest.raises(UnsupportedModelError, match=r"'local' attention layers \(a window of 256"):
+        loader._check_local_attention(local)
+    loader._check_local_attention(GPTNeoConfig(**_GPT_NEO, attention_types=[[["global"], 2]]))
+    loader._check_local_attention(LlamaConfig(**TINY_LLAMA))
+
+    path, _ = tiny_hf_dir
+    local.save_pretrained(path)
+    _garbage_weights(path)
+    monkeypatch.setattr(loader, "_check_attention_interface", lambda config: None)
+    with pytest.raises(UnsupportedModelError, match="'gpt_neo' needs 'local' attention"):
         load_model(path, dtype=torch.float32, device=torch.device("cpu"))
 
 

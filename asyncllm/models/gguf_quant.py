@@ -18,7 +18,8 @@ and weight ``j + 16`` in its high nibble; in ``Q4_K``, each 32 bytes hold two 32
 blocks, the first in the low nibbles. Every value is returned as is (float16 scales widened
 to float32), so a caller that computes ``scale * q + offset`` in float32 reproduces gguf's
 own dequantization bit for bit (a float16 times a code below 2**8 is exact in float32; one
-rounding follows).
+rounding follows). A block whose float16 scale or minimum is inf or NaN is refused as a
+corrupt tensor (:class:`~asyncllm.errors.ModelLoadError` naming it), not passed through.
 
 GGUF files may store a weight with its rows permuted (llama.cpp reorders the query and key
 projections of Llama-family models); :func:`match_rows` finds the permutation that maps a
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
+from asyncllm.errors import ModelLoadError
 from asyncllm.models.fingerprint import fingerprint
 from asyncllm.models.gguf_parse import reader
 
@@ -94,11 +96,13 @@ class QuantBlocks:
         return QuantBlocks(self.kind, self.q[index], self.scale[index], self.offset[index])
 
 
-def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBlocks:
+def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int], name: str = "") -> QuantBlocks:
     """Unpack the raw bytes of a ``Q4_0``/``Q4_1``/``Q4_K``/``Q8_0`` tensor of ``shape``
-    (rows, cols).
+    (rows, cols); ``name`` (the GGUF tensor's) is for error messages.
 
     Raises:
+        ModelLoadError: a block's float16 scale or minimum (``d``, ``m``, ``dmin``) is inf
+            or NaN: a corrupt file (ggml itself would compute inf/NaN weights from it).
         ValueError: ``kind`` has no layout here, or the byte count does not match ``shape``.
     """
     rows, cols = shape
@@ -109,9 +113,10 @@ def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBlocks:
     if cols % width:
         raise ValueError(f"{kind} tensor of shape {shape}: columns not a multiple of {width}")
     if kind == "Q4_K":
-        return _unpack_q4_k(raw, rows, cols)
+        return _unpack_q4_k(raw, rows, cols, name)
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // BLOCK, sizes[kind])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    _check_finite(name, kind, d=d)
     if kind == "Q8_0":
         q = blocks[..., 2:].copy().view(np.int8).astype(np.int16)
         offset = np.zeros_like(d)
@@ -121,6 +126,7 @@ def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBlocks:
         q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.int16)
         if kind == "Q4_1":
             offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            _check_finite(name, kind, m=offset)
         else:
             offset = -8 * d
     return QuantBlocks(
@@ -131,12 +137,25 @@ def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBlocks:
     )
 
 
-def _unpack_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantBlocks:
+def _check_finite(name: str, kind: str, **scales: np.ndarray) -> None:
+    """Raise ModelLoadError when a block's scale or minimum in ``scales`` is inf or NaN."""
+    for field, values in scales.items():
+        bad = int(np.count_nonzero(~np.isfinite(values)))
+        if bad:
+            raise ModelLoadError(
+                f"corrupt GGUF tensor {name or '(unnamed)'}: a non-finite {field} (inf/NaN) "
+                f"in {bad} of its {values.size} {kind} blocks, which would make its weights "
+                "inf/NaN"
+            )
+
+
+def _unpack_q4_k(raw: np.ndarray, rows: int, cols: int, name: str) -> QuantBlocks:
     """``Q4_K`` as 32-weight blocks: ggml's ``block_q4_K`` (``get_scale_min_k4`` packs the
     6-bit scales and minimums; gguf-py's ``Q4_K.dequantize_blocks`` is the reference)."""
     sb = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // SUPER_BLOCK, 144)
     d = sb[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, n, 1]
     dmin = sb[..., 2:4].copy().view(np.float16).astype(np.float32)
+    _check_finite(name, "Q4_K", d=d, dmin=dmin)
     packed = sb[..., 4:16].reshape(rows, -1, 3, 4)
     lo, hi, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
     sc = np.concatenate([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)

@@ -39,6 +39,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
 )
@@ -174,6 +175,63 @@ def check_architecture(config: PretrainedConfig) -> None:
         )
 
 
+def _check_local_attention(config: PretrainedConfig) -> None:
+    """Refuse GPT-Neo-style local attention: ``attention_layers`` (expanded from
+    ``attention_types``) naming layers other than "global", which attend only to the last
+    ``window_size`` tokens. :func:`check_architecture` reads ``layer_types`` and
+    ``sliding_window``; this config spells its window otherwise, and the load-time probe's
+    8 tokens cannot see a window of 256.
+
+    Raises:
+        UnsupportedModelError: naming ``config.model_type`` and the layer kinds.
+    """
+    model_type = getattr(config, "model_type", None) or type(config).__name__
+    text = config.get_text_config(decoder=True)
+    for cfg in [config] if text is config else [config, text]:
+        kinds = getattr(cfg, "attention_layers", None) or ()
+        local = [k for k in dict.fromkeys(kinds) if isinstance(k, str) and k != "global"]
+        if local:
+            window = getattr(cfg, "window_size", None)
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} needs {', '.join(map(repr, local))} attention "
+                f"layers (a window of {window} tokens), which asyncllm's causal paged "
+                "attention does not support; use a decoder-only model with full causal "
+                "attention (e.g. Llama, Qwen2, SmolLM2)."
+            )
+
+
+def _check_attention_interface(config: PretrainedConfig) -> None:
+    """Refuse a model whose transformers class computes attention in its own code instead
+    of through transformers' attention interface: it cannot be switched to the paged
+    attention (transformers' own test, the one ``set_attn_implementation`` applies before it
+    warns and leaves the attention as it is). Such classes (GPT-Neo, XGLM, Falcon, ...)
+    often lack an SDPA implementation too, and building one with
+    ``attn_implementation="sdpa"`` raised transformers' "does not support an attention
+    implementation through torch.nn.functional.scaled_dot_product_attention".
+
+    Raises:
+        UnsupportedModelError: naming ``config.model_type`` and the class.
+    """
+    try:
+        found = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ImportError):
+        return  # no causal LM class (check_architecture refused it), or none importable
+    # Several classes for one config: the one its architectures name, as transformers picks.
+    choices = list(found) if isinstance(found, (list, tuple)) else [found]
+    architectures = getattr(config, "architectures", None) or ()
+    cls = next((c for c in choices if c.__name__ in architectures), choices[0])
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    if can_set is None or can_set():  # a transformers without the test: the probe checks
+        return
+    model_type = getattr(config, "model_type", None) or type(config).__name__
+    raise UnsupportedModelError(
+        f"model_type {model_type!r}: transformers' {cls.__name__} calls attention code of "
+        "its own, not transformers' attention interface, so its attention cannot run on "
+        "asyncllm's paged KV cache; use a model whose attention goes through that interface "
+        "(e.g. Llama, Qwen2, SmolLM2)."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     """A causal LM ready to serve, as returned by :func:`load_model`.
@@ -232,8 +290,12 @@ def load_model(
     Raises:
         ModelNotFoundError: the model or its tokenizer files are missing.
         UnsupportedModelError: the architecture is not a plain decoder-only causal LM
-            (see :func:`check_architecture`) or transformers does not know it.
-        ModelLoadError: the config or weight files cannot be read.
+            (see :func:`check_architecture`; also GPT-Neo's local attention layers), its
+            transformers class computes attention in its own code (GPT-Neo, XGLM, Falcon:
+            its attention cannot run on the paged KV cache), or transformers does not
+            know it.
+        ModelLoadError: the config or weight files cannot be read, or a GGUF tensor's
+            block scales are inf/NaN (naming it).
         ValueError: a quantization setting the model or device cannot run (naming the
             setting, tensor or layer).
     """
@@ -299,6 +361,8 @@ def _load_model(
     device = torch.device(device)
     config = _read_config(model_dir)
     check_architecture(config)
+    _check_attention_interface(config)
+    _check_local_attention(config)
     if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelNotFoundError(
             f"{model_dir} has no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)})."
@@ -509,7 +573,13 @@ def _prune_stale_tmp(root: pathlib.Path, target: pathlib.Path) -> None:
 
 
 def _write_converted(path: pathlib.Path, out: pathlib.Path) -> None:
-    """Dequantize the GGUF file into ``out`` and check the saved copy gives the same logits."""
+    """Dequantize the GGUF file into ``out`` and check the saved copy gives the same logits.
+
+    Raises:
+        ModelLoadError: the file cannot be read, its weights dequantize to inf/NaN (naming
+            the parameters), or the saved copy's logits differ.
+        UnsupportedModelError: transformers cannot convert its architecture.
+    """
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
@@ -551,6 +621,15 @@ def _write_converted(path: pathlib.Path, out: pathlib.Path) -> None:
     probe = torch.arange(1, 17, dtype=torch.long).remainder(lm.config.vocab_size)[None, :]
     with torch.no_grad():
         expected = lm(probe).logits
+    if not bool(expected.isfinite().all()):
+        # A block scale of inf/NaN (gguf-py dequantizes it as it is): not the conversion's
+        # fault, so not its self-check's message.
+        bad = [n for n, p in lm.named_parameters() if not bool(p.isfinite().all())]
+        raise ModelLoadError(
+            f"corrupt GGUF file {path}: its weights dequantize to non-finite values (inf/NaN) "
+            f"in {', '.join(bad[:4]) or 'no single parameter'}{' ...' if len(bad) > 4 else ''}, "
+            "so its logits are not finite"
+        )
     lm.save_pretrained(out)
     tokenizer.save_pretrained(out)
     del lm

@@ -212,6 +212,7 @@ def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = N
         A :class:`QuantInfo`.
 
     Raises:
+        ModelLoadError: a GGUF tensor with inf/NaN block scales (naming it; a corrupt file).
         ValueError: a ``"gguf"`` linear weight whose type has no kernel (naming the tensor
             and type); an int4 group size that does not divide a layer's input width
             (naming the layer).
@@ -426,7 +427,7 @@ def _from_gguf(
     index: dict[tuple[tuple[int, ...], int], list[tuple[Any, torch.Tensor, QuantBlocks | None]]]
     index = {}
     for t in tensors:
-        blocks = unpack(t.kind, t.raw, t.shape) if t.kind in KERNEL_TYPES else None
+        blocks = unpack(t.kind, t.raw, t.shape, t.name) if t.kind in KERNEL_TYPES else None
         dense = (blocks.dequantize() if blocks is not None else t.dequantize()).to(held)
         index.setdefault(content_key(dense), []).append((t, dense, blocks))
 

@@ -88,6 +88,7 @@ class ModelRunner:
         ValueError: an attention backend that cannot run on the model's device.
         UnsupportedModelError: the model's attention does not run on the paged cache
             (:func:`~asyncllm.worker.paged_check.check_paged_forward`).
+        ModelLoadError: its weights give non-finite logits (a corrupt file; the same check).
     """
 
     def __init__(
