@@ -148,7 +148,7 @@ async def test_windows_survive_prefix_caching_and_preemption(
     give transformers' tokens."""
     cls, fields = RUNS["gemma3"]
     path = _save(tmp_path / "gemma3", cls(**{**TINY_CONFIG, **fields}), default_model_dir)
-    prompts = [PROMPT[:9] + [100 + i, 2000 + i, 30 + i] for i in range(4)]
+    prompts = [[*PROMPT[:9], 100 + i, 2000 + i, 30 + i] for i in range(4)]
     block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # layers, K and V, KV heads, head size, float32, tokens
     engine = make_engine(path, **{**SMALL, "kv_cache_bytes": 10 * block_bytes, "max_model_len": 32})
 
@@ -183,7 +183,7 @@ def test_attention_that_bypasses_the_cache_is_refused(tmp_path, default_model_di
 
     cls, fields, _ = REFUSED["falcon"]
     path = _save(tmp_path / "falcon", cls(**{**TINY_CONFIG, **fields}), default_model_dir)
-    monkeypatch.setattr(loader, "_check_attention_interface", lambda config: None)
+    monkeypatch.setattr(loader, "check_attention_interface", lambda config: None)
     with pytest.raises(UnsupportedModelError, match="bypasses the paged KV cache"):
         AsyncEngine.from_pretrained(str(path), **SMALL)
 
@@ -209,8 +209,42 @@ def test_a_model_computed_otherwise_than_it_says_is_refused(
         return attend(meta, layer, q, k, v, scale, 0, softcap, num_tokens)
 
     monkeypatch.setattr(backend_registry, "_write_and_attend", windowless)
+    # past the window check too (test_a_window_the_attention_is_not_handed_is_refused)
+    monkeypatch.setattr(paged_check, "_check_windows", lambda *args: None)
     with pytest.raises(UnsupportedModelError, match="differ from its own eager forward"):
         AsyncEngine.from_pretrained(str(path), **{**SMALL, "dtype": dtype})
+
+
+def test_a_window_the_attention_is_not_handed_is_refused(tmp_path, default_model_dir, monkeypatch):
+    """A window of 64 tokens, longer than the probe's 8 (the logits cannot show it), which
+    the modeling code would keep to its own mask: refused because the attention was not
+    handed the window the config asks for."""
+    from asyncllm import AsyncEngine
+    from asyncllm.attention import backend_registry
+
+    config = tf.MistralConfig(**TINY_CONFIG, sliding_window=64)
+    path = _save(tmp_path / "mistral-64", config, default_model_dir)
+    attend = backend_registry._write_and_attend
+
+    def windowless(meta, layer, q, k, v, scale, window, softcap, num_tokens=None):
+        return attend(meta, layer, q, k, v, scale, 0, softcap, num_tokens)
+
+    monkeypatch.setattr(backend_registry, "_write_and_attend", windowless)
+    with pytest.raises(UnsupportedModelError, match="sliding window of 64 tokens"):
+        AsyncEngine.from_pretrained(str(path), **SMALL)
+
+
+def test_expected_windows_follow_the_config():
+    mixed = tf.Gemma3TextConfig(**TINY_CONFIG, head_dim=16, **_MIXED)
+    assert paged_check.expected_windows(mixed) == [WINDOW, 0]
+    assert paged_check.expected_windows(tf.MistralConfig(**TINY_CONFIG, sliding_window=9)) == [9, 9]
+    off = tf.Qwen2Config(**TINY_CONFIG, use_sliding_window=False, sliding_window=32)
+    assert paged_check.expected_windows(off) == [0, 0]
+    # no shorter than the longest sequence the model takes (256): no window at all
+    assert paged_check.expected_windows(tf.MistralConfig(**TINY_CONFIG, sliding_window=256)) == [
+        0,
+        0,
+    ]
 
 
 def _noisy_phi3(path: pathlib.Path, tokenizer_dir: pathlib.Path) -> pathlib.Path:

@@ -132,8 +132,8 @@ def test_avx2_variant_matches_torch(dtype):
     c = cpu_paged.CpuPagedPlan.build(query_lens, seq_lens, tables, 8).chunks
     assert c is not None
     out = torch.empty(q.shape, dtype=dtype)
-    mod.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, 0, 0.0, out,
-                      None, None, None)  # fmt: skip
+    mod.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, 0, 0.0,
+                      out, None, None, None)  # fmt: skip
     tol = 2e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=max(tol, 1e-5))
 
@@ -163,8 +163,8 @@ def test_avx2_variant_matches_the_loaded_one(dtype):
     assert c is not None
     outs = [torch.empty(q.shape, dtype=dtype) for _ in range(2)]
     for m, out in zip((mod, loaded), outs, strict=True):
-        m.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, 0, 0.0, out,
-                        None, None, None)  # fmt: skip
+        m.paged_prefill(q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.1, 0,
+                        0.0, out, None, None, None)  # fmt: skip
     torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=tol, atol=tol)
 
 

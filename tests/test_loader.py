@@ -90,6 +90,7 @@ def _tiny_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_hf_dir(tmp_path: pathlib.Path) -> tuple[pathlib.Path, LlamaForCausalLM]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, bos_token_id=1, eos_token_id=2)).eval()
+    model.set_attn_implementation("eager")  # as the loader builds it: the logits bit for bit
     model.generation_config.eos_token_id = [2, 3]
     path = tmp_path / "tiny-llama"
     model.save_pretrained(path)
@@ -127,7 +128,7 @@ def test_hf_dir_loads_with_same_logits(tiny_hf_dir):
     assert loaded.max_model_len == 128
     assert loaded.eos_token_ids == (2, 3)
     assert loaded.config.model_type == "llama"
-    assert loaded.model.config._attn_implementation == "sdpa"
+    assert loaded.model.config._attn_implementation == "eager"
 
     ids = loaded.tokenizer("hello world", return_tensors="pt").input_ids
     assert ids.shape[1] > 0 and int(ids.max()) < 256
@@ -628,14 +629,14 @@ def test_gpt_neo_local_attention_is_refused(tiny_hf_dir, monkeypatch):
     tokens cannot see, so the config is refused even were its attention switchable."""
     local = GPTNeoConfig(**_GPT_NEO, attention_types=[[["global", "local"], 1]])
     with pytest.raises(UnsupportedModelError, match=r"'local' attention layers \(a window of 256"):
-        loader._check_local_attention(local)
-    loader._check_local_attention(GPTNeoConfig(**_GPT_NEO, attention_types=[[["global"], 2]]))
-    loader._check_local_attention(LlamaConfig(**TINY_LLAMA))
+        loader.check_local_attention(local)
+    loader.check_local_attention(GPTNeoConfig(**_GPT_NEO, attention_types=[[["global"], 2]]))
+    loader.check_local_attention(LlamaConfig(**TINY_LLAMA))
 
     path, _ = tiny_hf_dir
     local.save_pretrained(path)
     _garbage_weights(path)
-    monkeypatch.setattr(loader, "_check_attention_interface", lambda config: None)
+    monkeypatch.setattr(loader, "check_attention_interface", lambda config: None)
     with pytest.raises(UnsupportedModelError, match="'gpt_neo' needs 'local' attention"):
         load_model(path, dtype=torch.float32, device=torch.device("cpu"))
 

@@ -867,7 +867,7 @@ def test_a_quantized_embedding_computes_what_the_models_own_does():
     table.weight.data.copy_(rows)
     quant = ql.QuantEmbedding(q, scale, None, torch.float32, 0, table.embed_scale)
     ids = torch.tensor([3, 99, 0])
-    assert torch.equal(quant(ids), table(ids)) and qz._same_lookups(quant, table)
+    assert torch.equal(quant(ids), table(ids)) and quant.same_lookups(table)
 
     class Shifted(nn.Embedding):
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -875,6 +875,6 @@ def test_a_quantized_embedding_computes_what_the_models_own_does():
 
     shifted = Shifted(100, 64)
     shifted.weight.data.copy_(rows)
-    assert not qz._same_lookups(ql.QuantEmbedding(q, scale, None, torch.float32), shifted)
+    assert not ql.QuantEmbedding(q, scale, None, torch.float32).same_lookups(shifted)
     state = ql.module_state(quant)  # the quantized-weights cache keeps the factor
     assert torch.equal(ql.module_from_state(state)(ids), table(ids))

@@ -10,29 +10,21 @@ Settings:
 * ``"int4"``: weight-only 4-bit, a scale and zero point per ``group_size`` input columns
   (``Int4Linear``; 32 by default, 64 or 128).
 * ``"gguf"``: a GGUF file's own blocks kept: ``Q4_0``/``Q4_1``/``Q4_K`` -> ``Int4Linear``
-  with group 32 (the codes as they are; Q4_K's 6-bit sub-block scales and minimums folded
-  into each 32-weight block's scale and offset, exactly; the scales exact in a float32
-  model, rounded to bfloat16 in a bfloat16 one),
-  ``Q8_0`` and the types without a kernel (``Q5_K``, ``Q6_K``...) -> the dense weight (see
-  :data:`Q8_0_LINEAR`), but a ``Q8_0`` LM head ->
-  ``Q8Linear`` (below); the ``Q8_0``/``Q4_*`` token embedding table -> :class:`QuantEmbedding`
-  (lossless; a table tied to a ``Q8Linear`` head shares its codes).
+  with group 32 (codes as they are; Q4_K's sub-block scales and minimums folded exactly into
+  block scales and offsets), a ``Q8_0`` LM head -> ``Q8Linear``, the token embedding table ->
+  :class:`QuantEmbedding`; other types run dense (:data:`Q8_0_LINEAR`).
 
 The int4 layers compute in the model's dtype where it is float32 (float32 activations and
 scales: the function the file defines, as closely as float32 computes it) and in bfloat16
 otherwise (:func:`asyncllm.worker.quant_linear.int4_dtype`); the int8 layers in bfloat16
 (:data:`asyncllm.worker.quant_linear.COMPUTE_DTYPE`), handing float32 back to a float32 model.
 
-What is quantized (docs/tuning.md has the measurements): every ``nn.Linear`` of the decoder
-layers. For int4/int8 the LM head stays in the model's dtype, and so does a tied embedding
-table (it is the same tensor): the head is a fifth of SmolLM2-135M's weights, and an int4
-(group 32) copy of the default model's head raised the perplexity of the bfloat16 "gguf"
-model on tests/data/public_domain.txt from 18.90 to 19.88 (+5.2%; float32 18.77), past the
-1% the quality test allows (``benchmarks/head_precision.py``). Under "gguf", a head the file
-ships as ``Q8_0`` (llama.cpp's usual choice, and the default model's) keeps the file's own
-precision where its kernel has an AVX-512 path: :class:`~asyncllm.worker.q8_linear.Q8Linear`
-(codes and scales exact; a decode row reads 31 instead of 57 MB, many rows go through a
-packed dense copy), and a table tied to it reads the same codes
+What is quantized: every ``nn.Linear`` of the decoder layers. For int4/int8 the LM head
+stays in the model's dtype, and so does a tied embedding table (the same tensor): an int4
+head costs more perplexity than the quality test allows (docs/tuning.md,
+``benchmarks/head_precision.py``). Under "gguf", a ``Q8_0`` head (llama.cpp's usual choice)
+keeps the file's codes where its kernel has an AVX-512 path
+(:class:`~asyncllm.worker.q8_linear.Q8Linear`), and a table tied to it reads the same codes
 (:class:`~asyncllm.worker.quant_linear.QuantEmbedding`, no second copy).
 
 The converted modules are saved under ``cache_dir()/quant/`` keyed by the content of the
@@ -467,47 +459,40 @@ def _from_gguf(
             lin = lm.get_submodule(head)
             out[head] = Q8Linear(blocks.q, blocks.scale, lin.bias, dtype)
             kinds.setdefault("Q8_0 head", set()).add(head)
-    if emb is not None and tied and isinstance(out.get(head or ""), Q8Linear):
-        # The table is the head's weight: its lookups read the head's codes (shared).
-        h = out[head or ""]
-        quant = ql.QuantEmbedding(
-            h.q, h.scale, None, dtype, emb[1].padding_idx, getattr(emb[1], "embed_scale", None)
-        )
-        if _same_lookups(quant, emb[1]):
+    if emb is not None and not (tied and head not in out):
+        quant, kind = _gguf_embedding(emb[1], out.get(head or "") if tied else None, find, dtype)
+        if quant is not None:
             out[emb[0]] = quant
-    elif emb is not None and not (tied and head not in out):
-        name, table = emb
-        t, blocks, idx = find(name, table.weight)
-        if t.kind in KERNEL_TYPES:
-            blocks = _in_order(blocks, idx)
-            quant = ql.QuantEmbedding(
-                blocks.q, blocks.scale, blocks.offset, dtype, table.padding_idx,
-                getattr(table, "embed_scale", None),
-            )  # fmt: skip
-            if _same_lookups(quant, table):
-                out[name] = quant
-                kinds.setdefault(f"{t.kind} embedding", set()).add(name)
+            if kind:
+                kinds.setdefault(f"{kind} embedding", set()).add(emb[0])
     parts = ", ".join(f"{k} x{len(v)}" for k, v in sorted(kinds.items()))
     return out, f"gguf ({parts})"
 
 
-def _same_lookups(quant: nn.Module, table: nn.Embedding) -> bool:
-    """``quant`` returns what ``table`` (the model's own embedding module, possibly a
-    subclass with a ``forward`` of its own, e.g. Gemma 3's scaled one) returns, on 64 ids
-    spread over the vocabulary: else the table stays as it is (logged), never replaced by a
-    lookup that computes something else."""
-    ids = torch.linspace(0, table.num_embeddings - 1, 64).long().to(table.weight.device)
-    with torch.no_grad():
-        got, want = quant(ids), table(ids)
-    same = got.dtype == want.dtype and bool(
-        (got.float() - want.float()).abs().max() <= 1e-6 * want.float().abs().max()
-    )
-    if not same:
-        logger.info(
-            "the %s embedding table stays dense: its codes' lookups differ from the model's "
-            "own embedding", type(table).__name__,
-        )  # fmt: skip
-    return same
+def _gguf_embedding(
+    table: nn.Embedding, tied_head: nn.Module | None, find: Any, dtype: torch.dtype
+) -> tuple[ql.QuantEmbedding | None, str]:
+    """The token embedding ``table`` as its GGUF codes, and their type ("" where they are
+    a tied ``Q8Linear`` head's, shared); None where its type has no kernel or the codes'
+    lookups would compute something else than the model's own module
+    (:meth:`~asyncllm.worker.quant_linear.QuantEmbedding.same_lookups`: Gemma 3's scaled
+    embedding keeps its factor; a module doing more stays dense, logged)."""
+    from asyncllm.models.gguf_quant import KERNEL_TYPES
+
+    scale, kind = getattr(table, "embed_scale", None), ""
+    if isinstance(tied_head, Q8Linear):  # the table is the head's weight: share its codes
+        q, s, offset = tied_head.q, tied_head.scale, None
+    else:
+        t, blocks, idx = find("embedding", table.weight)
+        if t.kind not in KERNEL_TYPES:
+            return None, ""
+        blocks, kind = _in_order(blocks, idx), t.kind
+        q, s, offset = blocks.q, blocks.scale, blocks.offset
+    quant = ql.QuantEmbedding(q, s, offset, dtype, table.padding_idx, scale)
+    if quant.same_lookups(table):
+        return quant, kind
+    logger.info("%s stays dense: its codes' lookups differ from it", type(table).__name__)
+    return None, ""
 
 
 def _in_order(blocks: QuantBlocks | None, idx: torch.Tensor) -> QuantBlocks:

@@ -1,6 +1,6 @@
 """The load-time check that a model's attention really runs on the paged KV cache.
 
-:func:`asyncllm.models.loader.check_architecture` reads the config, and the loader refuses
+:func:`asyncllm.models.architecture.check_architecture` reads the config, and the loader refuses
 a class whose source transformers judges to bypass its attention interface; neither proves
 that the modeling code goes through the interface, nor that the cache layout fits it:
 transformers' Falcon calls torch's attention itself (each chunk of a prompt would attend to
@@ -48,7 +48,7 @@ from asyncllm.attention.backend_registry import (
 from asyncllm.errors import ModelLoadError, UnsupportedModelError
 from asyncllm.worker.kv_cache import KVCache
 
-__all__ = ["PROBE_CHUNKS", "check_paged_forward", "logits_agree"]
+__all__ = ["PROBE_CHUNKS", "check_paged_forward", "expected_windows", "logits_agree"]
 
 #: The probe prompt's two chunks, in tokens: a prefill, then a chunk that reads it from the
 #: cache.
@@ -96,8 +96,9 @@ def check_paged_forward(model: Any, kv_cache: KVCache, backend: AttentionBackend
     float16 where the logits miss the fixed bound, to measure the rounding noise).
 
     Raises:
-        UnsupportedModelError: a layer's attention did not reach the paged cache, the paged
-            (or the model's eager) forward raised, its logits differ from the eager
+        UnsupportedModelError: a layer's attention did not reach the paged cache or was
+            not handed the sliding window its config asks for (:func:`expected_windows`),
+            the paged (or the model's eager) forward raised, its logits differ from the eager
             forward's beyond rounding (:func:`logits_agree`), or its activations overflow
             the dtype; the message names the model type and what failed.
         ModelLoadError: the eager forward gives non-finite logits from non-finite weights
@@ -110,8 +111,10 @@ def check_paged_forward(model: Any, kv_cache: KVCache, backend: AttentionBackend
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     ids = [(17 * i + 5) % vocab for i in range(total)]  # any tokens: the weights are what differ
     calls = [0]
+    windows: dict[int, int] = {}
     try:
-        paged = _paged_logits(model, kv_cache, _counting(backend, calls), ids)
+        counting = _counting(backend, calls, windows, kv_cache.key_caches)
+        paged = _paged_logits(model, kv_cache, counting, ids)
     except (MemoryError, torch.OutOfMemoryError):
         raise  # the machine's limit, not the model's
     except Exception as exc:
@@ -125,6 +128,7 @@ def check_paged_forward(model: Any, kv_cache: KVCache, backend: AttentionBackend
             f"{calls[0]} of {layers * len(PROBE_CHUNKS)} layer calls reached it: its modeling "
             "code calls an attention function of its own); asyncllm cannot serve it"
         )
+    _check_windows(model.config, windows, model_type)
     try:
         eager = _eager_logits(model, ids)
     except (MemoryError, torch.OutOfMemoryError):
@@ -242,24 +246,77 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _counting(backend: AttentionBackend, calls: list[int]) -> AttentionBackend:
-    """``backend`` with each layer call that writes the cache counted in ``calls[0]``; no
-    native step (``arm_step``), so every layer goes through the Python attention function."""
-    write, fast = backend.write, backend.write_and_decode
+def expected_windows(config: Any) -> list[int]:
+    """The sliding window (tokens; 0: none) each layer's attention must apply, from the
+    config: ``layer_types`` where it has them, else its ``sliding_window`` on every layer
+    (unless ``use_sliding_window`` is off). A window at least ``max_position_embeddings``
+    long is none."""
+    cfg = config.get_text_config(decoder=True)
+    layers = int(cfg.num_hidden_layers)
+    window = int(getattr(cfg, "sliding_window", None) or 0)
+    longest = getattr(cfg, "max_position_embeddings", None)
+    if window and longest and window >= int(longest):
+        window = 0
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return [window if kind == "sliding_attention" else 0 for kind in types]
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return [0] * layers
+    return [window] * layers
+
+
+def _check_windows(config: Any, seen: dict[int, int], model_type: str) -> None:
+    """Refuse a model whose layers did not hand the attention the window their config
+    asks for: a window longer than the probe would go unnoticed by the logits (the modeling
+    code applies it in a mask of its own, which the paged attention does not read)."""
+    want = expected_windows(config)
+    wrong = [i for i, w in enumerate(want) if seen.get(i, 0) != w]
+    if wrong:
+        i = wrong[0]
+        raise UnsupportedModelError(
+            f"model_type {model_type!r}: its config asks layer {i} for a sliding window of "
+            f"{want[i] or 'no'} tokens, but its attention was handed "
+            f"{seen.get(i, 0) or 'none'} ({len(wrong)} layer(s) so); asyncllm cannot apply "
+            "the window its modeling code keeps elsewhere, so does not serve it"
+        )
+
+
+def _counting(
+    backend: AttentionBackend,
+    calls: list[int],
+    windows: dict[int, int],
+    key_caches: list[torch.Tensor],
+) -> AttentionBackend:
+    """``backend`` with each layer call that writes the cache counted in ``calls[0]``, and
+    the sliding window each layer's attention was given in ``windows`` (layer -> tokens, 0:
+    none; the layer found by its key cache); no native step (``arm_step``), so every layer
+    goes through the Python attention function."""
+    write, attend, fast = backend.write, backend.attend, backend.write_and_decode
+    layer_of = {id(k): i for i, k in enumerate(key_caches)}
 
     def counted_write(*args: Any) -> None:
         calls[0] += 1
         write(*args)
 
+    def seen_attend(
+        query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Any,
+        scale: float, window: int = 0, softcap: float = 0.0,
+    ) -> torch.Tensor:  # fmt: skip
+        windows[layer_of.get(id(k_cache), -1)] = window
+        return attend(query, k_cache, v_cache, plan, scale, window, softcap)
+
     def counted_fast(*args: Any) -> torch.Tensor | None:
         assert fast is not None
         out = fast(*args)
-        calls[0] += out is not None
+        if out is not None:
+            calls[0] += 1
+            windows[layer_of.get(id(args[3]), -1)] = int(args[8])
         return out
 
     return dataclasses.replace(
         backend,
         write=counted_write,
+        attend=seen_attend,
         write_and_decode=None if fast is None else counted_fast,
         arm_step=None,
     )

@@ -371,6 +371,7 @@ class QuantEmbedding(nn.Module):
     q: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
+    embed_scale: torch.Tensor | None
 
     def __init__(
         self,
@@ -406,6 +407,17 @@ class QuantEmbedding(nn.Module):
         o = None if self.offset is None else self.offset[ids]
         rows = self._dequantize(self.q[ids], self.scale[ids], o)
         return rows if self.embed_scale is None else rows * self.embed_scale.to(rows.dtype)
+
+    def same_lookups(self, table: nn.Embedding) -> bool:
+        """This module returns what ``table`` (the model's own embedding, possibly a
+        subclass with a ``forward`` of its own) returns, within float32 rounding, on 64 ids
+        spread over the vocabulary: the check before it replaces ``table``."""
+        ids = torch.linspace(0, table.num_embeddings - 1, 64).long().to(table.weight.device)
+        with torch.no_grad():
+            got, want = self(ids), table(ids)
+        return got.dtype == want.dtype and bool(
+            (got.float() - want.float()).abs().max() <= 1e-6 * want.float().abs().max()
+        )
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 codes g{self.group}"
