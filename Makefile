@@ -47,7 +47,7 @@ lint: $(VENV)/.dev
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The benchmark harness (asyncllm/bench/, docs/benchmarks.md) in its smoke-test sizes; the
 # developer scripts are in benchmarks/ (run them from a checkout).
