@@ -67,6 +67,7 @@ RUNS: dict[str, tuple[type, dict[str, Any]]] = {
     ),
     "gemma3": (tf.Gemma3TextConfig, dict(head_dim=16, **_MIXED)),
     "cohere2": (tf.Cohere2Config, _MIXED),
+    "mixtral": (tf.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 
 _OWN_ATTENTION = "calls attention code of its own"
@@ -161,6 +162,32 @@ async def test_windows_survive_prefix_caching_and_preemption(
         stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert [first, *rest] == [_reference(path, p) for p in prompts]
+
+
+async def test_moe_experts_stay_dense_and_the_precision_says_so(
+    tmp_path, default_model_dir, make_engine, monkeypatch
+):
+    """transformers keeps a MoE layer's experts as 3-D tensors, no ``nn.Linear``: int4
+    quantizes the attention's linears only, and the precision says the experts stay dense;
+    "auto" does not compile it (its routing does not trace)."""
+    cls, fields = RUNS["mixtral"]
+    path = _save(tmp_path / "mixtral", cls(**{**TINY_CONFIG, **fields}), default_model_dir)
+    monkeypatch.delenv("ASYNCLLM_COMPILE", raising=False)  # "auto" as a user gets it
+    engine = make_engine(path, **{**SMALL, "quantization": "int4", "compile": "auto"})
+    assert engine._engine.runner.compiled is None
+    async with engine:
+        got = [t async for out in engine.stream(PROMPT, GREEDY) for t in out.token_ids]
+        precision = engine.stats()["precision"]
+    assert precision.endswith("int4 g32 (MoE experts dense: 4 tensors)") and len(got) == 8
+
+
+def test_compile_auto_is_off_for_a_mixture_of_experts(monkeypatch):
+    from asyncllm.worker.device import COMPILE_ENV, resolve_compile
+
+    monkeypatch.delenv(COMPILE_ENV, raising=False)  # the suite's engines are eager
+    cpu = torch.device("cpu")
+    assert resolve_compile("auto", cpu) and not resolve_compile("auto", cpu, experts=True)
+    assert resolve_compile(True, cpu, experts=True)  # asked for: tried (and served eagerly)
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))

@@ -38,6 +38,7 @@ from asyncllm.worker.device import (
 from asyncllm.worker.kv_cache import KVCache, size_kv_cache
 from asyncllm.worker.model_runner import ModelRunner, select_attention_backend
 from asyncllm.worker.offload import CPUOffloadPool
+from asyncllm.worker.quant_linear import holds_experts
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.step_timing import StepObserver, StepTimings
 
@@ -168,7 +169,7 @@ class LLMEngine:
             self.kv_cache,
             seed=config.seed,
             attention_backend=config.attention_backend,
-            compile=resolve_compile(config.compile, self.device),
+            compile=resolve_compile(config.compile, self.device, holds_experts(loaded.model)),
             model_source=ModelSource(
                 str(config.model),
                 str(self.dtype).removeprefix("torch."),

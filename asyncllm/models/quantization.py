@@ -205,9 +205,8 @@ def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = N
 
     Raises:
         ModelLoadError: a GGUF tensor with inf/NaN block scales (naming it; a corrupt file).
-        ValueError: a ``"gguf"`` linear weight whose type has no kernel (naming the tensor
-            and type); an int4 group size that does not divide a layer's input width
-            (naming the layer).
+        ValueError: an int4 group size that does not divide a layer's input width (naming
+            the layer).
     """
     dtype_name = str(setting.dtype).removeprefix("torch.")
     if setting.mode is None:
@@ -221,6 +220,7 @@ def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = N
         modules, precision = _from_gguf(lm, _gguf_tensors(setting.gguf_file), setting.dtype)
     else:
         modules, precision = _from_float(lm, setting.mode, setting.group_size, setting.dtype)
+    precision += ql.unquantized_experts(lm)
     for name, module in modules.items():
         ql.replace_module(lm, name, module.to(setting.device))
     _retie(lm)

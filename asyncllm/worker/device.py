@@ -113,11 +113,14 @@ def default_num_threads() -> int:
 COMPILE_ENV = "ASYNCLLM_COMPILE"
 
 
-def resolve_compile(compile: str | bool, device: torch.device) -> bool:
+def resolve_compile(compile: str | bool, device: torch.device, experts: bool = False) -> bool:
     """``EngineConfig.compile`` -> whether to compile the forward on ``device``.
 
     True and False are returned as they are. "auto" is on on CPU and off on CUDA, unless
-    ``$ASYNCLLM_COMPILE`` says "1" (on) or "0" (off).
+    ``$ASYNCLLM_COMPILE`` says "1" (on) or "0" (off); off for a mixture-of-experts model
+    (``experts``): transformers' expert routing gives Dynamo a data-dependent token count
+    ("Constraints violated (L['input_ids'].size()[1])" on a tiny Mixtral), so the compile
+    child would fail after a minute of CPU on every start, the engine serving eagerly anyway.
 
     Why on on CPU: on the 2-core x86 machine (AVX-512 BF16; bfloat16 with Q4_1 linears, the
     defaults; ``benchmarks/profile_step.py --ab compile --threads 2 --context 100``, steps
@@ -138,7 +141,7 @@ def resolve_compile(compile: str | bool, device: torch.device) -> bool:
         raise ValueError(f"${COMPILE_ENV} must be '0' or '1', got {env!r}")
     if env:
         return env == "1"
-    return device.type == "cpu"
+    return device.type == "cpu" and not experts
 
 
 def set_cpu_threads(device: torch.device, num_threads: int | None) -> None:

@@ -461,6 +461,20 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def holds_experts(model: nn.Module) -> bool:
+    """``model`` is a mixture of experts: it holds 3-D weights (transformers keeps a MoE
+    layer's experts as one ``[experts, out, in]`` tensor)."""
+    return any(p.dim() == 3 for p in model.parameters())
+
+
+def unquantized_experts(model: nn.Module) -> str:
+    """What quantization left out of ``model`` for being no ``nn.Linear``: ``""``, or
+    ``" (MoE experts dense: N tensors)"`` (:func:`holds_experts`), which stay in the
+    model's dtype; the router is no ``nn.Linear`` either."""
+    n = sum(1 for p in model.parameters() if p.dim() == 3)
+    return f" (MoE experts dense: {n} tensors)" if n else ""
+
+
 def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     yield from model.parameters()
     yield from model.buffers()
