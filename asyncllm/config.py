@@ -58,8 +58,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             the saved result in seconds (:mod:`asyncllm.worker.compiled`); a failed compile
             leaves it eager with one warning. "auto": on on CPU (the compiled decode step
             took 0.65x the eager one at batch 1 and 0.76x at batch 64; docs/tuning.md), off
-            on CUDA (never measured); ``ASYNCLLM_COMPILE=0``/``1`` overrides "auto"; True:
-            always, False: never.
+            on CUDA (never measured) and for a mixture-of-experts model (its routing does
+            not trace; docs/models.md); ``ASYNCLLM_COMPILE=0``/``1`` overrides "auto";
+            True: always, False: never.
         max_waiting: the most requests waiting to be scheduled (submitted, not yet
             running; calls waiting for or in tokenization included); past it
             ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at once instead of
