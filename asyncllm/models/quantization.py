@@ -3,7 +3,8 @@
 Settings:
 
 * ``"auto"`` (the default): ``"gguf"`` for a GGUF model with linear weights of a type that
-  has a kernel (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q8_0``; or only plain float), else ``None``;
+  has a kernel (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_0``, ``Q8_0``; or only plain float), else
+  ``None``;
   one log line says which, and which types run dequantized.
 * ``None``: the model's dtype (a GGUF file dequantized to float32, as before).
 * ``"int8"``: weight-only int8, one scale per output channel (``Int8Linear``).
@@ -13,10 +14,13 @@ Settings:
   with group 32 (the codes as they are; Q4_K's 6-bit sub-block scales and minimums folded
   into each 32-weight block's scale and offset, exactly; the scales exact in a float32
   model, rounded to bfloat16 in a bfloat16 one),
-  ``Q8_0`` and the types without a kernel (``Q5_K``, ``Q6_K``...) -> the dense weight (see
-  :data:`Q8_0_LINEAR`), but a ``Q8_0`` LM head ->
-  ``Q8Linear`` (below); the ``Q8_0``/``Q4_*`` token embedding table -> :class:`QuantEmbedding`
-  (lossless; a table tied to a ``Q8Linear`` head shares its codes).
+  ``Q8_0`` and ``Q5_0`` -> ``Q8Linear`` with ``logits=False`` (int8 codes and a float32 scale
+  per 32 columns, exactly the file's weights: ``Q5_0``'s ``d * (q - 16)`` as codes ``q - 16``;
+  the output in the model's dtype; see :data:`Q8_0_LINEAR`) where its kernel has the AVX-512
+  path, the types without a kernel (``Q5_K``, ``Q6_K``...) -> the dense weight, and a
+  ``Q8_0`` LM head -> ``Q8Linear`` (below); the ``Q8_0``/``Q5_0``/``Q4_*`` token embedding
+  table -> :class:`QuantEmbedding` (lossless; a table tied to a ``Q8Linear`` head shares its
+  codes).
 
 The int4 layers compute in the model's dtype where it is float32 (float32 activations and
 scales: the function the file defines, as closely as float32 computes it) and in bfloat16
@@ -82,7 +86,8 @@ Mode = Literal["auto", "int8", "int4", "gguf"] | None
 GGUF_GROUP = 32
 #: 5: a float32 model's int4 scales and zero points are float32 (exact), not bfloat16.
 #: 6: a quantized embedding keeps the scale of a scaled embedding module (Gemma 3).
-_CACHE_VERSION = 6
+#: 7: Q8_0/Q5_0 decoder linears are Q8Linear codes (``logits`` recorded), not dense.
+_CACHE_VERSION = 7
 
 
 class QuantInfo:
@@ -182,6 +187,8 @@ def resolve_quantization(
     ql.check_kernel("int8" if resolved == "int8" else "int4", device, ql.COMPUTE_DTYPE)
     dtype_name = str(dtype).removeprefix("torch.")
     q8 = "-q8head" if resolved == "gguf" and _q8_head_ok(device) else ""
+    if q8 and Q8_0_LINEAR == "dense":
+        q8 += "-q8dense"
     name = f"{resolved}-g{gs}-{dtype_name}{q8}"
     key = _cache_key(model_dir, name, gguf_file if resolved == "gguf" else None)
     # The folder's name only makes the file recognizable; the key tells models apart.
@@ -410,6 +417,7 @@ def _from_gguf(
 ) -> tuple[dict[str, nn.Module], str]:
     from asyncllm.models.gguf_quant import (
         INT4_TYPES,
+        INT8_TYPES,
         KERNEL_TYPES,
         content_key,
         match_rows,
@@ -443,15 +451,22 @@ def _from_gguf(
     tied = emb is not None and head is not None and lm.get_submodule(head).weight is emb[1].weight
     out: dict[str, nn.Module] = {}
     kinds: dict[str, set[str]] = {}
+    codes8 = Q8_0_LINEAR == "codes" and _q8_head_ok(next(lm.parameters()).device)
     for name, lin in _progress(_linears(lm), "repacking the GGUF blocks (once; cached)"):
         if name == head:
             continue
         t, blocks, idx = find(name, lin.weight)
         if t.kind in _FLOAT:
             continue
+        if t.kind in INT8_TYPES and codes8:
+            blocks = _in_order(blocks, idx)
+            out[name] = Q8Linear(blocks.q, blocks.scale, lin.bias, dtype, logits=False)
+            kinds.setdefault(f"{t.kind} int8 g32", set()).add(name)
+            continue
         if t.kind not in INT4_TYPES:
-            # Q8_0 linears (Q8_0_LINEAR) and types without a kernel (Q5_K, Q6_K...: most
-            # Q4_K_M files hold a few) stay the dense weights the conversion dequantized.
+            # Types without a kernel (Q5_K, Q6_K...: most Q4_K_M files hold a few), and
+            # Q8_0/Q5_0 where their kernel has no AVX-512 path (or Q8_0_LINEAR is "dense"),
+            # stay the dense weights the conversion dequantized.
             kinds.setdefault(f"{t.kind} dense", set()).add(name)
             continue
         blocks = _in_order(blocks, idx)
@@ -523,9 +538,12 @@ def _q8_head_ok(device: torch.device) -> bool:
     return device.type == "cpu" and q8_linear.fast()
 
 
-#: What a Q8_0 linear weight becomes: "dense" (dequantized to the model's dtype, exact in
-#: float32). No torch kernel takes int8 codes with a scale per 32 columns; see docs/tuning.md.
-Q8_0_LINEAR = "dense"
+#: What a decoder layer's Q8_0 or Q5_0 linear weight becomes: "codes" (a
+#: :class:`~asyncllm.worker.q8_linear.Q8Linear` of the file's int8 codes and scales, where its
+#: kernel has the AVX-512 path: ~1.06 bytes a weight, exact) or "dense" (dequantized to the
+#: model's dtype, as before; kept for A/B measurements, with a cache file of its own). See
+#: docs/tuning.md.
+Q8_0_LINEAR = "codes"
 
 
 def _retie(lm: nn.Module) -> None:

@@ -497,6 +497,7 @@ _META = (
     "group",
     "padding_idx",
     "out_dtype",
+    "logits",
 )
 _BUFFERS = {
     "Int4Linear": ("packed", "scales_and_zeros", "bias"),
