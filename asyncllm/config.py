@@ -67,8 +67,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             queueing. None: unbounded.
         quantization: weight-only quantization (docs/configuration.md has the precision
             table): "auto" (default) keeps a GGUF file's own quantization where asyncllm has
-            a kernel for its tensor types (Q4_0, Q4_1, Q4_K, Q8_0) and runs any other model in
-            ``dtype``; None always runs ``dtype`` (a GGUF file dequantized); "int8" (one
+            a kernel for its tensor types (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0) and runs any other
+            model in ``dtype``; None always runs ``dtype`` (a GGUF file dequantized); "int8" (one
             scale per output channel), "int4" (a scale and zero point per
             ``quantization_group_size`` input columns) or "gguf" (the GGUF file's blocks
             where a kernel exists, other types dequantized to ``dtype``; ValueError for a

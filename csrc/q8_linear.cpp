@@ -8,7 +8,11 @@
 #include <vector>
 
 constexpr int64_t BLOCK = 32;
-constexpr int64_t PREFETCH = 8;  // rows ahead (4.5 KiB of SmolLM2's head)
+constexpr int64_t PREFETCH = 8;
+// q8_mm_f32 multiplies a block by oneDNN's float32 brgemm up to this many rows, by at::mm
+// above (one core, 640x2048 at 512 rows: brgemm 2.1-2.4x the dense GEMM's time, at::mm on the
+// dequantized blocks 1.1-1.2x; at 64 rows brgemm 0.65-0.85x: benchmarks/q8_linears.py).
+constexpr int64_t Q8_F32_BRGEMM_ROWS = 128;  // rows ahead (4.5 KiB of SmolLM2's head)
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -192,6 +196,107 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) 
   return y;
 }
 
+// Rows n0 .. n0 + rows - 1 of W = q * s as float32 [rows, K] (row-major), exactly: a float16
+// d times a code is exact in float32, so these are gguf's dequantized values bit for bit.
+static void dequant_rows_f32(const int8_t* Q, const float* S, int64_t K, int64_t n0,
+                             int64_t rows, const int8_t* next, float* out, int64_t ld) {
+  const int64_t NB = K / BLOCK;
+  for (int64_t j = 0; j < rows; ++j) {
+    const int8_t* q = Q + (n0 + j) * K;
+    const float* s = S + (n0 + j) * NB;
+    float* o = out + j * ld;
+#if Q8_FAST
+    if (next != nullptr)
+      for (int64_t l = 0; l < K; l += 64)
+        _mm_prefetch((const char*)(next + j * K + l), _MM_HINT_T1);
+    for (int64_t b = 0; b < NB; ++b) {
+      const __m512 sb = _mm512_set1_ps(s[b]);
+      for (int h = 0; h < 2; ++h) {
+        const __m512 c = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + b * BLOCK + 16 * h))));
+        _mm512_storeu_ps(o + b * BLOCK + 16 * h, _mm512_mul_ps(c, sb));
+      }
+    }
+#else
+    (void)next;
+    for (int64_t k = 0; k < K; ++k) o[k] = static_cast<float>(q[k]) * s[k / BLOCK];
+#endif
+  }
+}
+
+// y [M, N] float32 = x [M, K] float32 W^T, W = q [N, K] int8 * s [N, K / 32], without a dense
+// copy of W (a float32 model's many-row path): per block of 64 output features, W's rows are
+// dequantized exactly into the thread's scratch [64, K] float32 (160 KiB at K = 640: L2), which
+// is brgemm's A; x^T [K, M], made once per call, is B; C = W_blk x^T [64, MT] (float32
+// throughout: x W^T of the exact weights up to float32 summation order) is stored transposed
+// into y. Above brgemm_rows rows (Q8_F32_BRGEMM_ROWS for q8_mm_f32), or where oneDNN's float32
+// brgemm does not run, at::mm multiplies the same scratch (single-threaded: inside the loop).
+// Both A's and B's rows are padded by 64 bytes: at K = 2048 (8 KiB rows) or M = 512, rows a
+// power of two apart share the L1's sets, and 512 rows of 640x2048 ran 3.5x the dense GEMM.
+at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
+                          int64_t brgemm_rows) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                  q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() &&
+                  q.size(1) == x.size(1) && q.size(1) % BLOCK == 0 &&
+                  s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 &&
+                  s.size(0) == q.size(0) && s.size(1) == q.size(1) / BLOCK,
+              "q8_mm_f32: x float32 [M, K], q int8 [N, K], scales float32 [N, K / 32], "
+              "all contiguous, K % 32 == 0");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NBLK = (N + 63) / 64;
+  constexpr int64_t MT = 64;  // rows per brgemm call (C is [64, MT] float32: 16 KiB)
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const bool brgemm = M <= brgemm_rows && brgemm_f32_runs();
+  const int64_t lda = K + 16, ldb = M + 16;  // padded rows (see above)
+  at::Tensor xt;  // [K, ldb]: x^T, its first M columns
+  if (brgemm) {
+    xt = at::empty({K, ldb}, x.options());
+    xt.narrow(1, 0, M).copy_(x.t());
+  }
+  const int8_t* Q = q.data_ptr<int8_t>();
+  const float* S = s.data_ptr<float>();
+  const float* B = brgemm ? xt.data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, NBLK, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> abuf, cbuf;  // grow to the largest K seen
+    if (static_cast<int64_t>(abuf.size()) < 64 * lda) abuf.resize(64 * lda);
+    if (cbuf.size() < static_cast<size_t>(64 * MT)) cbuf.resize(64 * MT);
+    float* A = abuf.data();
+    float* C = cbuf.data();
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * 64, rows = std::min<int64_t>(64, N - n0);
+      dequant_rows_f32(Q, S, K, n0, rows, blk + 1 < end ? Q + (n0 + 64) * K : nullptr, A, lda);
+      if (!brgemm) {
+        at::Tensor out = at::from_blob(Y + n0, {M, rows}, {N, 1}, y.options());
+        at::mm_out(out, x, at::from_blob(A, {rows, K}, {lda, 1}, y.options()).t());
+        continue;
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t mt = std::min(MT, M - m0);
+        at::native::cpublas::brgemm(rows, mt, K, lda, ldb, mt, false, A, B + m0, C, false);
+        for (int64_t r = 0; r < mt; ++r) {  // y[m0 + r, n0 + j] = C[j, r]
+          float* o = Y + (m0 + r) * N + n0;
+          int64_t j = 0;
+#if Q8_FAST
+          const __m512i idx = _mm512_mullo_epi32(
+              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+              _mm512_set1_epi32(static_cast<int>(mt)));
+          for (; j + 16 <= rows; j += 16)
+            _mm512_storeu_ps(o + j, _mm512_i32gather_ps(idx, C + j * mt + r, 4));
+#endif
+          for (; j < rows; ++j) o[j] = C[j * mt + r];
+        }
+      }
+    }
+    if (brgemm) at::native::cpublas::brgemm_release(false);
+  });
+  return y;
+}
+
+at::Tensor q8_mm_f32(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
+  return q8_mm_f32_with(x, q, s, Q8_F32_BRGEMM_ROWS);
+}
+
 // No op kernel of its own: asyncllm::q8_0_linear runs in Python over these functions.
 void register_ops() {}
 
@@ -200,5 +305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemv", torch::wrap_pybind_function(q8_gemv), "q8_gemv");
   m.def("q8_fast", torch::wrap_pybind_function(q8_fast), "q8_fast");
   m.def("q8_mm", torch::wrap_pybind_function(q8_mm), "q8_mm");
+  m.def("q8_mm_f32", torch::wrap_pybind_function(q8_mm_f32), "q8_mm_f32");
+  m.def("q8_mm_f32_with", torch::wrap_pybind_function(q8_mm_f32_with), "q8_mm_f32_with");
   m.def("q8_mm_available", torch::wrap_pybind_function(q8_mm_available), "q8_mm_available");
 }

@@ -184,3 +184,164 @@ def test_default_model_head_is_its_q8_0_codes_shared_with_the_embedding(
         assert torch.equal(q8_linear.dequantize(head.q, head.scale), ref)
         ids = torch.tensor([[0, 17, 49151]])
         assert torch.equal(emb(ids), ref[ids].to(torch.bfloat16))
+
+
+# --- Q8_0 / Q5_0 decoder linears (logits=False) ----------------------------------------------
+
+Q5_0 = GGMLQuantizationType.Q5_0
+
+
+def random_q5_0(rows: int, cols: int, seed: int = 0, scale: float = 0.05) -> np.ndarray:
+    """Raw ``Q5_0`` bytes [rows, cols / 32 * 22]: random high bits and nibbles, ``d`` uniform
+    in (-scale, scale) (float16, finite): every code pattern is a valid block."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 32, 22), dtype=np.uint8)
+    raw[..., 0:2] = (
+        rng.uniform(-scale, scale, (rows, cols // 32)).astype(np.float16)[..., None].view(np.uint8)
+    )
+    return raw.reshape(rows, -1)
+
+
+def random_q8_0(rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """Raw ``Q8_0`` bytes: random codes, ``d`` uniform in (-scale, scale)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 32, 34), dtype=np.uint8)
+    raw[..., 0:2] = (
+        rng.uniform(-scale, scale, (rows, cols // 32)).astype(np.float16)[..., None].view(np.uint8)
+    )
+    return raw.reshape(rows, -1)
+
+
+def _gguf_reference(raw: np.ndarray, kind: str, rows: int, cols: int) -> torch.Tensor:
+    out = dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, cols)
+    return torch.from_numpy(out.astype(np.float32))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (signed zeros included)."""
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(32, 128), (7, 64)])
+def test_q5_0_unpacks_to_gguf_values_bit_for_bit(rows, cols):
+    """Random ``Q5_0`` blocks (and gguf-py's own quantization): codes ``q - 16`` in -16..15
+    and scale ``d`` give gguf-py's ``d * (q - 16)`` bit for bit (its -0.0 included), in any
+    row order, and as a Q8Linear's exact weight."""
+    raw = random_q5_0(rows, cols, seed=rows)
+    ref = _gguf_reference(raw, "Q5_0", rows, cols)
+    blocks = unpack("Q5_0", raw, (rows, cols))
+    assert blocks.q.shape == (rows, cols) and blocks.scale.shape == (rows, cols // 32)
+    assert int(blocks.q.min()) == -16 and int(blocks.q.max()) == 15
+    assert _same_bits(blocks.dequantize(), ref)
+    perm = torch.randperm(rows)
+    assert _same_bits(blocks.take_rows(perm).dequantize(), ref[perm])
+    layer = q8_linear.Q8Linear(blocks.q, blocks.scale, None, torch.float32, logits=False)
+    assert torch.equal(q8_linear.dequantize(layer.q, layer.scale), ref)
+    w = np.random.default_rng(2).standard_normal((rows, cols)).astype(np.float32)
+    raw = quantize(w, Q5_0)
+    assert _same_bits(unpack("Q5_0", raw, (rows, cols)).dequantize(),
+                      _gguf_reference(raw, "Q5_0", rows, cols))  # fmt: skip
+
+
+def test_q8_0_random_blocks_unpack_bit_for_bit():
+    raw = random_q8_0(9, 96, seed=4)
+    assert _same_bits(unpack("Q8_0", raw, (9, 96)).dequantize(),
+                      _gguf_reference(raw, "Q8_0", 9, 96))  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q5_0", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_decoder_q8_linear_computes_the_dense_float32_product(kind, rows, with_bias):
+    """A float32 model's Q5_0/Q8_0 decoder linear (``logits=False``; after ``pack()``, which
+    makes no dense copy for it) returns float32 ``x @ W^T (+ b)`` of gguf-py's dequantized
+    weight up to float32 summation order: few rows through the matrix-vector kernel, many
+    through ``q8_mm_f32`` (a width of 100: a partial block of outputs)."""
+    n, k = 100, 160
+    raw = (random_q5_0 if kind == "Q5_0" else random_q8_0)(n, k, seed=rows)
+    w = _gguf_reference(raw, kind, n, k)
+    blocks = unpack(kind, raw, (n, k))
+    g = torch.Generator().manual_seed(rows)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    layer = q8_linear.Q8Linear(blocks.q, blocks.scale, bias, torch.float32, logits=False)
+    layer.pack()
+    assert layer.packed is None
+    x = torch.randn(rows, k, generator=g)
+    with torch.inference_mode():
+        y = layer(x)
+        want = nn_linear(x, w, bias)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    # float32 summation order: within a few ulps of sum |x| |w|
+    bound = 1e-5 * (x.abs() @ w.abs().T) + 1e-30
+    assert ((y - want).abs() <= bound).all()
+
+
+def nn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [2, 12])
+def test_decoder_q8_linear_returns_the_model_dtype(rows):
+    """As a decoder layer of a bfloat16 model, the output is bfloat16 (the head's stays
+    float32), within bfloat16's rounding of the float64 reference."""
+    q, s = _codes(64, 96, seed=rows)
+    bias = torch.randn(64).bfloat16()
+    layer = q8_linear.Q8Linear(q, s, bias, torch.bfloat16, logits=False)
+    layer.pack()
+    x = torch.randn(3, rows, 96).bfloat16()
+    with torch.inference_mode():
+        y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, rows, 64) and layer.packed is None
+    ref = _reference(x.reshape(-1, 96), q, s, bias).view(3, rows, 64)
+    assert torch.allclose(y.double(), ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "n, k, rows", [(100, 96, 9), (128, 64, 64), (70, 576, 130), (64, 32, 1), (130, 2048, 200)]
+)
+def test_q8_mm_f32_is_exact_weights_times_x(n, k, rows):
+    """The float32 many-row kernel: times the identity, gguf's exact weights bit for bit (every
+    output one product with 1); any rows within float32 summation order of float64."""
+    q, s = _codes(n, k, seed=n + rows)
+    mod = q8_linear.kernel()
+    w = q8_linear.dequantize(q, s)
+    assert torch.equal(mod.q8_mm_f32(torch.eye(k), q, s), w.T)
+    x = torch.randn(rows, k)
+    ref = x.double() @ w.double().T
+    # as chosen, brgemm forced, at::mm forced (the way above 128 rows)
+    for y in (mod.q8_mm_f32(x, q, s), mod.q8_mm_f32_with(x, q, s, 1 << 40),
+              mod.q8_mm_f32_with(x, q, s, 0)):  # fmt: skip
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        assert ((y.double() - ref).abs() <= 1e-5 * (x.abs() @ w.abs().T).double()).all()
+    with pytest.raises(RuntimeError, match="q8_mm_f32"):
+        mod.q8_mm_f32(x.bfloat16(), q, s)
+    assert mod.q8_mm_f32(x[:0], q, s).shape == (0, n)
+
+
+def test_q8_mm_f32_avx2_variant_matches_the_reference():
+    mod = _avx2_variant()
+    q, s = _codes(70, 128, seed=5)
+    x = torch.randn(20, 128)
+    ref = _reference(x, q, s, None)
+    w = q8_linear.dequantize(q, s)
+    bound = 1e-5 * (x.abs() @ w.abs().T).double()
+    assert ((mod.q8_mm_f32(x, q, s).double() - ref).abs() <= bound).all()
+
+
+@needs_kernel
+def test_decoder_q8_linear_round_trips_the_cache_state():
+    """``module_state``/``module_from_state`` keep a decoder layer a decoder layer."""
+    from asyncllm.worker import quant_linear as ql
+
+    q, s = _codes(64, 64)
+    layer = q8_linear.Q8Linear(q, s, torch.randn(64), torch.float32, logits=False)
+    again = ql.module_from_state(ql.module_state(layer))
+    assert isinstance(again, q8_linear.Q8Linear) and again.logits is False
+    x = torch.randn(10, 64)
+    with torch.inference_mode():
+        assert torch.equal(again(x), layer(x))
+    head = ql.module_from_state(ql.module_state(q8_linear.Q8Linear(q, s, None, torch.float32)))
+    assert head.logits is True

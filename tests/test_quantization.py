@@ -80,7 +80,7 @@ def test_content_key_and_match_rows_find_a_row_permutation(dtype, cols):
     assert match_rows(w.to(wider), w) is None
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_gguf_block_layouts_match_gguf(kind):
     """Each supported block layout (quantized by gguf-py itself) unpacks to exactly gguf-py's
     dequantization, with a row permutation applied (as for llama.cpp's q/k reordering)."""
@@ -93,7 +93,7 @@ def test_gguf_block_layouts_match_gguf(kind):
     assert torch.equal(blocks.dequantize(), ref)
     perm = torch.randperm(48)
     assert torch.equal(blocks.take_rows(perm).dequantize(), ref[perm])
-    if kind != "Q8_0":
+    if kind not in ("Q8_0", "Q5_0"):
         layer = ql.Int4Linear(blocks.q, blocks.scale, blocks.offset, 32, None, torch.float32)
         assert torch.equal(_identity_dequant(layer, 128, torch.float32), ref)
     emb = ql.QuantEmbedding(blocks.q, blocks.scale, blocks.offset, torch.float32)
@@ -102,7 +102,7 @@ def test_gguf_block_layouts_match_gguf(kind):
 
 
 def test_a_gguf_type_without_a_kernel_runs_dense(tiny_llama_dir):
-    """quantization='gguf' with linear weights of a type without a kernel (Q5_0, as a
+    """quantization='gguf' with linear weights of a type without a kernel (Q5_1, as a
     Q4_K_M file's Q6_K layers): they stay the dense weights the conversion dequantized, and
     the precision names them; a type without a layout is refused by ``unpack``."""
     from transformers import AutoModelForCausalLM
@@ -113,7 +113,7 @@ def test_a_gguf_type_without_a_kernel_runs_dense(tiny_llama_dir):
         for name, lin in qz._linears(lm):
             w = lin.weight.detach().numpy()
             kind = (
-                GGMLQuantizationType.F32 if name == qz._head_name(lm) else GGMLQuantizationType.Q5_0
+                GGMLQuantizationType.F32 if name == qz._head_name(lm) else GGMLQuantizationType.Q5_1
             )
             raw = quantize(w, kind)
             lin.weight.copy_(torch.from_numpy(dequantize(raw, kind).reshape(w.shape)))
@@ -124,9 +124,62 @@ def test_a_gguf_type_without_a_kernel_runs_dense(tiny_llama_dir):
             GGUFTensor("token_embd", "F32", tuple(emb.shape), raw, GGMLQuantizationType.F32)
         )
     out, precision = qz._from_gguf(lm, tensors, torch.float32)
-    assert out == {} and precision == f"gguf (Q5_0 dense x{len(tensors) - 2})"
+    assert out == {} and precision == f"gguf (Q5_1 dense x{len(tensors) - 2})"
     with pytest.raises(ValueError, match="Q5_K"):
         unpack("Q5_K", tensors[0].raw, tensors[0].shape)
+
+
+@pytest.mark.skipif(not q8_linear.fast(), reason="Q8_0/Q5_0 codes need the AVX-512 kernel")
+def test_q5_0_and_q8_0_linears_run_as_codes(tiny_llama_dir):
+    """quantization='gguf' with Q5_0 and Q8_0 decoder linears (quantized by gguf-py; the
+    model holds what the file dequantizes to): each becomes a ``Q8Linear`` of the file's
+    codes (``logits=False``: float32 out in a float32 model), the logits equal the dense
+    model's within float32 summation order (one row and many), the modules round-trip the
+    cache state, and with ``Q8_0_LINEAR = "dense"`` they stay dense as before."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    tensors = []
+    with torch.no_grad():
+        for i, (name, lin) in enumerate(qz._linears(lm)):
+            w = lin.weight.detach().numpy()
+            if name == qz._head_name(lm):
+                kind = GGMLQuantizationType.F32
+            else:
+                kind = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0)[i % 2]
+            raw = quantize(w, kind)
+            lin.weight.copy_(torch.from_numpy(dequantize(raw, kind).reshape(w.shape)))
+            tensors.append(GGUFTensor(name, kind.name, w.shape, raw, kind))
+        emb = lm.get_input_embeddings().weight.detach()
+        raw = emb.numpy().view(np.uint8).reshape(-1)
+        tensors.append(
+            GGUFTensor("token_embd", "F32", tuple(emb.shape), raw, GGMLQuantizationType.F32)
+        )
+    ids = torch.tensor([[1, 5, 300, 7, 12, 42, 9, 11, 3, 2, 8, 77]])
+    with torch.inference_mode():
+        want = lm(ids).logits
+        want_one = lm(ids[:, :1]).logits
+    n5 = sum(t.kind == "Q5_0" for t in tensors)
+    n8 = sum(t.kind == "Q8_0" for t in tensors)
+    old = qz.Q8_0_LINEAR
+    try:
+        qz.Q8_0_LINEAR = "dense"
+        out, precision = qz._from_gguf(lm, tensors, torch.float32)
+        assert out == {} and precision == f"gguf (Q5_0 dense x{n5}, Q8_0 dense x{n8})"
+    finally:
+        qz.Q8_0_LINEAR = old
+    modules, precision = qz._from_gguf(lm, tensors, torch.float32)
+    assert precision == f"gguf (Q5_0 int8 g32 x{n5}, Q8_0 int8 g32 x{n8})"
+    assert all(isinstance(m, q8_linear.Q8Linear) and not m.logits for m in modules.values())
+    modules = {n: ql.module_from_state(ql.module_state(m)) for n, m in modules.items()}
+    for name, module in modules.items():
+        ql.replace_module(lm, name, module)
+    with torch.inference_mode():
+        got, got_one = lm(ids).logits, lm(ids[:, :1]).logits
+    for g, w in ((got, want), (got_one, want_one)):
+        assert g.dtype == torch.float32
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
 
 
 # --- kernels against the reference ----------------------------------------------------------

@@ -18,7 +18,8 @@ op                 what                                        C++ CPU kernel
 paged_attention    write a layer's K/V, attend (the step's     ``csrc/paged_attention.cpp``
                    metadata: attention.backend_registry)
 int4_linear        ``x W^T + b``, W int4 with group scales     ``csrc/int4_linear.cpp``
-q8_0_linear        ``x W^T + b``, W GGUF Q8_0, float32 out     (Python over ``csrc/q8_linear``)
+q8_0_linear        ``x W^T + b``, W GGUF Q8_0/Q5_0 (logits:    (Python over ``csrc/q8_linear``)
+                   float32 out)
 packed_linear      ``x W^T + b``, W packed by oneDNN           (oneDNN)
 materialize        copies Inductor does not fuse through       (clone)
 =================  ==========================================  =============================
@@ -44,8 +45,8 @@ LIB.define(
     "int group_size, int in_features, int out_features, int max_rows, int gemv_rows) -> Tensor"
 )
 LIB.define(
-    "q8_0_linear(Tensor x, Tensor q, Tensor scale, Tensor? packed, Tensor? bias, int max_rows)"
-    " -> Tensor"
+    "q8_0_linear(Tensor x, Tensor q, Tensor scale, Tensor? packed, Tensor? bias, int max_rows,"
+    " bool logits=True) -> Tensor"
 )
 LIB.define(
     "packed_linear(Tensor x, Tensor packed, Tensor? bias, int in_features, int out_features)"
@@ -145,8 +146,17 @@ def int4_linear_reference(
 
 
 @torch.library.register_fake("asyncllm::q8_0_linear", lib=LIB)
-def _q8_0_linear_fake(x: torch.Tensor, q: torch.Tensor, *rest: object) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], q.shape[0]), dtype=torch.float32)
+def _q8_0_linear_fake(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    max_rows: int,
+    logits: bool = True,
+) -> torch.Tensor:
+    dtype = torch.float32 if logits else x.dtype
+    return x.new_empty((*x.shape[:-1], q.shape[0]), dtype=dtype)
 
 
 # --- packed_linear -----------------------------------------------------------------------

@@ -7,6 +7,9 @@ block along the input dimension):
 * ``Q4_0``: ``d`` (float16), 16 bytes of 4-bit codes; ``w = d * (q - 8)``;
 * ``Q4_1``: ``d``, ``m`` (float16), 16 bytes of codes; ``w = d * q + m``;
 * ``Q8_0``: ``d`` (float16), 32 signed bytes; ``w = d * q``;
+* ``Q5_0``: ``d`` (float16), 4 bytes of high bits (bit ``i`` of the little-endian word is
+  weight ``i``'s fifth bit), 16 bytes of low nibbles (as ``Q4_0``'s); ``w = d * (q - 16)``:
+  exactly a ``Q8_0`` block of codes ``q - 16`` (-16..15) and scale ``d``;
 * ``Q4_K``: 256 weights a super-block: ``d``, ``dmin`` (float16), 12 bytes packing eight
   6-bit scales ``sc`` and minimums ``m`` (one per 32 weights), 128 bytes of 4-bit codes;
   ``w = (d * sc) * q - dmin * m``: exactly a 32-weight block of scale ``d * sc`` and offset
@@ -33,6 +36,8 @@ import json
 import os
 import pathlib
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,21 +49,26 @@ from asyncllm.models.gguf_parse import reader
 
 __all__ = [
     "INT4_TYPES",
+    "INT8_TYPES",
     "KERNEL_TYPES",
     "QuantBlocks",
     "TensorKind",
     "content_key",
     "match_rows",
     "read_tensors",
+    "tensor_finder",
     "tensor_kinds",
     "unpack",
 ]
 
 BLOCK = 32
 #: GGUF tensor types with a quantized kernel (:mod:`asyncllm.worker.quant_linear`).
-KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0"})
+KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0"})
 #: Of those, the types that run as int4 group 32 (``quant_linear.Int4Linear``).
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+#: Of those, the types that run as int8 codes with a scale per 32 columns
+#: (``q8_linear.Q8Linear``): ``w = d * q`` with ``q`` signed (``Q5_0``'s ``q - 16``).
+INT8_TYPES = frozenset({"Q5_0", "Q8_0"})
 #: Weights a ``Q4_K`` super-block holds.
 SUPER_BLOCK = 256
 #: Types that are plain floating point (kept as they are: norms, biases, small tensors).
@@ -70,11 +80,12 @@ class QuantBlocks:
     """One GGUF weight [rows, cols] as ``w = scale * q + offset`` per block of 32 columns.
 
     Attributes:
-        kind: ``"Q4_0"``, ``"Q4_1"``, ``"Q4_K"`` or ``"Q8_0"``.
-        q: codes, int16 [rows, cols]: 0..15 for Q4_*, -128..127 for Q8_0.
+        kind: ``"Q4_0"``, ``"Q4_1"``, ``"Q4_K"``, ``"Q5_0"`` or ``"Q8_0"``.
+        q: codes, int16 [rows, cols]: 0..15 for Q4_*, -128..127 for Q8_0, -16..15 for
+            Q5_0 (its ``q - 16``).
         scale: float32 [rows, cols / 32], the blocks' ``d``.
         offset: float32 [rows, cols / 32]: ``m`` for Q4_1, ``-8 d`` for Q4_0,
-            ``-(dmin * m)`` for Q4_K, 0 for Q8_0.
+            ``-(dmin * m)`` for Q4_K, 0 for Q8_0 and Q5_0 (``w = d * q``).
     """
 
     kind: str
@@ -89,6 +100,8 @@ class QuantBlocks:
         s, o = self.scale[..., None], self.offset[..., None]  # broadcast over each block
         if self.kind == "Q4_0":  # d * (q - 8): exact in float32, like gguf's
             return (s * (q - 8)).view(rows, cols)
+        if self.kind in INT8_TYPES:  # d * q, no offset added (gguf's -0.0 where d < 0, q = 0)
+            return (s * q).view(rows, cols)
         return (s * q + o).view(rows, cols)
 
     def take_rows(self, index: torch.Tensor) -> QuantBlocks:
@@ -97,8 +110,8 @@ class QuantBlocks:
 
 
 def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int], name: str = "") -> QuantBlocks:
-    """Unpack the raw bytes of a ``Q4_0``/``Q4_1``/``Q4_K``/``Q8_0`` tensor of ``shape``
-    (rows, cols); ``name`` (the GGUF tensor's) is for error messages.
+    """Unpack the raw bytes of a ``Q4_0``/``Q4_1``/``Q4_K``/``Q5_0``/``Q8_0`` tensor of
+    ``shape`` (rows, cols); ``name`` (the GGUF tensor's) is for error messages.
 
     Raises:
         ModelLoadError: a block's float16 scale or minimum (``d``, ``m``, ``dmin``) is inf
@@ -106,7 +119,7 @@ def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int], name: str = "") -
         ValueError: ``kind`` has no layout here, or the byte count does not match ``shape``.
     """
     rows, cols = shape
-    sizes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+    sizes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
     if kind not in sizes and kind != "Q4_K":
         raise ValueError(f"GGUF tensor type {kind} has no quantized kernel in asyncllm")
     width = SUPER_BLOCK if kind == "Q4_K" else BLOCK
@@ -119,6 +132,13 @@ def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int], name: str = "") -
     _check_finite(name, kind, d=d)
     if kind == "Q8_0":
         q = blocks[..., 2:].copy().view(np.int8).astype(np.int16)
+        offset = np.zeros_like(d)
+    elif kind == "Q5_0":
+        high = blocks[..., 2:6].copy().view("<u4")  # [rows, n, 1]: bit i is weight i's 5th
+        bits = ((high >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.int16)
+        nib = blocks[..., 6:]
+        low = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.int16)
+        q = (low | (bits << 4)) - 16
         offset = np.zeros_like(d)
     else:
         start = 4 if kind == "Q4_1" else 2
@@ -291,3 +311,35 @@ def match_rows(weight: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor | 
             return None
         idx.append(j)
     return torch.tensor(idx, dtype=torch.long)
+
+
+def tensor_finder(
+    tensors: list, held: torch.dtype
+) -> Callable[[str, torch.Tensor], tuple[Any, QuantBlocks | None, torch.Tensor]]:
+    """``find(name, weight) -> (tensor, its unpacked blocks or None, row order)``: the GGUF
+    tensor among ``tensors`` (:func:`read_tensors`'s) whose rows are ``weight``'s, whatever
+    its name and with llama.cpp's q/k row reordering (``weight[i]`` is the tensor's row
+    ``order[i]``).
+
+    Each tensor is dequantized once, rounded to ``held`` (the dtype the model holds its
+    weights in, as the conversion rounded them) and indexed by its rows' content
+    (:func:`content_key`; a key is not proof: :func:`match_rows` compares the rows). Blocks
+    with a kernel are unpacked here once (gguf-py's dequantization bit for bit).
+    ``find`` raises ValueError (naming ``name``) where no tensor matches.
+    """
+    index: dict[tuple[tuple[int, ...], int], list[tuple[Any, torch.Tensor, QuantBlocks | None]]]
+    index = {}
+    for t in tensors:
+        blocks = unpack(t.kind, t.raw, t.shape, t.name) if t.kind in KERNEL_TYPES else None
+        dense = (blocks.dequantize() if blocks is not None else t.dequantize()).to(held)
+        index.setdefault(content_key(dense), []).append((t, dense, blocks))
+
+    def find(name: str, weight: torch.Tensor) -> tuple[Any, QuantBlocks | None, torch.Tensor]:
+        w = weight.detach().cpu()
+        for t, dense, blocks in index.get(content_key(w), ()):
+            idx = match_rows(w, dense)
+            if idx is not None:
+                return t, blocks, idx
+        raise ValueError(f"{name}: no tensor of the GGUF file matches this weight")
+
+    return find

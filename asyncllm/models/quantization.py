@@ -3,7 +3,8 @@
 Settings:
 
 * ``"auto"`` (the default): ``"gguf"`` for a GGUF model with linear weights of a type that
-  has a kernel (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q8_0``; or only plain float), else ``None``;
+  has a kernel (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_0``, ``Q8_0``; or only plain float), else
+  ``None``;
   one log line says which, and which types run dequantized.
 * ``None``: the model's dtype (a GGUF file dequantized to float32, as before).
 * ``"int8"``: weight-only int8, one scale per output channel (``Int8Linear``).
@@ -11,8 +12,10 @@ Settings:
   (``Int4Linear``; 32 by default, 64 or 128).
 * ``"gguf"``: a GGUF file's own blocks kept: ``Q4_0``/``Q4_1``/``Q4_K`` -> ``Int4Linear``
   with group 32 (codes as they are; Q4_K's sub-block scales and minimums folded exactly into
-  block scales and offsets), a ``Q8_0`` LM head -> ``Q8Linear``, the token embedding table ->
-  :class:`QuantEmbedding`; other types run dense (:data:`Q8_0_LINEAR`).
+  block scales and offsets); ``Q8_0``/``Q5_0`` -> ``Q8Linear`` (int8 codes, a float32 scale
+  per 32 columns: ``Q5_0``'s ``d * (q - 16)`` as codes ``q - 16``; :data:`Q8_0_LINEAR`); a
+  ``Q8_0`` LM head -> ``Q8Linear`` (float32 logits); the token embedding table ->
+  :class:`QuantEmbedding`; other types (``Q5_K``, ``Q6_K``...) run dense.
 
 The int4 layers compute in the model's dtype where it is float32 (float32 activations and
 scales: the function the file defines, as closely as float32 computes it) and in bfloat16
@@ -74,7 +77,8 @@ Mode = Literal["auto", "int8", "int4", "gguf"] | None
 GGUF_GROUP = 32
 #: 5: a float32 model's int4 scales and zero points are float32 (exact), not bfloat16.
 #: 6: a quantized embedding keeps the scale of a scaled embedding module (Gemma 3).
-_CACHE_VERSION = 6
+#: 7: Q8_0/Q5_0 decoder linears are Q8Linear codes (``logits`` recorded), not dense.
+_CACHE_VERSION = 7
 
 
 class QuantInfo:
@@ -174,6 +178,8 @@ def resolve_quantization(
     ql.check_kernel("int8" if resolved == "int8" else "int4", device, ql.COMPUTE_DTYPE)
     dtype_name = str(dtype).removeprefix("torch.")
     q8 = "-q8head" if resolved == "gguf" and _q8_head_ok(device) else ""
+    if q8 and Q8_0_LINEAR == "dense":
+        q8 += "-q8dense"
     name = f"{resolved}-g{gs}-{dtype_name}{q8}"
     key = _cache_key(model_dir, name, gguf_file if resolved == "gguf" else None)
     # The folder's name only makes the file recognizable; the key tells models apart.
@@ -401,50 +407,30 @@ def _from_float(
 def _from_gguf(
     lm: nn.Module, tensors: list, dtype: torch.dtype
 ) -> tuple[dict[str, nn.Module], str]:
-    from asyncllm.models.gguf_quant import (
-        INT4_TYPES,
-        KERNEL_TYPES,
-        content_key,
-        match_rows,
-        unpack,
-    )
+    from asyncllm.models.gguf_quant import INT4_TYPES, INT8_TYPES, tensor_finder
 
-    # Each GGUF tensor dequantized once and indexed by its rows' content, so a weight finds
-    # its tensor (whatever its name, and with llama.cpp's q/k row reordering) in one lookup.
-    # The model holds the dequantized values rounded to its dtype (bfloat16 where asked):
-    # round the file's the same way before comparing. Blocks with a
-    # kernel are unpacked here once (their dequantization is gguf-py's bit for bit, and
-    # vectorized: 1.9 s of gguf-py's for the default model on the 2-core machine).
-    held = next(lm.parameters()).dtype
-    index: dict[tuple[tuple[int, ...], int], list[tuple[Any, torch.Tensor, QuantBlocks | None]]]
-    index = {}
-    for t in tensors:
-        blocks = unpack(t.kind, t.raw, t.shape, t.name) if t.kind in KERNEL_TYPES else None
-        dense = (blocks.dequantize() if blocks is not None else t.dequantize()).to(held)
-        index.setdefault(content_key(dense), []).append((t, dense, blocks))
-
-    def find(name: str, weight: torch.Tensor) -> tuple[Any, QuantBlocks | None, torch.Tensor]:
-        w = weight.detach().cpu()
-        for t, dense, blocks in index.get(content_key(w), ()):  # a key is not proof
-            idx = match_rows(w, dense)
-            if idx is not None:
-                return t, blocks, idx
-        raise ValueError(f"{name}: no tensor of the GGUF file matches this weight")
-
+    find = tensor_finder(tensors, next(lm.parameters()).dtype)
     head = _head_name(lm)
     emb = _embedding(lm)
     tied = emb is not None and head is not None and lm.get_submodule(head).weight is emb[1].weight
     out: dict[str, nn.Module] = {}
     kinds: dict[str, set[str]] = {}
+    codes8 = Q8_0_LINEAR == "codes" and _q8_head_ok(next(lm.parameters()).device)
     for name, lin in _progress(_linears(lm), "repacking the GGUF blocks (once; cached)"):
         if name == head:
             continue
         t, blocks, idx = find(name, lin.weight)
         if t.kind in _FLOAT:
             continue
+        if t.kind in INT8_TYPES and codes8:
+            blocks = _in_order(blocks, idx)
+            out[name] = Q8Linear(blocks.q, blocks.scale, lin.bias, dtype, logits=False)
+            kinds.setdefault(f"{t.kind} int8 g32", set()).add(name)
+            continue
         if t.kind not in INT4_TYPES:
-            # Q8_0 linears (Q8_0_LINEAR) and types without a kernel (Q5_K, Q6_K...: most
-            # Q4_K_M files hold a few) stay the dense weights the conversion dequantized.
+            # Types without a kernel (Q5_K, Q6_K...: most Q4_K_M files hold a few), and
+            # Q8_0/Q5_0 where their kernel has no AVX-512 path (or Q8_0_LINEAR is "dense"),
+            # stay the dense weights the conversion dequantized.
             kinds.setdefault(f"{t.kind} dense", set()).add(name)
             continue
         blocks = _in_order(blocks, idx)
@@ -509,9 +495,12 @@ def _q8_head_ok(device: torch.device) -> bool:
     return device.type == "cpu" and q8_linear.fast()
 
 
-#: What a Q8_0 linear weight becomes: "dense" (dequantized to the model's dtype, exact in
-#: float32). No torch kernel takes int8 codes with a scale per 32 columns; see docs/tuning.md.
-Q8_0_LINEAR = "dense"
+#: What a decoder layer's Q8_0 or Q5_0 linear weight becomes: "codes" (a
+#: :class:`~asyncllm.worker.q8_linear.Q8Linear` of the file's int8 codes and scales, where its
+#: kernel has the AVX-512 path: ~1.06 bytes a weight, exact) or "dense" (dequantized to the
+#: model's dtype, as before; kept for A/B measurements, with a cache file of its own). See
+#: docs/tuning.md.
+Q8_0_LINEAR = "codes"
 
 
 def _retie(lm: nn.Module) -> None:

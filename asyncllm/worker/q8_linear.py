@@ -1,4 +1,4 @@
-"""GGUF's ``Q8_0`` linear layer: int8 codes with one scale per 32 input columns.
+"""GGUF's ``Q8_0`` (and ``Q5_0``) linear layer: int8 codes with one scale per 32 input columns.
 
 GGUF files of llama.cpp ship the LM head (or the token embedding table it is tied to) as
 ``Q8_0`` (ggml's ``block_q8_0``: a float16 ``d`` and 32 signed bytes, ``w = d * q``); no torch
@@ -26,6 +26,15 @@ logits: the default model's first answer to "What is the capital of France?" tie
   (its output widened to float32, after oneDNN's rounding to the model's dtype); without that
   copy or the kernel, the float32 weight dequantized per call.
 
+The decoder layers' ``Q8_0`` and ``Q5_0`` linears (``Q5_0``'s ``d * (q - 16)`` is a ``Q8_0``
+block of codes ``q - 16``) run through the same op with ``logits=False``: the output in the
+activations' dtype, and no packed dense copy: more rows than :data:`MAX_ROWS` take ``q8_mm``
+(bfloat16, where it runs) or ``q8_mm_f32`` (float32: per block of 64 outputs the codes
+dequantized exactly into a per-thread scratch and multiplied there by oneDNN's float32
+brgemm, by ``at::mm`` above 128 rows, where brgemm measured 2x the dense GEMM's time at
+K = 2048), so a float32 model computes ``x W^T`` of the file's exact weights up to float32
+summation order and holds ~1.06 bytes a weight instead of 4.
+
 The kernel (``csrc/q8_linear.cpp``) is built when the package is installed
 (:mod:`asyncllm._kernels.native`; ``ASYNCLLM_Q8_KERNEL=0`` turns it off).
 :mod:`asyncllm.models.quantization` uses this layer only where the kernel has its AVX-512
@@ -41,7 +50,7 @@ from torch import nn
 
 from asyncllm._kernels import native, ops
 
-__all__ = ["ENV_SWITCH", "MAX_ROWS", "Q8Linear", "fast", "kernel"]
+__all__ = ["ENV_SWITCH", "MAX_ROWS", "Q8Linear", "fast", "kernel", "mm_f32_available"]
 
 #: Q8_0's block: input columns per scale.
 BLOCK = 32
@@ -78,6 +87,17 @@ def _mm_runs(mod: Any) -> bool:
     return mod is not None and bool(mod.q8_mm_available())
 
 
+def mm_f32_available() -> bool:
+    """The float32 many-row kernel (``q8_mm_f32``: dequantize per block of 64 outputs, then
+    oneDNN's float32 brgemm up to 128 rows, ``at::mm`` above or where brgemm does not run) is
+    in the loaded module."""
+    return _mm_f32_runs(kernel())
+
+
+def _mm_f32_runs(mod: Any) -> bool:
+    return mod is not None and hasattr(mod, "q8_mm_f32")
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``scale * q`` per block of 32 columns: float32 [out, in] (exact)."""
     out, cols = q.shape
@@ -92,37 +112,46 @@ def q8_0_linear(
     packed: torch.Tensor | None,
     bias: torch.Tensor | None,
     max_rows: int,
+    logits: bool = True,
 ) -> torch.Tensor:
-    """``x [..., in]`` (float32 or bfloat16) -> float32 ``[..., out]``: :class:`Q8Linear`'s
-    forward (one op for eager steps and compiled graphs alike; see the module docstring for
-    the paths)."""
+    """``x [..., in]`` (float32 or bfloat16) -> ``[..., out]``, float32 with ``logits`` (the
+    LM head), else in ``x``'s dtype (a decoder layer): :class:`Q8Linear`'s forward (one op
+    for eager steps and compiled graphs alike; see the module docstring for the paths)."""
     out, cols = q.shape
     rows = x.reshape(-1, cols)
     mod = kernel()
-    if rows.shape[0] > max_rows and x.dtype == torch.bfloat16 and _mm_runs(mod):
-        y: torch.Tensor = mod.q8_mm(rows.contiguous(), q, scale).view(*x.shape[:-1], out)
-    elif packed is not None and (rows.shape[0] > max_rows or mod is None):
+    many = rows.shape[0] > max_rows
+    if many and x.dtype == torch.bfloat16 and _mm_runs(mod):
+        y: torch.Tensor = mod.q8_mm(rows.contiguous(), q, scale)
+    elif many and packed is None and _mm_f32_runs(mod):
+        y = mod.q8_mm_f32(rows.float().contiguous(), q, scale)
+    elif packed is not None and (many or mod is None):
         dense: torch.Tensor = torch.ops.asyncllm.packed_linear(x, packed, bias, cols, out)
-        return dense.float()
+        return dense.float() if logits else dense
     elif mod is None:
-        y = nn.functional.linear(x.float(), dequantize(q, scale))
+        y = nn.functional.linear(rows.float(), dequantize(q, scale))
     else:
         y = torch.empty((rows.shape[0], out), dtype=torch.float32)
         mod.q8_gemv(rows.float().contiguous(), q, scale, y)
-        y = y.view(*x.shape[:-1], out)
-    return y if bias is None else y + bias.float()
+    y = y.view(*x.shape[:-1], out)
+    y = y if bias is None else y + bias.float()
+    return y if logits else y.to(x.dtype)
 
 
 class Q8Linear(nn.Module):
     """``y = x W^T + b`` with ``W`` as GGUF ``Q8_0``: int8 codes and a float scale per 32 input
     columns (``w = scale * q``), run by ``asyncllm::q8_0_linear``; ``y`` is float32 (the LM
-    head's logits as summed, see the module docstring).
+    head's logits as summed, see the module docstring), or in ``x``'s dtype for a decoder
+    layer (``logits=False``).
 
     Args:
         q: int8-range codes [out, in], ``in`` a multiple of 32.
         scale: float [out, in / 32] (GGUF's float16 ``d``, kept exact in float32).
         bias: [out] or None (added in float32).
         dtype: the model's dtype: the packed copy's (:meth:`pack`) and :attr:`weight`'s.
+        logits: True (the LM head): float32 output, and a packed dense copy for many rows
+            where :meth:`pack` makes one; False (a decoder layer): the output in the
+            activations' dtype and never a dense copy where the kernel has ``q8_mm_f32``.
 
     Raises:
         ValueError: ``in`` not a multiple of 32, or ``scale`` not [out, in / 32].
@@ -133,6 +162,8 @@ class Q8Linear(nn.Module):
     bias: torch.Tensor | None
     #: The oneDNN-packed dense copy (:meth:`pack`), or None.
     packed: torch.Tensor | None = None
+    #: float32 output (the LM head); False: the activations' dtype (a decoder layer).
+    logits: bool = True
     #: The dense weight eager calls use where the kernel is not loaded (switched off, or a
     #: cached model loaded without it: the per-call dequantization of the default model's
     #: head cost ~100 ms a token).
@@ -144,6 +175,7 @@ class Q8Linear(nn.Module):
         scale: torch.Tensor,
         bias: torch.Tensor | None,
         dtype: torch.dtype = torch.bfloat16,
+        logits: bool = True,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
@@ -154,6 +186,7 @@ class Q8Linear(nn.Module):
                 f"{list(scale.shape)}"
             )
         self.out_dtype = dtype
+        self.logits = logits
         self.register_buffer("q", q.to(torch.int8).contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -170,13 +203,17 @@ class Q8Linear(nn.Module):
 
     def pack(self) -> None:
         """Make the oneDNN-packed dense copy that calls of more than :data:`MAX_ROWS` rows
-        use (in the model's dtype; idempotent); none for bfloat16 where ``q8_mm`` runs.
+        use (in the model's dtype; idempotent); none for bfloat16 where ``q8_mm`` runs, and
+        none for a decoder layer (``logits=False``) where ``q8_mm_f32`` runs (its many rows
+        take ``q8_mm_f32``, or ``q8_mm``: no dense copy beside the codes).
 
         Raises:
             RuntimeError: oneDNN refuses the reorder.
         """
         from asyncllm.worker.cpu_linear import PACK_HINT_ROWS
 
+        if not self.logits and mm_f32_available():
+            return
         if self.packed is None and not (self.out_dtype == torch.bfloat16 and mm_available()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_HINT_ROWS)
 
@@ -186,13 +223,17 @@ class Q8Linear(nn.Module):
                 if self._interim is None:
                     self._interim = self.weight
                 d = nn.functional.linear(x, self._interim).float()
-                return d if self.bias is None else d + self.bias.float()
+                d = d if self.bias is None else d + self.bias.float()
+                return d if self.logits else d.to(x.dtype)
             self._interim = None
         y: torch.Tensor = torch.ops.asyncllm.q8_0_linear(
-            x, self.q, self.scale, self.packed, self.bias, MAX_ROWS
+            x, self.q, self.scale, self.packed, self.bias, MAX_ROWS, self.logits
         )
         return y
 
     def extra_repr(self) -> str:
         packed = ", packed copy" if self.packed is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0{packed}"
+        head = "" if self.logits else ", decoder"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, Q8_0{packed}{head}"
+        )

