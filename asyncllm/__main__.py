@@ -41,6 +41,11 @@ def _generate(args: argparse.Namespace) -> int:
     engine = start_engine(args.model, config)
     tokenizer = engine.tokenizer
     if args.raw or not getattr(tokenizer, "chat_template", None):
+        if not args.raw:  # a base model: say so rather than answer a question oddly
+            print(
+                "asyncllm: the model has no chat template: the prompt goes as it is",
+                file=sys.stderr,
+            )
         prompt: Any = args.prompt
     else:
         messages = [{"role": "user", "content": args.prompt}]

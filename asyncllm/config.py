@@ -153,9 +153,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.max_waiting is not None:
             positive("max_waiting", self.max_waiting, 1)
         if self.quantization not in _QUANTIZATION:
+            hint = " (the CLI's 'none' is None in Python)" if self.quantization == "none" else ""
             raise ValueError(
                 f"EngineConfig.quantization must be one of {_QUANTIZATION}, "
-                f"got {self.quantization!r}"
+                f"got {self.quantization!r}{hint}"
             )
         if self.quantization_group_size not in _GROUP_SIZES:
             raise ValueError(

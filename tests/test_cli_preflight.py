@@ -143,3 +143,30 @@ def test_context_length_of_config_json_and_gguf(tmp_path: pathlib.Path) -> None:
     assert model_context_length(_gguf(tmp_path / "n.gguf", [])) is None
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         check_engine_config(str(tmp_path / "x.gguf"), {})
+
+
+def test_cli_generate_says_when_the_model_has_no_chat_template(
+    tiny_llama_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """A base model (Gemma 3 270M's GGUF file has no chat template): the prompt goes as it
+    is, and generate says so instead of applying nothing silently."""
+    import json
+    import shutil
+
+    model = tmp_path / "base"
+    shutil.copytree(tiny_llama_dir, model)
+    for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json"):
+        path = model / name
+        if name == "tokenizer_config.json":
+            config = json.loads(path.read_text())
+            config.pop("chat_template", None)
+            path.write_text(json.dumps(config))
+        else:
+            path.unlink(missing_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncllm", "generate", "hi", "--model", str(model),
+         "--max-tokens", "2", "--compile", "false"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "the model has no chat template: the prompt goes as it is" in proc.stderr

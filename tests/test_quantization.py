@@ -453,6 +453,11 @@ def test_config_rejects_bad_quantization(field, value):
         EngineConfig(**{field: value})
 
 
+def test_config_says_the_clis_none_is_none_in_python():
+    with pytest.raises(ValueError, match="the CLI's 'none' is None in Python"):
+        EngineConfig(quantization="none")  # type: ignore[arg-type]
+
+
 # --- engines on the tiny model --------------------------------------------------------------
 
 
