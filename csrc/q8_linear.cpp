@@ -135,6 +135,24 @@ static void dequant_rows(const int8_t* Q, const float* S, int64_t K, int64_t n0,
 // The many-row path is there: oneDNN's bfloat16 brgemm runs (AMX or AVX-512 BF16).
 bool q8_mm_available() { return brgemm_bf16_runs(); }
 
+// y[r, j] = C[j, r] for r < mt, j < rows: a brgemm tile C [rows, mt] (outputs x rows of x)
+// stored into y (row stride N) transposed.
+static inline void store_transposed(const float* C, int64_t mt, int64_t rows, float* y,
+                                    int64_t N) {
+  for (int64_t r = 0; r < mt; ++r) {
+    float* o = y + r * N;
+    int64_t j = 0;
+#if Q8_FAST
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(static_cast<int>(mt)));
+    for (; j + 16 <= rows; j += 16)
+      _mm512_storeu_ps(o + j, _mm512_i32gather_ps(idx, C + j * mt + r, 4));
+#endif
+    for (; j < rows; ++j) o[j] = C[j * mt + r];
+  }
+}
+
 // y [M, N] float32 = x [M, K] bfloat16 W^T, W = q [N, K] int8 * s [N, K / 32], without a dense
 // copy of W: per block of 64 output features, W's rows are dequantized into the thread's
 // scratch [64, K] (72 KiB at K = 576), which is brgemm's A (row-major, no packing); x^T,
@@ -177,18 +195,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) 
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int64_t mt = std::min(MT, M - m0);
         at::native::cpublas::brgemm(rows, mt, K, K, M, mt, false, A, B + m0 * 2, C, true);
-        for (int64_t r = 0; r < mt; ++r) {  // y[m0 + r, n0 + j] = C[j, r]
-          float* o = Y + (m0 + r) * N + n0;
-          int64_t j = 0;
-#if Q8_FAST
-          const __m512i idx = _mm512_mullo_epi32(
-              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-              _mm512_set1_epi32(static_cast<int>(mt)));
-          for (; j + 16 <= rows; j += 16)
-            _mm512_storeu_ps(o + j, _mm512_i32gather_ps(idx, C + j * mt + r, 4));
-#endif
-          for (; j < rows; ++j) o[j] = C[j * mt + r];
-        }
+        store_transposed(C, mt, rows, Y + m0 * N + n0, N);
       }
     }
     at::native::cpublas::brgemm_release();
@@ -274,18 +281,7 @@ at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Te
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int64_t mt = std::min(MT, M - m0);
         at::native::cpublas::brgemm(rows, mt, K, lda, ldb, mt, false, A, B + m0, C, false);
-        for (int64_t r = 0; r < mt; ++r) {  // y[m0 + r, n0 + j] = C[j, r]
-          float* o = Y + (m0 + r) * N + n0;
-          int64_t j = 0;
-#if Q8_FAST
-          const __m512i idx = _mm512_mullo_epi32(
-              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-              _mm512_set1_epi32(static_cast<int>(mt)));
-          for (; j + 16 <= rows; j += 16)
-            _mm512_storeu_ps(o + j, _mm512_i32gather_ps(idx, C + j * mt + r, 4));
-#endif
-          for (; j < rows; ++j) o[j] = C[j * mt + r];
-        }
+        store_transposed(C, mt, rows, Y + m0 * N + n0, N);
       }
     }
     if (brgemm) at::native::cpublas::brgemm_release(false);
