@@ -101,20 +101,16 @@ def test_gguf_block_layouts_match_gguf(kind):
     assert torch.equal(emb(ids), ref[ids])
 
 
-def test_a_gguf_type_without_a_kernel_runs_dense(tiny_llama_dir):
-    """quantization='gguf' with linear weights of a type without a kernel (Q5_1, as a
-    Q4_K_M file's Q6_K layers): they stay the dense weights the conversion dequantized, and
-    the precision names them; a type without a layout is refused by ``unpack``."""
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+def _as_gguf(lm, kinds) -> list:
+    """The GGUF tensors of ``lm``'s decoder linears quantized by gguf-py (types ``kinds`` in
+    turn; the head and embedding float32), and ``lm`` given exactly the weights the file
+    dequantizes to."""
     tensors = []
-    with torch.no_grad():  # the model holds exactly what the file dequantizes to
-        for name, lin in qz._linears(lm):
+    with torch.no_grad():
+        for i, (name, lin) in enumerate(qz._linears(lm)):
             w = lin.weight.detach().numpy()
-            kind = (
-                GGMLQuantizationType.F32 if name == qz._head_name(lm) else GGMLQuantizationType.Q5_1
-            )
+            head = name == qz._head_name(lm)
+            kind = GGMLQuantizationType.F32 if head else kinds[i % len(kinds)]
             raw = quantize(w, kind)
             lin.weight.copy_(torch.from_numpy(dequantize(raw, kind).reshape(w.shape)))
             tensors.append(GGUFTensor(name, kind.name, w.shape, raw, kind))
@@ -123,6 +119,17 @@ def test_a_gguf_type_without_a_kernel_runs_dense(tiny_llama_dir):
         tensors.append(
             GGUFTensor("token_embd", "F32", tuple(emb.shape), raw, GGMLQuantizationType.F32)
         )
+    return tensors
+
+
+def test_a_gguf_type_without_a_kernel_runs_dense(tiny_llama_dir):
+    """quantization='gguf' with linear weights of a type without a kernel (Q5_1, as a
+    Q4_K_M file's Q6_K layers): they stay the dense weights the conversion dequantized, and
+    the precision names them; a type without a layout is refused by ``unpack``."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    tensors = _as_gguf(lm, [GGMLQuantizationType.Q5_1])
     out, precision = qz._from_gguf(lm, tensors, torch.float32)
     assert out == {} and precision == f"gguf (Q5_1 dense x{len(tensors) - 2})"
     with pytest.raises(ValueError, match="Q5_K"):
@@ -139,22 +146,7 @@ def test_q5_0_and_q8_0_linears_run_as_codes(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    tensors = []
-    with torch.no_grad():
-        for i, (name, lin) in enumerate(qz._linears(lm)):
-            w = lin.weight.detach().numpy()
-            if name == qz._head_name(lm):
-                kind = GGMLQuantizationType.F32
-            else:
-                kind = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0)[i % 2]
-            raw = quantize(w, kind)
-            lin.weight.copy_(torch.from_numpy(dequantize(raw, kind).reshape(w.shape)))
-            tensors.append(GGUFTensor(name, kind.name, w.shape, raw, kind))
-        emb = lm.get_input_embeddings().weight.detach()
-        raw = emb.numpy().view(np.uint8).reshape(-1)
-        tensors.append(
-            GGUFTensor("token_embd", "F32", tuple(emb.shape), raw, GGMLQuantizationType.F32)
-        )
+    tensors = _as_gguf(lm, [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0])
     ids = torch.tensor([[1, 5, 300, 7, 12, 42, 9, 11, 3, 2, 8, 77]])
     with torch.inference_mode():
         want = lm(ids).logits
