@@ -46,8 +46,11 @@ lint: $(VENV)/.dev
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
+# Two pytest-xdist workers, each on its own core (tests/conftest.py pins them), whole test
+# files per worker (module fixtures, such as the Ray cluster, are built once).
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The benchmark harness (asyncllm/bench/, docs/benchmarks.md) in its smoke-test sizes; the
 # developer scripts are in benchmarks/ (run them from a checkout).

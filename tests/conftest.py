@@ -37,6 +37,29 @@ TINY = TINY_CONFIG
 os.environ[COMPILE_ENV] = "0"
 
 
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (``make test`` runs two workers), each worker keeps to its own
+    share of the cores, and torch's threads and every child process it starts with it
+    (affinity is inherited; ``default_num_threads`` reads it): two workers never put two
+    busy OpenMP threads on one core, where their spin-waits run each other several times
+    slower."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    share = cores[int(worker[2:]) % count :: count] or cores
+    for tid in os.listdir("/proc/self/task"):  # threads started already (execnet's) too
+        try:
+            os.sched_setaffinity(int(tid), share)
+        except OSError:
+            pass
+    torch.set_num_threads(len(share))
+
+
+_pin_xdist_worker()
+
+
 #: Log-probability gap under which two correct greedy runs of one model in one dtype may
 #: part (another summation order or batch shape). float32 rounds at 2**-24 relative;
 #: bfloat16 keeps 8 significant bits, so logits between 16 and 32 (the default model's top
