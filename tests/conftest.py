@@ -11,6 +11,7 @@ engine. tests/test_compile.py asks for ``compile=True`` explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import sys
@@ -50,10 +51,8 @@ def _pin_xdist_worker() -> None:
     cores = sorted(os.sched_getaffinity(0))
     share = cores[int(worker[2:]) % count :: count] or cores
     for tid in os.listdir("/proc/self/task"):  # threads started already (execnet's) too
-        try:
+        with contextlib.suppress(OSError):
             os.sched_setaffinity(int(tid), share)
-        except OSError:
-            pass
     torch.set_num_threads(len(share))
 
 

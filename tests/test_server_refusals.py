@@ -1,5 +1,6 @@
 """What the server refuses as OpenAI does, and the text it ends a cut answer with (issue 35):
-an unknown message role, a ``max_tokens`` past the context, an empty prompt (400); a
+an unknown message role, a ``max_tokens`` past the context, an empty prompt, an unknown
+top-level field (400); ``max_completion_tokens`` on both endpoints; a
 ``max_tokens`` cut inside a multi-byte character leaves no U+FFFD in the text."""
 
 from __future__ import annotations
@@ -92,6 +93,35 @@ def test_max_tokens_past_the_context_is_refused(
         message = error(post(base, "chat/completions", body))["message"]
         assert f"maximum context length is {CONTEXT} tokens" in message
         assert "in the messages, 5000 in the completion" in message
+
+
+def test_completions_honour_max_completion_tokens(served: tuple[str, AsyncEngine]) -> None:
+    """``/v1/completions`` takes OpenAI's current ``max_completion_tokens`` as chat does (it
+    was ignored: 16 tokens came back), and it wins over ``max_tokens``."""
+    base, _ = served
+    for body in ({"max_completion_tokens": 3}, {"max_completion_tokens": 3, "max_tokens": 9}):
+        r = post(base, "completions", {"prompt": "Hi", "ignore_eos": True, **body})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+    err = error(post(base, "completions", {"prompt": "Hi", "max_completion_tokens": 10**6}))
+    assert "maximum context length" in err["message"]
+    err = error(post(base, "completions", {"prompt": "Hi", "max_completion_tokens": -1}))
+    assert err["param"] == "max_completion_tokens"
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_unknown_fields_are_refused_as_openai_does(
+    served: tuple[str, AsyncEngine], path: str
+) -> None:
+    """A top-level field the server does not know (a misspelt option) is a 400 in OpenAI's
+    words, not silently dropped; the known fields still pass."""
+    base, _ = served
+    body = {"prompt": "Hi"} if path == "completions" else {"messages": CHAT}
+    for field in ("max_token", "temprature", "functions"):
+        err = error(post(base, path, {**body, field: 1}))
+        assert err["message"] == f"Unrecognized request argument supplied: {field}"
+        assert err["type"] == "invalid_request_error"
+    assert post(base, path, {**body, "max_tokens": 2, "stream_options": None}).status_code == 200
 
 
 async def test_strict_max_tokens_in_the_python_api(tiny_llama_dir: Any, make_engine: Any) -> None:

@@ -220,24 +220,38 @@ def test_nesting_limit_does_not_follow_the_recursion_limit(base: str) -> None:
     """The nesting bound is MAX_NESTING levels whatever Python's recursion limit is
     (Inductor raises it to 2,000 when it compiles in the process: a 1,000-deep ignored
     field was then accepted); brackets inside strings do not count, and a large shallow
-    body (decoded on a worker thread) is served."""
+    body (decoded on a worker thread) is served. The deep values ride in a field the server
+    reads and ignores (``response_format``'s extra keys: unknown top-level fields are
+    refused), one level below the top."""
     from asyncllm.server.protocol import MAX_NESTING
     from asyncllm.server.security import THREAD_DECODE_BYTES
 
     old = sys.getrecursionlimit()
     sys.setrecursionlimit(5000)
     try:
-        over = b'{"prompt": "x", "ignored": ' + _nested(MAX_NESTING + 1) + b"}"
+        over = (
+            b'{"prompt": "x", "response_format": {"type": "text", "x": '
+            + _nested(MAX_NESTING)
+            + b"}}"
+        )
         assert_error(post(f"{base}/v1/completions", over), 400)
-        at = b'{"prompt": "x", "max_tokens": 1, "ignored": ' + _nested(MAX_NESTING - 1) + b"}"
+        at = (
+            b'{"prompt": "x", "max_tokens": 1, "response_format": {"type": "text", "x": '
+            + _nested(MAX_NESTING - 2)
+            + b"}}"
+        )
         assert post(f"{base}/v1/completions", at).status_code == 200
     finally:
         sys.setrecursionlimit(old)
     in_string = "[{" * MAX_NESTING
-    body = json.dumps({"prompt": "x", "max_tokens": 1, "ignored": in_string}).encode()
+    body = json.dumps(
+        {"prompt": "x", "max_tokens": 1, "response_format": {"type": "text", "x": in_string}}
+    ).encode()
     assert post(f"{base}/v1/completions", body).status_code == 200
     wide = [[i] for i in range(THREAD_DECODE_BYTES // 4)]
-    body = json.dumps({"prompt": "x", "max_tokens": 1, "ignored": wide}).encode()
+    body = json.dumps(
+        {"prompt": "x", "max_tokens": 1, "response_format": {"type": "text", "x": wide}}
+    ).encode()
     assert len(body) > THREAD_DECODE_BYTES
     assert post(f"{base}/v1/completions", body).status_code == 200
 

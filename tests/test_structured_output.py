@@ -60,9 +60,9 @@ def _params(seed: int, n: int = 1, **so: object) -> SamplingParams:
 
 
 def _check_json(text: str) -> None:
-    # strict=False: xgrammar 0.2.9 lets a string with maxLength hold raw control characters
-    # (U+0000-U+001F but CR/LF), which RFC 8259 forbids (mlc-ai/xgrammar#800, fix pending).
-    jsonschema.validate(json.loads(text, strict=False), SCHEMA)
+    # strict: no raw control character inside a string (RFC 8259), which xgrammar 0.2.9's
+    # rule for length-bounded strings allowed (mlc-ai/xgrammar#800; json_string_rules_fixed)
+    jsonschema.validate(json.loads(text), SCHEMA)
 
 
 async def _run(engine: AsyncEngine, params: list[SamplingParams], stream: bool) -> list:
@@ -126,13 +126,13 @@ def test_a_repeated_schema_is_compiled_once(tiny_llama_dir, monkeypatch):
     compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
     backend = compiler._backend()
     calls = []
-    real = backend.compile_json_schema
+    real = backend.compile_grammar
 
     def spy(self: object, *a: object, **k: object) -> object:
         calls.append(a)
         return real(*a, **k)
 
-    monkeypatch.setattr(type(backend), "compile_json_schema", spy)
+    monkeypatch.setattr(type(backend), "compile_grammar", spy)
     first = compiler.compile(StructuredOutputsParams(json=SCHEMA))
     for _ in range(3):
         again = compiler.compile(StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA))))
@@ -217,6 +217,83 @@ async def test_preemption_keeps_matcher_state(tiny_llama_dir, make_engine, mode)
     assert got == expected
     _check_all(got, _check_json)
     assert len(small._engine.grammar_matchers) == 0
+
+
+#: Strings bounded by length only, where xgrammar 0.2.9 let raw control characters in.
+LENGTH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "string", "maxLength": 5},
+        "b": {"type": "string", "minLength": 2, "maxLength": 4},
+        "c": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["a", "b", "c"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [('"ab"', True), ('"a\x01"', False), ('"a\\n"', True), ('"\\u00e9x"', True),
+     ('"a\\"b"', True), ('"\\ud83d\\ude00"', False), ('"a"', False), ('"abcde"', False)],
+)  # fmt: skip
+def test_length_bounded_strings_are_rfc_8259_strings(text, ok):
+    """The grammar of a string with minLength 2 and maxLength 4: no raw control character,
+    escapes allowed and counted as one character each (a surrogate pair, two escapes for
+    one code point, is left out so the bounds hold in code points)."""
+    import xgrammar as xgr
+
+    from asyncllm.structured_output import json_string_rules_fixed
+
+    schema = json.dumps({"type": "string", "minLength": 2, "maxLength": 4})
+    fixed = json_string_rules_fixed(str(xgr.Grammar.from_json_schema(schema)))
+    accepted = xgr.testing._is_grammar_accept_string(xgr.Grammar.from_ebnf(fixed), text)
+    assert accepted == ok
+    if ok:
+        assert 2 <= len(json.loads(text)) <= 4
+
+
+def _strict_valid(text: str, schema: dict) -> None:
+    jsonschema.validate(json.loads(text), schema)  # json.loads is strict by default
+
+
+async def test_length_bounded_strings_parse_strictly(tiny_llama_dir, make_engine):
+    """Sampled outputs under a schema of length-bounded strings: every one parses with a
+    strict parser and validates (about 1 in 40 held a raw control character before)."""
+    engine = make_engine(tiny_llama_dir)
+    params = [
+        SamplingParams(max_tokens=80, seed=s, temperature=1.5,
+                       structured_outputs={"json": LENGTH_SCHEMA, "disable_any_whitespace": True})
+        for s in range(64)
+    ]  # fmt: skip
+    async with engine:
+        results = await _run(engine, params, stream=False)
+    _check_all(results, lambda t: _strict_valid(t, LENGTH_SCHEMA))
+
+
+async def test_user_stop_token_ids_wait_for_the_grammar(tiny_llama_dir, make_engine):
+    """A request's ``stop_token_ids`` hold ordinary tokens (here the vocabulary's words of
+    three letters or more that the schema's keys do not need) that the grammar allows
+    inside a JSON string: they are masked until the document is complete, so every output
+    ends "stop" with valid JSON (they ended it half-written before), and one of them (or
+    EOS) may end it there."""
+    engine = make_engine(tiny_llama_dir)
+    vocab = engine._engine.tokenizer.convert_ids_to_tokens(list(range(5000)))
+    keys = json.dumps(SCHEMA)
+    stops = [
+        i for i, t in enumerate(vocab)
+        if len(w := t.lstrip("Ġ")) >= 3 and w.isalpha() and w not in keys
+    ]  # fmt: skip
+    assert len(stops) > 2000
+    params = [
+        SamplingParams(max_tokens=80, seed=s, temperature=1.0, stop_token_ids=stops,
+                       structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+        for s in range(16)
+    ]  # fmt: skip
+    async with engine:
+        results = await _run(engine, params, stream=True)
+        assert len(engine._engine.grammar_matchers) == 0
+    _check_all(results, _check_json)
 
 
 async def test_grammar_wins_over_min_tokens_and_ignore_eos(tiny_llama_dir, make_engine):

@@ -285,7 +285,8 @@ class LLMEngine:
         if grammar is None:
             grammar = self.compile_grammar(params)
         for r in requests:
-            self.grammar_matchers.add(r.request_id, grammar)
+            stops = r.stop_token_ids.union(self.eos_token_ids)  # EOS too under ignore_eos
+            self.grammar_matchers.add(r.request_id, grammar, stops)
 
     def add_parallel_requests(self, samples: Sequence[Request], grammar: Any = None) -> None:
         """Queue the samples of one call made by ``inputs.make_requests``, sharing the

@@ -59,8 +59,9 @@ Endpoints:
   the ``--model`` value, e.g. "default"; also ``max_model_len``).
 - ``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids or a list
   of token-id lists (one choice per prompt and sample, index = prompt x n + sample).
-  ``max_tokens`` defaults to 16. ``echo`` prepends the prompt; ``logprobs`` (0-20) returns
-  OpenAI's legacy logprobs object. ``suffix``, and ``echo`` with ``logprobs``, answer 400.
+  ``max_completion_tokens`` (or ``max_tokens``) defaults to 16. ``echo`` prepends the
+  prompt; ``logprobs`` (0-20) returns OpenAI's legacy logprobs object. ``suffix``, and
+  ``echo`` with ``logprobs``, answer 400.
 - ``response_format`` (both generation endpoints): ``{"type": "text"}`` (the default),
   ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema", "json_schema":
   {"name": ..., "schema": {...}}}`` constrains decoding (``SamplingParams.structured_outputs``,
@@ -133,7 +134,8 @@ fixed message).
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` for any malformed body (not JSON, invalid UTF-8, empty, not an
 object, nested more than 512 levels deep in any field), a field of the wrong type or out of range
-(``param`` names it), an empty or too long prompt, a ``max_tokens`` (or
+(``param`` names it), a top-level field the server does not know (OpenAI's message
+"Unrecognized request argument supplied: NAME"), an empty or too long prompt, a ``max_tokens`` (or
 ``max_completion_tokens``) that does not fit in ``max_model_len`` after the prompt (vLLM's
 message: "This model's maximum context length is N tokens. However, you requested M tokens
 (P in the messages, C in the completion)..."), token ids outside the vocabulary; 401

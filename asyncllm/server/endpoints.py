@@ -70,9 +70,9 @@ def _include_usage(req: p.CompletionRequest | p.ChatCompletionRequest) -> bool:
 
 
 def completion_call(req: p.CompletionRequest, priorities: tuple[int, int]) -> EngineCall:
-    """The engine's arguments for a ``/v1/completions`` body (``max_tokens`` defaults to 16;
-    ``engine.stream`` per prompt; a ``max_tokens`` the prompt leaves no room for is refused
-    by the engine, ``strict_max_tokens``).
+    """The engine's arguments for a ``/v1/completions`` body (``max_completion_tokens``, else
+    ``max_tokens``, defaults to 16; ``engine.stream`` per prompt; a limit the prompt leaves
+    no room for is refused by the engine, ``strict_max_tokens``).
 
     Raises:
         APIError: 400 naming the field: an unsupported option (``suffix``, ``best_of`` other
@@ -91,8 +91,14 @@ def completion_call(req: p.CompletionRequest, priorities: tuple[int, int]) -> En
         )
     if req.echo and req.logprobs is not None:
         raise p.APIError("echo with logprobs is not supported", param="echo")
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = p.sampling_params(req, n=n, max_tokens=max_tokens, logprobs=req.logprobs)
+    max_tokens, field = p.requested_max_tokens(req)
+    params = p.sampling_params(
+        req,
+        n=n,
+        max_tokens=16 if max_tokens is None else max_tokens,
+        logprobs=req.logprobs,
+        rename={"max_tokens": field},
+    )
     # strict_max_tokens: a max_tokens past the context is a 400 naming it (OpenAI, vLLM)
     kwargs = {"priority": check_priority(req.priority, priorities), "strict_max_tokens": True}
     return EngineCall(prompts, n, params, kwargs, bool(req.stream), _include_usage(req))
@@ -120,20 +126,13 @@ def chat_call(
     top = req.top_logprobs
     if top is not None and not req.logprobs:
         raise p.APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-    max_tokens = req.max_completion_tokens
-    if max_tokens is None:
-        max_tokens = req.max_tokens
+    max_tokens, field = p.requested_max_tokens(req)
     params = p.sampling_params(
         req,
         n=n,
         max_tokens=max_tokens,
         logprobs=(top or 0) if req.logprobs else None,
-        rename={
-            "logprobs": "top_logprobs",
-            "max_tokens": "max_completion_tokens"
-            if req.max_completion_tokens is not None
-            else "max_tokens",
-        },
+        rename={"logprobs": "top_logprobs", "max_tokens": field},
     )
     kwargs = {
         "priority": check_priority(req.priority, priorities),

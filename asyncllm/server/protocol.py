@@ -106,9 +106,12 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = False
 
 
-class _RequestBase(msgspec.Struct, kw_only=True):
+class _RequestBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Unknown top-level fields are refused, as OpenAI does ("Unrecognized request argument
+    # supplied: ..."): a misspelt option must not vanish without a word.
     model: str | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = None
@@ -146,8 +149,8 @@ class CompletionRequest(_RequestBase, kw_only=True):
 
 
 class ChatCompletionRequest(_RequestBase, kw_only=True):
-    """A ``/v1/chat/completions`` body. ``max_completion_tokens`` wins over the older
-    ``max_tokens``; ``logprobs`` is a bool and ``top_logprobs`` the number of alternatives.
+    """A ``/v1/chat/completions`` body. ``logprobs`` is a bool and ``top_logprobs`` the
+    number of alternatives.
     ``chat_template_kwargs`` (template variables only, see :func:`chat_template_kwargs`)
     and ``add_generation_prompt`` are passed to the chat template; ``chat_template``
     replaces the model's only on a server started with ``--trust-request-chat-template``
@@ -155,7 +158,6 @@ class ChatCompletionRequest(_RequestBase, kw_only=True):
     OpenAI's (see :func:`check_tools`)."""
 
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -185,7 +187,16 @@ def check_tools(req: ChatCompletionRequest) -> None:
         raise APIError(str(e), param="tool_choice") from None
 
 
+def requested_max_tokens(req: _RequestBase) -> tuple[int | None, str]:
+    """The body's token limit and the field it came from: ``max_completion_tokens`` (OpenAI's
+    current name, on both endpoints) wins over the older ``max_tokens``."""
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
 _PARAM_AT = re.compile(r"at `\$\.([A-Za-z_]+)")
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `([^`]*)`$")
 _PARAM_MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
 
 
@@ -231,6 +242,9 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         msg = str(e)
+        unknown = _UNKNOWN_FIELD.match(msg)  # a top-level one (nested ones say where)
+        if unknown:
+            raise APIError(f"Unrecognized request argument supplied: {unknown.group(1)}") from None
         m = _PARAM_AT.search(msg) or _PARAM_MISSING.search(msg)
         raise APIError(msg, param=m.group(1) if m else None) from None
     except msgspec.DecodeError as e:

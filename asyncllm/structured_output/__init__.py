@@ -164,11 +164,10 @@ class GrammarCompiler:
         kind, text, compact = key
         compiler = self._backend()
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(text, any_whitespace=not compact)
-            if kind == "json_object":
-                schema = '{"type": "object"}'
-                return compiler.compile_json_schema(schema, any_whitespace=not compact)
+            if kind in ("json", "json_object"):
+                schema = text if kind == "json" else '{"type": "object"}'
+                grammar = _xgr().Grammar.from_json_schema(schema, any_whitespace=not compact)
+                return compiler.compile_grammar(json_string_rules_fixed(str(grammar)))
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":
@@ -181,6 +180,27 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"structured_outputs.{kind} cannot be compiled: {reason}"
             ) from None
+
+
+#: xgrammar 0.2.9's rule for one character of a string with ``minLength``/``maxLength``
+#: (mlc-ai/xgrammar#800): it lets raw control characters (U+0000-U+001F but CR and LF) into
+#: the string, which RFC 8259 forbids, and no escape at all.
+_LENGTH_STRING_CHAR = r"_characters ::= (([^\"\\\r\n]))"
+#: RFC 8259's string character: unescaped (not a control character, quote or backslash) or
+#: an escape; ``\u`` escapes of UTF-16 surrogates are left out, so that each character of
+#: the grammar is one code point of the parsed string and the length bounds hold exactly.
+_JSON_STRING_CHAR = (
+    r'_characters ::= (([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" '
+    r"(([0-9A-Ca-cEFef] [0-9A-Fa-f]) | ([Dd] [0-7])) [0-9A-Fa-f] [0-9A-Fa-f]))))"
+)
+
+
+def json_string_rules_fixed(ebnf: str) -> str:
+    """``ebnf`` (xgrammar's printed grammar of a JSON schema) with the character rule of its
+    length-bounded strings replaced by RFC 8259's (:data:`_JSON_STRING_CHAR`): a strict
+    JSON parser reads every output, and escapes count as one character each. A grammar
+    without that rule (a later xgrammar) comes back as it is."""
+    return ebnf.replace(_LENGTH_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def tagged_json_grammar(
@@ -220,7 +240,7 @@ def tagged_json_grammar(
     except RuntimeError as e:
         reason = _CPP_PREFIX.sub("", str(e).strip()).strip()
         raise InvalidRequestError(f"tool parameters cannot be compiled: {reason}") from None
-    return str(grammar)
+    return json_string_rules_fixed(str(grammar))
 
 
 def _json_str(s: str) -> str:
@@ -250,9 +270,15 @@ class GrammarMatchers:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._matchers
 
-    def add(self, request_id: str, compiled: Any) -> None:
-        """A fresh matcher of ``compiled`` for ``request_id`` (microseconds)."""
-        self._matchers[request_id] = _xgr().GrammarMatcher(compiled)
+    def add(self, request_id: str, compiled: Any, stop_token_ids: Iterable[int]) -> None:
+        """A fresh matcher of ``compiled`` for ``request_id`` (microseconds) whose stop tokens
+        are ``stop_token_ids`` (the model's EOS and the request's own ``stop_token_ids``):
+        each is masked until the grammar is complete and ends it there. A request's stop id
+        may be an ordinary token (a letter) that the grammar would otherwise allow inside a
+        JSON string, ending the request with "stop" and half a document (vLLM's #42403)."""
+        self._matchers[request_id] = _xgr().GrammarMatcher(
+            compiled, override_stop_tokens=sorted(stop_token_ids)
+        )
 
     def free(self, request_ids: Iterable[str]) -> None:
         """Drop the matchers of finished requests (unknown ids are ignored)."""
