@@ -38,6 +38,10 @@ TINY = TINY_CONFIG
 os.environ[COMPILE_ENV] = "0"
 
 
+#: The cores this process could run on before :func:`_pin_xdist_worker` narrowed them.
+ALL_CORES = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def _pin_xdist_worker() -> None:
     """Under pytest-xdist (``make test`` runs two workers), each worker keeps to its own
     share of the cores, and torch's threads and every child process it starts with it
@@ -57,6 +61,22 @@ def _pin_xdist_worker() -> None:
 
 
 _pin_xdist_worker()
+
+
+@contextlib.contextmanager
+def unpinned() -> Iterator[None]:
+    """Within this block the calling thread, and every process it starts, may run on all
+    of :data:`ALL_CORES` (a local Ray instance's daemons and replicas, a dozen processes,
+    would otherwise share the worker's one core)."""
+    if ALL_CORES is None:
+        yield
+        return
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, ALL_CORES)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
 
 
 #: Log-probability gap under which two correct greedy runs of one model in one dtype may

@@ -25,6 +25,7 @@ from asyncllm import SamplingParams  # noqa: E402
 from asyncllm.core.block_manager import BlockManager, prompt_block_hashes  # noqa: E402
 from asyncllm.integrations import ray_serve as rs  # noqa: E402
 from asyncllm.worker.device import COMPILE_ENV  # noqa: E402
+from tests.conftest import unpinned  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENGINE = {"num_threads": 1, "device": "cpu", "max_model_len": 256, "kv_cache_bytes": 2**21}
@@ -42,7 +43,18 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[int]:
-    """A local Ray instance and Serve on a free loopback port; yields the port."""
+    """A local Ray instance and Serve on a free loopback port; yields the port. Its
+    processes run on every core, not only this test worker's (``unpinned``)."""
+    port = _free_port()
+    with unpinned():
+        _start_ray()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _start_ray() -> None:
     ray.init(
         num_cpus=2,
         object_store_memory=80 * 2**20,
@@ -52,11 +64,6 @@ def ray_cluster() -> Iterator[int]:
             "env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", COMPILE_ENV: "0"}
         },
     )
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield port
-    serve.shutdown()
-    ray.shutdown()
 
 
 def _deploy(
