@@ -115,7 +115,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_field
     Decoding masks, at every step, the tokens that cannot continue a valid output (xgrammar,
     the grammar engine of vLLM and SGLang: https://github.com/mlc-ai/xgrammar); when the
     grammar is complete only EOS is allowed, and the request ends with finish_reason "stop"
-    (or "length" if ``max_tokens`` comes first: the output is then a valid prefix only).
+    (or "length" if ``max_tokens`` comes first: the output is then a valid prefix only). The
+    request's own ``stop_token_ids`` are masked until the grammar is complete (then they
+    end it like EOS), so an ordinary token among them never cuts a document short. JSON
+    output is RFC 8259 JSON for a strict parser (no raw control character in a string).
 
     Attributes:
         json: a JSON schema (a dict, or its JSON text). Properties are generated in the
