@@ -165,9 +165,9 @@ def test_q8_linear_with_groups_of_16_and_offsets_matches_the_reference(
 @pytest.mark.parametrize(("n", "k", "rows"), [(100, 256, 9), (70, 512, 130), (64, 256, 1)])
 def test_kernels_compute_the_exact_weights(kind, n, k, rows):
     """Times the identity (every output one product with 1), each kernel returns gguf's
-    weights exactly: ``q8_gemv`` and ``q8_mm_f32`` (float32: the offset's sum adds zeros
-    only), ``q8_mm`` those rounded once to bfloat16 (the dense bfloat16 copy's); any rows
-    within float32 summation order of float64 (``q8_mm_f32``: brgemm and ``at::mm``)."""
+    weights exactly: ``q8_gemv`` and ``q8_mm_f32`` (float32), ``q8_mm`` those rounded once
+    to bfloat16 (the dense bfloat16 copy's); any rows within float32 summation order of
+    float64 (``q8_mm_f32``: brgemm and ``at::mm``)."""
     raw, w = _weight(kind, n, k, seed=n + rows)
     layer = _layer(kind, raw, (n, k), dtype=torch.float32, logits=False)
     q, s, o = layer.q, layer.scale, layer.offset
