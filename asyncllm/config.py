@@ -67,13 +67,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             queueing. None: unbounded.
         quantization: weight-only quantization (docs/configuration.md has the precision
             table): "auto" (default) keeps a GGUF file's own quantization where asyncllm has
-            a kernel for its tensor types (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0) and runs any other
-            model in ``dtype``; None always runs ``dtype`` (a GGUF file dequantized); "int8" (one
-            scale per output channel), "int4" (a scale and zero point per
-            ``quantization_group_size`` input columns) or "gguf" (the GGUF file's blocks
-            where a kernel exists, other types dequantized to ``dtype``; ValueError for a
-            model that is not GGUF). The
-            LM head (and an embedding table tied to it) stays in ``dtype``. Converted
+            a kernel for its tensor types (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0) and runs
+            any other model in ``dtype``; None always runs ``dtype`` (a GGUF file
+            dequantized); "int8" (one scale per output channel), "int4" (a scale and zero
+            point per ``quantization_group_size`` input columns) or "gguf" (the GGUF file's
+            blocks where a kernel exists, other types dequantized to ``dtype``; ValueError
+            for a model that is not GGUF). Under "int8"/"int4" the LM head (and an embedding
+            table tied to it) stays in ``dtype``; under "gguf" a head of int8 codes (Q8_0,
+            Q6_K...) keeps them where the AVX-512 kernel builds. Converted
             weights are cached on disk. CPU kernels: int4 raises ValueError on CUDA.
         quantization_group_size: input columns per int4 scale and zero point: 32 (default,
             GGUF's block), 64 or 128; it must divide every quantized layer's input width

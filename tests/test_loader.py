@@ -422,7 +422,7 @@ def test_a_conversion_shared_by_copies_quantizes_the_file_asked_for(
     """Two GGUF files of the same content share one conversion, which records the first
     one's path; once that file changes, the recorded source is not trusted (its content is
     not the recorded one) and a load of the second quantizes from the second."""
-    from asyncllm.models.quantization import gguf_source
+    from asyncllm.models.quant_cache import gguf_source
 
     def fake_write(src: pathlib.Path, out: pathlib.Path) -> None:
         (out / "config.json").write_text("{}")

@@ -18,8 +18,9 @@ op                 what                                        C++ CPU kernel
 paged_attention    write a layer's K/V, attend (the step's     ``csrc/paged_attention.cpp``
                    metadata: attention.backend_registry)
 int4_linear        ``x W^T + b``, W int4 with group scales     ``csrc/int4_linear.cpp``
-q8_0_linear        ``x W^T + b``, W GGUF Q8_0/Q5_0 (logits:    (Python over ``csrc/q8_linear``)
-                   float32 out)
+q8_0_linear        ``x W^T + b``, W int8 codes, scales per     (Python over ``csrc/q8_linear``)
+                   16/32 columns (+ offsets): GGUF Q8_0,
+                   Q5_0, Q6_K, Q5_K (logits: float32 out)
 packed_linear      ``x W^T + b``, W packed by oneDNN           (oneDNN)
 materialize        copies Inductor does not fuse through       (clone)
 =================  ==========================================  =============================
@@ -46,7 +47,7 @@ LIB.define(
 )
 LIB.define(
     "q8_0_linear(Tensor x, Tensor q, Tensor scale, Tensor? packed, Tensor? bias, int max_rows,"
-    " bool logits=True) -> Tensor"
+    " bool logits=True, Tensor? offset=None) -> Tensor"
 )
 LIB.define(
     "packed_linear(Tensor x, Tensor packed, Tensor? bias, int in_features, int out_features)"
@@ -154,6 +155,7 @@ def _q8_0_linear_fake(
     bias: torch.Tensor | None,
     max_rows: int,
     logits: bool = True,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     dtype = torch.float32 if logits else x.dtype
     return x.new_empty((*x.shape[:-1], q.shape[0]), dtype=dtype)

@@ -1,8 +1,9 @@
 """Read a GGUF file's quantized weight blocks as integer codes plus scales and offsets.
 
-Only the block layouts that :mod:`asyncllm.worker.quant_linear` has a kernel for are
-unpacked (ggml's ``ggml-common.h`` / gguf-py's ``gguf.quants`` define them; 32 weights a
-block along the input dimension):
+Only the block layouts that :mod:`asyncllm.worker.quant_linear` or
+:mod:`asyncllm.worker.q8_linear` has a kernel for are unpacked (ggml's ``ggml-common.h`` /
+gguf-py's ``gguf.quants`` define them; 32 weights a block along the input dimension, 16 for
+``Q6_K``):
 
 * ``Q4_0``: ``d`` (float16), 16 bytes of 4-bit codes; ``w = d * (q - 8)``;
 * ``Q4_1``: ``d``, ``m`` (float16), 16 bytes of codes; ``w = d * q + m``;
@@ -14,15 +15,27 @@ block along the input dimension):
   6-bit scales ``sc`` and minimums ``m`` (one per 32 weights), 128 bytes of 4-bit codes;
   ``w = (d * sc) * q - dmin * m``: exactly a 32-weight block of scale ``d * sc`` and offset
   ``-(dmin * m)`` (both products exact in float32), so it unpacks to the same blocks as
-  ``Q4_1``.
+  ``Q4_1``;
+* ``Q6_K``: 256 weights a super-block: 128 bytes of low nibbles ``ql``, 64 bytes of high
+  bit pairs ``qh``, sixteen int8 sub-block scales ``sc``, ``d`` (float16, last);
+  ``w = (d * sc) * (q - 32)`` per 16 weights, q in 0..63: exactly a 16-weight block of
+  int8 codes ``q - 32`` and scale ``d * sc`` (exact in float32: 11 by 8 significant bits);
+* ``Q5_K``: 256 weights: ``d``, ``dmin``, Q4_K's 12 bytes of 6-bit ``sc`` and ``m``, 32
+  bytes of fifth bits ``qh`` (bit ``j`` of byte ``l`` is weight ``l`` of sub-block ``j``), 128
+  bytes of low nibbles (Q4_K's order); ``w = (d * sc) * q - dmin * m``, q in 0..31: a
+  32-weight block of codes ``q``, scale ``d * sc`` and offset ``-(dmin * m)``, as ``Q4_K``.
 
 In a ``Q4_0``/``Q4_1`` block, byte ``j`` of the codes holds weight ``j`` in its low nibble
-and weight ``j + 16`` in its high nibble; in ``Q4_K``, each 32 bytes hold two 32-weight
-blocks, the first in the low nibbles. Every value is returned as is (float16 scales widened
-to float32), so a caller that computes ``scale * q + offset`` in float32 reproduces gguf's
-own dequantization bit for bit (a float16 times a code below 2**8 is exact in float32; one
-rounding follows). A block whose float16 scale or minimum is inf or NaN is refused as a
-corrupt tensor (:class:`~asyncllm.errors.ModelLoadError` naming it), not passed through.
+and weight ``j + 16`` in its high nibble; in ``Q4_K`` and ``Q5_K``, each 32 bytes hold two
+32-weight blocks, the first in the low nibbles; in each 128-weight half of ``Q6_K``, 64
+bytes of ``ql`` hold weights 0-63 (low nibbles) and 64-127 (high) and byte ``l`` of its 32
+bytes of ``qh`` the high bits of weights ``l``, ``l + 32``, ``l + 64``, ``l + 96`` (bits 0-1,
+2-3, 4-5, 6-7). Every value is returned as is (float16 scales widened to float32, K-quant
+sub-block scales multiplied out exactly), so a caller that computes ``scale * q + offset``
+in float32 reproduces gguf's own dequantization bit for bit (gguf computes the same
+product, rounded once; with an offset, the product is exact and the sum rounds once). A
+block whose float16 scale or minimum is inf or NaN is refused as a corrupt tensor
+(:class:`~asyncllm.errors.ModelLoadError` naming it), not passed through.
 
 GGUF files may store a weight with its rows permuted (llama.cpp reorders the query and key
 projections of Llama-family models); :func:`match_rows` finds the permutation that maps a
@@ -51,6 +64,7 @@ __all__ = [
     "INT4_TYPES",
     "INT8_TYPES",
     "KERNEL_TYPES",
+    "OFFSET_TYPES",
     "QuantBlocks",
     "TensorKind",
     "content_key",
@@ -62,30 +76,38 @@ __all__ = [
 ]
 
 BLOCK = 32
-#: GGUF tensor types with a quantized kernel (:mod:`asyncllm.worker.quant_linear`).
-KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0"})
+#: GGUF tensor types with a quantized kernel (:mod:`asyncllm.worker.quant_linear`,
+#: :mod:`asyncllm.worker.q8_linear`).
+KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0"})
 #: Of those, the types that run as int4 group 32 (``quant_linear.Int4Linear``).
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
-#: Of those, the types that run as int8 codes with a scale per 32 columns
-#: (``q8_linear.Q8Linear``): ``w = d * q`` with ``q`` signed (``Q5_0``'s ``q - 16``).
-INT8_TYPES = frozenset({"Q5_0", "Q8_0"})
-#: Weights a ``Q4_K`` super-block holds.
+#: Of those, the types that run as int8 codes with a float32 scale per group of columns
+#: (``q8_linear.Q8Linear``): ``w = d * q`` with ``q`` signed (``Q5_0``'s ``q - 16`` and
+#: ``Q6_K``'s ``q - 32``; groups of 32, ``Q6_K``'s of 16), plus an offset for ``Q5_K``.
+INT8_TYPES = frozenset({"Q5_0", "Q5_K", "Q6_K", "Q8_0"})
+#: Of those, the types whose Q8Linear has per-group offsets (``w = d * q + offset``).
+OFFSET_TYPES = frozenset({"Q5_K"})
+#: Weights a K-quant super-block holds.
 SUPER_BLOCK = 256
+#: Bytes of the K-quant super-blocks unpacked here.
+_SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 #: Types that are plain floating point (kept as they are: norms, biases, small tensors).
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantBlocks:
-    """One GGUF weight [rows, cols] as ``w = scale * q + offset`` per block of 32 columns.
+    """One GGUF weight [rows, cols] as ``w = scale * q + offset`` per block of 32 columns
+    (16 for ``Q6_K``: :attr:`group`).
 
     Attributes:
-        kind: ``"Q4_0"``, ``"Q4_1"``, ``"Q4_K"``, ``"Q5_0"`` or ``"Q8_0"``.
+        kind: ``"Q4_0"``, ``"Q4_1"``, ``"Q4_K"``, ``"Q5_0"``, ``"Q5_K"``, ``"Q6_K"`` or
+            ``"Q8_0"``.
         q: codes, int16 [rows, cols]: 0..15 for Q4_*, -128..127 for Q8_0, -16..15 for
-            Q5_0 (its ``q - 16``).
-        scale: float32 [rows, cols / 32], the blocks' ``d``.
-        offset: float32 [rows, cols / 32]: ``m`` for Q4_1, ``-8 d`` for Q4_0,
-            ``-(dmin * m)`` for Q4_K, 0 for Q8_0 and Q5_0 (``w = d * q``).
+            Q5_0 (its ``q - 16``), 0..31 for Q5_K, -32..31 for Q6_K (its ``q - 32``).
+        scale: float32 [rows, cols / group], the blocks' ``d`` (K-quants: ``d * sc``).
+        offset: float32 [rows, cols / group]: ``m`` for Q4_1, ``-8 d`` for Q4_0,
+            ``-(dmin * m)`` for Q4_K and Q5_K, 0 for Q8_0, Q5_0 and Q6_K (``w = d * q``).
     """
 
     kind: str
@@ -93,14 +115,19 @@ class QuantBlocks:
     scale: torch.Tensor
     offset: torch.Tensor
 
+    @property
+    def group(self) -> int:
+        """Columns per scale: 32, or 16 (``Q6_K``)."""
+        return int(self.q.shape[1] // self.scale.shape[1])
+
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], equal bit for bit to ``gguf.quants.dequantize``."""
         rows, cols = self.q.shape
-        q = self.q.view(rows, cols // BLOCK, BLOCK).float()
+        q = self.q.view(rows, cols // self.group, self.group).float()
         s, o = self.scale[..., None], self.offset[..., None]  # broadcast over each block
         if self.kind == "Q4_0":  # d * (q - 8): exact in float32, like gguf's
             return (s * (q - 8)).view(rows, cols)
-        if self.kind in INT8_TYPES:  # d * q, no offset added (gguf's -0.0 where d < 0, q = 0)
+        if self.kind in INT8_TYPES - OFFSET_TYPES:  # d * q, no offset added (gguf's -0.0)
             return (s * q).view(rows, cols)
         return (s * q + o).view(rows, cols)
 
@@ -110,8 +137,8 @@ class QuantBlocks:
 
 
 def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int], name: str = "") -> QuantBlocks:
-    """Unpack the raw bytes of a ``Q4_0``/``Q4_1``/``Q4_K``/``Q5_0``/``Q8_0`` tensor of
-    ``shape`` (rows, cols); ``name`` (the GGUF tensor's) is for error messages.
+    """Unpack the raw bytes of a tensor of ``shape`` (rows, cols) and type ``kind`` (one of
+    :data:`KERNEL_TYPES`); ``name`` (the GGUF tensor's) is for error messages.
 
     Raises:
         ModelLoadError: a block's float16 scale or minimum (``d``, ``m``, ``dmin``) is inf
@@ -120,13 +147,16 @@ def unpack(kind: str, raw: np.ndarray, shape: tuple[int, int], name: str = "") -
     """
     rows, cols = shape
     sizes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
-    if kind not in sizes and kind != "Q4_K":
+    if kind not in sizes and kind not in _SUPER_BYTES:
         raise ValueError(f"GGUF tensor type {kind} has no quantized kernel in asyncllm")
-    width = SUPER_BLOCK if kind == "Q4_K" else BLOCK
+    width = SUPER_BLOCK if kind in _SUPER_BYTES else BLOCK
     if cols % width:
         raise ValueError(f"{kind} tensor of shape {shape}: columns not a multiple of {width}")
-    if kind == "Q4_K":
-        return _unpack_q4_k(raw, rows, cols, name)
+    if kind in _SUPER_BYTES:
+        sb = np.ascontiguousarray(raw, dtype=np.uint8)
+        sb = sb.reshape(rows, cols // SUPER_BLOCK, _SUPER_BYTES[kind])
+        unpack_k = {"Q4_K": _unpack_q4_k, "Q5_K": _unpack_q5_k, "Q6_K": _unpack_q6_k}[kind]
+        return unpack_k(sb, rows, cols, name)
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // BLOCK, sizes[kind])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     _check_finite(name, kind, d=d)
@@ -169,27 +199,70 @@ def _check_finite(name: str, kind: str, **scales: np.ndarray) -> None:
             )
 
 
-def _unpack_q4_k(raw: np.ndarray, rows: int, cols: int, name: str) -> QuantBlocks:
-    """``Q4_K`` as 32-weight blocks: ggml's ``block_q4_K`` (``get_scale_min_k4`` packs the
-    6-bit scales and minimums; gguf-py's ``Q4_K.dequantize_blocks`` is the reference)."""
-    sb = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // SUPER_BLOCK, 144)
+def _unpack_q4_k(sb: np.ndarray, rows: int, cols: int, name: str) -> QuantBlocks:
+    """``Q4_K`` super-blocks ``sb`` [rows, n, 144] as 32-weight blocks: ggml's
+    ``block_q4_K`` (gguf-py's ``Q4_K.dequantize_blocks`` is the reference)."""
+    scale, offset = _k_scales_mins(sb, "Q4_K", name)
+    codes = sb[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    q = (codes & 0x0F).astype(np.int16)  # [rows, n, 4 pairs, low/high, 32]
+    return _k_blocks("Q4_K", q, scale, offset, rows, cols)
+
+
+def _unpack_q5_k(sb: np.ndarray, rows: int, cols: int, name: str) -> QuantBlocks:
+    """``Q5_K`` super-blocks ``sb`` [rows, n, 176] as 32-weight blocks of codes 0..31:
+    ggml's ``block_q5_K`` (``dequantize_row_q5_K``; gguf-py's ``Q5_K.dequantize_blocks``
+    is the reference): ``Q4_K``'s scales, minimums and nibbles, and bit ``j`` of ``qh``'s
+    byte ``l`` the fifth bit of weight ``l`` of sub-block ``j``."""
+    scale, offset = _k_scales_mins(sb, "Q5_K", name)
+    low = sb[..., 48:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    high = sb[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+    q = (low & 0x0F).reshape(rows, -1, 8, 32) | ((high & 1) << 4)
+    return _k_blocks("Q5_K", q.astype(np.int16), scale, offset, rows, cols)
+
+
+def _k_scales_mins(sb: np.ndarray, kind: str, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The 32-weight blocks' scales ``d * sc`` and offsets ``-(dmin * m)`` [rows, n, 8] of
+    ``Q4_K``/``Q5_K`` super-blocks ``sb`` (``d``, ``dmin`` float16, then 12 bytes packing
+    eight 6-bit ``sc`` and ``m``: ggml's ``get_scale_min_k4``); both products exact."""
     d = sb[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, n, 1]
     dmin = sb[..., 2:4].copy().view(np.float16).astype(np.float32)
-    _check_finite(name, "Q4_K", d=d, dmin=dmin)
-    packed = sb[..., 4:16].reshape(rows, -1, 3, 4)
+    _check_finite(name, kind, d=d, dmin=dmin)
+    packed = sb[..., 4:16].reshape(*sb.shape[:2], 3, 4)
     lo, hi, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
     sc = np.concatenate([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], axis=-1)
-    scale = d * sc.astype(np.float32)  # [rows, n, 8]
-    offset = -(dmin * mn.astype(np.float32))
-    codes = sb[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
-    q = (codes & 0x0F).astype(np.int16)  # [rows, n, 4 pairs, low/high, 32]
+    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def _k_blocks(
+    kind: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, rows: int, cols: int
+) -> QuantBlocks:
+    """A K-quant tensor's :class:`QuantBlocks` (no ``offset``: zeros)."""
+    scale = np.ascontiguousarray(scale.reshape(rows, -1))
     return QuantBlocks(
-        "Q4_K",
+        kind,
         torch.from_numpy(q.reshape(rows, cols)),
-        torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1))),
-        torch.from_numpy(np.ascontiguousarray(offset.reshape(rows, -1))),
+        torch.from_numpy(scale),
+        torch.zeros(scale.shape) if offset is None else torch.from_numpy(offset.reshape(rows, -1)),
     )
+
+
+def _unpack_q6_k(sb: np.ndarray, rows: int, cols: int, name: str) -> QuantBlocks:
+    """``Q6_K`` super-blocks ``sb`` [rows, n, 210] as 16-weight blocks of codes ``q - 32``
+    and scales ``d * sc``: ggml's ``block_q6_K`` (``dequantize_row_q6_K``; gguf-py's
+    ``Q6_K.dequantize_blocks`` is the reference)."""
+    n = cols // SUPER_BLOCK
+    d = sb[..., 208:210].copy().view(np.float16).astype(np.float32)  # [rows, n, 1]
+    _check_finite(name, "Q6_K", d=d)
+    scale = d * sb[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, n, 16]
+    # Per 128-weight half h: ql's 64 bytes -> weights 0-63 (low nibbles), 64-127 (high);
+    # qh's 32 bytes -> bits 4-5 of weights l, l + 32, l + 64, l + 96 (bit pairs 0..3).
+    ql = sb[..., :128].reshape(rows, n, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    qh = sb[..., 128:192].reshape(rows, n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    low = (ql & 0x0F).reshape(rows, n, 2, 128)
+    high = (qh & 0x03).reshape(rows, n, 2, 128)
+    q = (low | (high << 4)).astype(np.int16) - 32
+    return _k_blocks("Q6_K", q, scale, None, rows, cols)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,8 @@ from asyncllm.models.architecture import (
     check_local_attention,
 )
 from asyncllm.models.fingerprint import fingerprint, memoized
-from asyncllm.models.quantization import gguf_source, resolve_quantization
+from asyncllm.models.quant_cache import gguf_source
+from asyncllm.models.quantization import resolve_quantization
 from asyncllm.models.weights import load_weights
 from asyncllm.preflight import default_gguf
 from asyncllm.worker.quant_linear import DEFAULT_GROUP_SIZE, weight_bytes

@@ -3,8 +3,8 @@
 Settings:
 
 * ``"auto"`` (the default): ``"gguf"`` for a GGUF model with linear weights of a type that
-  has a kernel (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_0``, ``Q8_0``; or only plain float), else
-  ``None``;
+  has a kernel (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_0``, ``Q5_K``, ``Q6_K``, ``Q8_0``; or only
+  plain float), else ``None``;
   one log line says which, and which types run dequantized.
 * ``None``: the model's dtype (a GGUF file dequantized to float32, as before).
 * ``"int8"``: weight-only int8, one scale per output channel (``Int8Linear``).
@@ -12,10 +12,13 @@ Settings:
   (``Int4Linear``; 32 by default, 64 or 128).
 * ``"gguf"``: a GGUF file's own blocks kept: ``Q4_0``/``Q4_1``/``Q4_K`` -> ``Int4Linear``
   with group 32 (codes as they are; Q4_K's sub-block scales and minimums folded exactly into
-  block scales and offsets); ``Q8_0``/``Q5_0`` -> ``Q8Linear`` (int8 codes, a float32 scale
-  per 32 columns: ``Q5_0``'s ``d * (q - 16)`` as codes ``q - 16``; :data:`Q8_0_LINEAR`); a
-  ``Q8_0`` LM head -> ``Q8Linear`` (float32 logits); the token embedding table ->
-  :class:`QuantEmbedding`; other types (``Q5_K``, ``Q6_K``...) run dense.
+  block scales and offsets); ``Q8_0``/``Q5_0``/``Q6_K``/``Q5_K`` -> ``Q8Linear`` (int8
+  codes, a float32 scale per 32 columns: ``Q5_0``'s ``d * (q - 16)`` as codes ``q - 16``;
+  ``Q6_K``'s ``(d * sc) * (q - 32)`` as codes ``q - 32`` and scales ``d * sc`` per 16
+  columns; ``Q5_K``'s ``(d * sc) * q - dmin * m`` as codes ``q``, scales and offsets per 32;
+  all exact; :data:`Q8_0_LINEAR`, :data:`Q8_CODE_TYPES`); an LM head of one of those types
+  -> ``Q8Linear`` (float32 logits); the token embedding table -> :class:`QuantEmbedding`;
+  other types (``Q2_K``, ``Q3_K``, ``Q5_1``...) run dense.
 
 The int4 layers compute in the model's dtype where it is float32 (float32 activations and
 scales: the function the file defines, as closely as float32 computes it) and in bfloat16
@@ -25,8 +28,8 @@ otherwise (:func:`asyncllm.worker.quant_linear.int4_dtype`); the int8 layers in 
 What is quantized: every ``nn.Linear`` of the decoder layers. For int4/int8 the LM head
 stays in the model's dtype, and so does a tied embedding table (the same tensor): an int4
 head costs more perplexity than the quality test allows (docs/tuning.md,
-``benchmarks/head_precision.py``). Under "gguf", a ``Q8_0`` head (llama.cpp's usual choice)
-keeps the file's codes where its kernel has an AVX-512 path
+``benchmarks/head_precision.py``). Under "gguf", a ``Q8_0`` head (llama.cpp's usual choice;
+``Q6_K`` in many Q4_K_M files) keeps the file's codes where its kernel has an AVX-512 path
 (:class:`~asyncllm.worker.q8_linear.Q8Linear`), and a table tied to it reads the same codes
 (:class:`~asyncllm.worker.quant_linear.QuantEmbedding`, no second copy).
 
@@ -41,18 +44,14 @@ warning and the model converted again (:func:`apply_cached`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
-import os
 import pathlib
-import tempfile
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
-from asyncllm.models.fingerprint import fingerprint, fingerprints
+from asyncllm.models.quant_cache import cache_key, load_cache, save_cache
 from asyncllm.worker import quant_linear as ql
 from asyncllm.worker.q8_linear import Q8Linear
 
@@ -75,10 +74,6 @@ MODES = ("auto", "int8", "int4", "gguf")
 Mode = Literal["auto", "int8", "int4", "gguf"] | None
 #: GGUF block size (the group of a Q4_* weight run by Int4Linear).
 GGUF_GROUP = 32
-#: 5: a float32 model's int4 scales and zero points are float32 (exact), not bfloat16.
-#: 6: a quantized embedding keeps the scale of a scaled embedding module (Gemma 3).
-#: 7: Q8_0/Q5_0 decoder linears are Q8Linear codes (``logits`` recorded), not dense.
-_CACHE_VERSION = 7
 
 
 class QuantInfo:
@@ -180,8 +175,10 @@ def resolve_quantization(
     q8 = "-q8head" if resolved == "gguf" and _q8_head_ok(device) else ""
     if q8 and Q8_0_LINEAR == "dense":
         q8 += "-q8dense"
+    elif q8 and Q8_CODE_TYPES is not None:
+        q8 += "-codes-" + "-".join(sorted(Q8_CODE_TYPES))
     name = f"{resolved}-g{gs}-{dtype_name}{q8}"
-    key = _cache_key(model_dir, name, gguf_file if resolved == "gguf" else None)
+    key = cache_key(model_dir, name, gguf_file if resolved == "gguf" else None)
     # The folder's name only makes the file recognizable; the key tells models apart.
     path = cache_root / "quant" / f"{model_dir.name}-{name}-{key[:12]}.pt"
     return QuantSetting(resolved, gs, dtype, device, path, gguf_file, key)
@@ -194,7 +191,7 @@ def load_cached(setting: QuantSetting) -> dict | None:
     fit, so that the load paths that try it next skip it quietly."""
     if setting.cache_path is None or setting.cache_key is None:
         return None
-    return _load_cache(setting.cache_path, setting.cache_key)
+    return load_cache(setting.cache_path, setting.cache_key)
 
 
 def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = None) -> QuantInfo:
@@ -231,7 +228,7 @@ def quantize_model(lm: nn.Module, setting: QuantSetting, cached: dict | None = N
         ql.replace_module(lm, name, module.to(setting.device))
     _retie(lm)
     assert setting.cache_path is not None and setting.cache_key is not None
-    _save_cache(setting.cache_path, setting.cache_key, modules, precision)
+    save_cache(setting.cache_path, setting.cache_key, modules, precision)
     return QuantInfo(precision, setting.mode, len(modules), False)
 
 
@@ -407,7 +404,7 @@ def _from_float(
 def _from_gguf(
     lm: nn.Module, tensors: list, dtype: torch.dtype
 ) -> tuple[dict[str, nn.Module], str]:
-    from asyncllm.models.gguf_quant import INT4_TYPES, INT8_TYPES, tensor_finder
+    from asyncllm.models.gguf_quant import INT4_TYPES, INT8_TYPES, OFFSET_TYPES, tensor_finder
 
     find = tensor_finder(tensors, next(lm.parameters()).dtype)
     head = _head_name(lm)
@@ -415,22 +412,26 @@ def _from_gguf(
     tied = emb is not None and head is not None and lm.get_submodule(head).weight is emb[1].weight
     out: dict[str, nn.Module] = {}
     kinds: dict[str, set[str]] = {}
-    codes8 = Q8_0_LINEAR == "codes" and _q8_head_ok(next(lm.parameters()).device)
+    codes8 = INT8_TYPES if Q8_0_LINEAR == "codes" else frozenset()
+    codes8 &= Q8_CODE_TYPES or INT8_TYPES
+    codes8 = codes8 if _q8_head_ok(next(lm.parameters()).device) else frozenset()
     for name, lin in _progress(_linears(lm), "repacking the GGUF blocks (once; cached)"):
         if name == head:
             continue
         t, blocks, idx = find(name, lin.weight)
         if t.kind in _FLOAT:
             continue
-        if t.kind in INT8_TYPES and codes8:
+        if t.kind in codes8:
             blocks = _in_order(blocks, idx)
-            out[name] = Q8Linear(blocks.q, blocks.scale, lin.bias, dtype, logits=False)
-            kinds.setdefault(f"{t.kind} int8 g32", set()).add(name)
+            offset = blocks.offset if t.kind in OFFSET_TYPES else None
+            out[name] = Q8Linear(blocks.q, blocks.scale, lin.bias, dtype, False, offset)
+            plus = " + offset" if offset is not None else ""
+            kinds.setdefault(f"{t.kind} int8 g{blocks.group}{plus}", set()).add(name)
             continue
         if t.kind not in INT4_TYPES:
-            # Types without a kernel (Q5_K, Q6_K...: most Q4_K_M files hold a few), and
-            # Q8_0/Q5_0 where their kernel has no AVX-512 path (or Q8_0_LINEAR is "dense"),
-            # stay the dense weights the conversion dequantized.
+            # Types without a kernel (Q2_K, Q3_K, Q5_1...), and Q8_0/Q5_0/Q6_K/Q5_K where
+            # their kernel has no AVX-512 path (or Q8_0_LINEAR is "dense", or they are not
+            # in Q8_CODE_TYPES), stay the dense weights the conversion dequantized.
             kinds.setdefault(f"{t.kind} dense", set()).add(name)
             continue
         blocks = _in_order(blocks, idx)
@@ -440,11 +441,12 @@ def _from_gguf(
         kinds.setdefault(f"{t.kind} int4", set()).add(name)
     if head is not None and _q8_head_ok(next(lm.parameters()).device):
         t, blocks, idx = find(head, lm.get_submodule(head).weight)
-        if t.kind == "Q8_0":
+        if t.kind == "Q8_0" or t.kind in codes8:  # llama.cpp's usual head; Q6_K (Q4_K_M's)
             blocks = _in_order(blocks, idx)
             lin = lm.get_submodule(head)
-            out[head] = Q8Linear(blocks.q, blocks.scale, lin.bias, dtype)
-            kinds.setdefault("Q8_0 head", set()).add(head)
+            offset = blocks.offset if t.kind in OFFSET_TYPES else None
+            out[head] = Q8Linear(blocks.q, blocks.scale, lin.bias, dtype, offset=offset)
+            kinds.setdefault(f"{t.kind} head", set()).add(head)
     if emb is not None and not (tied and head not in out):
         quant, kind = _gguf_embedding(emb[1], out.get(head or "") if tied else None, find, dtype)
         if quant is not None:
@@ -463,17 +465,18 @@ def _gguf_embedding(
     lookups would compute something else than the model's own module
     (:meth:`~asyncllm.worker.quant_linear.QuantEmbedding.same_lookups`: Gemma 3's scaled
     embedding keeps its factor; a module doing more stays dense, logged)."""
-    from asyncllm.models.gguf_quant import KERNEL_TYPES
+    from asyncllm.models.gguf_quant import INT8_TYPES, KERNEL_TYPES, OFFSET_TYPES
 
     scale, kind = getattr(table, "embed_scale", None), ""
     if isinstance(tied_head, Q8Linear):  # the table is the head's weight: share its codes
-        q, s, offset = tied_head.q, tied_head.scale, None
+        q, s, offset = tied_head.q, tied_head.scale, tied_head.offset
     else:
         t, blocks, idx = find("embedding", table.weight)
         if t.kind not in KERNEL_TYPES:
             return None, ""
         blocks, kind = _in_order(blocks, idx), t.kind
-        q, s, offset = blocks.q, blocks.scale, blocks.offset
+        exact = t.kind in INT8_TYPES and t.kind not in OFFSET_TYPES  # d * q: no offset added
+        q, s, offset = blocks.q, blocks.scale, None if exact else blocks.offset
     quant = ql.QuantEmbedding(q, s, offset, dtype, table.padding_idx, scale)
     if quant.same_lookups(table):
         return quant, kind
@@ -488,8 +491,9 @@ def _in_order(blocks: QuantBlocks | None, idx: torch.Tensor) -> QuantBlocks:
 
 
 def _q8_head_ok(device: torch.device) -> bool:
-    """A GGUF ``Q8_0`` LM head is kept as codes (:class:`~asyncllm.worker.q8_linear.Q8Linear`)
-    on CPUs where its kernel has the AVX-512 path; elsewhere it stays dense."""
+    """GGUF int8 codes (a ``Q8_0`` or ``Q6_K`` LM head, ``Q5_0``/``Q6_K``/``Q5_K``/``Q8_0``
+    decoder linears) are kept as such (:class:`~asyncllm.worker.q8_linear.Q8Linear`) on CPUs
+    where their kernel has the AVX-512 path; elsewhere they stay dense."""
     from asyncllm.worker import q8_linear
 
     return device.type == "cpu" and q8_linear.fast()
@@ -501,6 +505,11 @@ def _q8_head_ok(device: torch.device) -> bool:
 #: model's dtype, as before; kept for A/B measurements, with a cache file of its own). See
 #: docs/tuning.md.
 Q8_0_LINEAR = "codes"
+#: Under "codes", the GGUF types of int8 codes made :class:`~asyncllm.worker.q8_linear.Q8Linear`
+#: decoder linears: None, all of them (``Q8_0``, ``Q5_0``, ``Q6_K``, ``Q5_K``); a set, those
+#: only, the others dense (A/B runs, e.g. ``{"Q5_0", "Q8_0"}`` before the ``Q6_K`` codes; a
+#: cache file of their own).
+Q8_CODE_TYPES: frozenset[str] | None = None
 
 
 def _retie(lm: nn.Module) -> None:
@@ -511,79 +520,3 @@ def _retie(lm: nn.Module) -> None:
         head = lm.get_output_embeddings()
         if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
             cfg.tie_word_embeddings = False
-
-
-def _cache_key(model_dir: pathlib.Path, setting: str, gguf_file: pathlib.Path | None) -> str:
-    """A hash of the cache format, ``setting``, torch's version and CPU capability (its int4
-    packing), and the content of the model's weight files (and of ``gguf_file``, whose
-    blocks "gguf" keeps); not of any folder's name or file's time
-    (:mod:`asyncllm.models.fingerprint`)."""
-    files = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin"))
-    # torch packs int4 codes per its CPU capability ([N/64, K, 32] on AVX-512, [N/32, K, 16]
-    # on AVX2): an entry packed under one is another layout's garbage under the other.
-    layout = torch.backends.cpu.get_cpu_capability()
-    digest = hashlib.sha256(
-        f"v{_CACHE_VERSION}:{setting}:torch{torch.__version__}:{layout}".encode()
-    )
-    digest.update(fingerprints(files).encode())
-    if gguf_file is not None:
-        digest.update(f":gguf:{fingerprint(gguf_file)}".encode())
-    return digest.hexdigest()
-
-
-def _load_cache(path: pathlib.Path, key: str) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        data = torch.load(path, weights_only=True, map_location="cpu")
-        # The file's own name is stored in it: a file copied or renamed from another
-        # model's or setting's name is not this one's.
-        if data.get("version") != _CACHE_VERSION or data.get("name") != path.name:
-            return None
-    except Exception as exc:  # a truncated or foreign file: convert again
-        logger.warning("asyncllm: ignoring unreadable quantization cache %s: %s", path, exc)
-        return None
-    # So is the key it was made for: under this name, another model's or other weights'
-    # (a prefix of the key in the name matching by chance, or a file copied in place).
-    if data.get("key") != key:
-        logger.warning(
-            "asyncllm: ignoring quantization cache %s: written for other weights; converting again",
-            path,
-        )
-        return {}
-    return data  # type: ignore[no-any-return]
-
-
-def _save_cache(
-    path: pathlib.Path, key: str, modules: dict[str, nn.Module], precision: str
-) -> None:
-    data = {
-        "version": _CACHE_VERSION,
-        "name": path.name,
-        "key": key,
-        "precision": precision,
-        "modules": {n: ql.module_state(m) for n, m in modules.items()},
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-        os.close(fd)
-        torch.save(data, tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is meant to be readable
-        os.replace(tmp, path)  # atomic: readers see the old file, none, or the whole new one
-    except OSError as exc:
-        logger.warning("asyncllm: cannot cache the quantized model in %s: %s", path, exc)
-
-
-def gguf_source(model_dir: pathlib.Path) -> pathlib.Path | None:
-    """The GGUF file ``model_dir`` was converted from, as its ``asyncllm_source.json``
-    records it, or None: none recorded, the file gone, or its content changed since the
-    conversion (its fingerprint is not the one recorded; :mod:`asyncllm.models.fingerprint`).
-    """
-    meta = model_dir / "asyncllm_source.json"
-    try:
-        record = json.loads(meta.read_text())
-        src = pathlib.Path(record["gguf_file"])
-        return src if fingerprint(src) == record["fingerprint"] else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None

@@ -1,4 +1,5 @@
-"""GGUF's ``Q8_0`` (and ``Q5_0``) linear layer: int8 codes with one scale per 32 input columns.
+"""GGUF's ``Q8_0`` (and ``Q5_0``, ``Q6_K``, ``Q5_K``) linear layer: int8 codes with one scale
+per 32 input columns (16 for ``Q6_K``), and for ``Q5_K`` an offset per 32.
 
 GGUF files of llama.cpp ship the LM head (or the token embedding table it is tied to) as
 ``Q8_0`` (ggml's ``block_q8_0``: a float16 ``d`` and 32 signed bytes, ``w = d * q``); no torch
@@ -26,14 +27,24 @@ logits: the default model's first answer to "What is the capital of France?" tie
   (its output widened to float32, after oneDNN's rounding to the model's dtype); without that
   copy or the kernel, the float32 weight dequantized per call.
 
-The decoder layers' ``Q8_0`` and ``Q5_0`` linears (``Q5_0``'s ``d * (q - 16)`` is a ``Q8_0``
-block of codes ``q - 16``) run through the same op with ``logits=False``: the output in the
+The decoder layers' ``Q8_0``, ``Q5_0`` and ``Q6_K`` linears (``Q5_0``'s ``d * (q - 16)`` is a
+``Q8_0`` block of codes ``q - 16``; ``Q6_K``'s ``(d * sc) * (q - 32)`` per 16 weights is one of
+codes ``q - 32`` and a float32 scale ``d * sc`` per 16 columns, exact) run through the same op
+with ``logits=False``: the output in the
 activations' dtype, and no packed dense copy: more rows than :data:`MAX_ROWS` take ``q8_mm``
 (bfloat16, where it runs) or ``q8_mm_f32`` (float32: per block of 64 outputs the codes
 dequantized exactly into a per-thread scratch and multiplied there by oneDNN's float32
 brgemm, by ``at::mm`` above 128 rows, where brgemm measured 2x the dense GEMM's time at
 K = 2048), so a float32 model computes ``x W^T`` of the file's exact weights up to float32
-summation order and holds ~1.06 bytes a weight instead of 4.
+summation order and holds ~1.13 bytes a weight instead of 4 (1.25 for ``Q6_K``).
+
+``Q5_K`` (``(d * sc) * q - dmin * m`` per 32 weights, q in 0..31) keeps its codes ``q``, the
+exact scale ``d * sc`` and an offset ``-(dmin * m)`` per 32 columns (``offset``): the
+matrix-vector kernel adds ``offset . (x's sums per group)`` to each output (1/32 of the
+multiply-adds), the many-row kernels dequantize ``scale * q + offset`` (the product exact, so
+one rounding: gguf's values). No centring of the codes folds the offset away exactly: ``q - 16``
+with the offset ``-(dmin * m) + 16 * d * sc`` would round that sum (as the int4 layers' zero
+of ``Q4_K`` does), and 5-bit codes do not fit the int4 kernels.
 
 The kernel (``csrc/q8_linear.cpp``) is built when the package is installed
 (:mod:`asyncllm._kernels.native`; ``ASYNCLLM_Q8_KERNEL=0`` turns it off).
@@ -50,10 +61,12 @@ from torch import nn
 
 from asyncllm._kernels import native, ops
 
-__all__ = ["ENV_SWITCH", "MAX_ROWS", "Q8Linear", "fast", "kernel", "mm_f32_available"]
+__all__ = ["ENV_SWITCH", "GROUPS", "MAX_ROWS", "Q8Linear", "fast", "kernel", "mm_f32_available"]
 
-#: Q8_0's block: input columns per scale.
+#: The input width is a multiple of this (Q8_0's block; the kernels dequantize 32 at a time).
 BLOCK = 32
+#: Input columns per scale the kernels take: 32 (Q8_0, Q5_0, Q5_K), 16 (Q6_K).
+GROUPS = (32, 16)
 
 #: Rows dequantized at a time for the dense copy (4096 x 576 float32: 9 MiB).
 _DEQUANT_ROWS = 4096
@@ -98,10 +111,14 @@ def _mm_f32_runs(mod: Any) -> bool:
     return mod is not None and hasattr(mod, "q8_mm_f32")
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``scale * q`` per block of 32 columns: float32 [out, in] (exact)."""
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``scale * q (+ offset)`` per group of ``in / scale.shape[1]`` columns: float32
+    [out, in], what the kernels compute (gguf's values bit for bit)."""
     out, cols = q.shape
-    return (q.view(out, -1, BLOCK).float() * scale[..., None]).view(out, cols)
+    w = q.view(out, scale.shape[1], -1).float() * scale[..., None]
+    return (w if offset is None else w + offset[..., None]).view(out, cols)
 
 
 @ops.implement("q8_0_linear")
@@ -113,53 +130,60 @@ def q8_0_linear(
     bias: torch.Tensor | None,
     max_rows: int,
     logits: bool = True,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., in]`` (float32 or bfloat16) -> ``[..., out]``, float32 with ``logits`` (the
     LM head), else in ``x``'s dtype (a decoder layer): :class:`Q8Linear`'s forward (one op
-    for eager steps and compiled graphs alike; see the module docstring for the paths)."""
+    for eager steps and compiled graphs alike; see the module docstring for the paths). The
+    scales' group is ``in / scale.shape[1]``; ``offset`` (as ``scale``) or None."""
     out, cols = q.shape
     rows = x.reshape(-1, cols)
     mod = kernel()
     many = rows.shape[0] > max_rows
     if many and x.dtype == torch.bfloat16 and _mm_runs(mod):
-        y: torch.Tensor = mod.q8_mm(rows.contiguous(), q, scale)
+        y: torch.Tensor = mod.q8_mm(rows.contiguous(), q, scale, offset)
     elif many and packed is None and _mm_f32_runs(mod):
-        y = mod.q8_mm_f32(rows.float().contiguous(), q, scale)
+        y = mod.q8_mm_f32(rows.float().contiguous(), q, scale, offset)
     elif packed is not None and (many or mod is None):
         dense: torch.Tensor = torch.ops.asyncllm.packed_linear(x, packed, bias, cols, out)
         return dense.float() if logits else dense
     elif mod is None:
-        y = nn.functional.linear(rows.float(), dequantize(q, scale))
+        y = nn.functional.linear(rows.float(), dequantize(q, scale, offset))
     else:
         y = torch.empty((rows.shape[0], out), dtype=torch.float32)
-        mod.q8_gemv(rows.float().contiguous(), q, scale, y)
+        mod.q8_gemv(rows.float().contiguous(), q, scale, y, offset)
     y = y.view(*x.shape[:-1], out)
     y = y if bias is None else y + bias.float()
     return y if logits else y.to(x.dtype)
 
 
 class Q8Linear(nn.Module):
-    """``y = x W^T + b`` with ``W`` as GGUF ``Q8_0``: int8 codes and a float scale per 32 input
-    columns (``w = scale * q``), run by ``asyncllm::q8_0_linear``; ``y`` is float32 (the LM
-    head's logits as summed, see the module docstring), or in ``x``'s dtype for a decoder
-    layer (``logits=False``).
+    """``y = x W^T + b`` with ``W`` as GGUF ``Q8_0`` (or ``Q5_0``, ``Q6_K``, ``Q5_K``): int8
+    codes and a float scale per group of 32 or 16 input columns (``w = scale * q``, plus a
+    per-group ``offset`` where given), run by ``asyncllm::q8_0_linear``; ``y`` is float32
+    (the LM head's logits as summed, see the module docstring), or in ``x``'s dtype for a
+    decoder layer (``logits=False``).
 
     Args:
         q: int8-range codes [out, in], ``in`` a multiple of 32.
-        scale: float [out, in / 32] (GGUF's float16 ``d``, kept exact in float32).
+        scale: float [out, in / group], group 32 or 16 (:data:`GROUPS`): GGUF's float16
+            ``d`` (K-quants: ``d * sc``), kept exact in float32.
         bias: [out] or None (added in float32).
         dtype: the model's dtype: the packed copy's (:meth:`pack`) and :attr:`weight`'s.
         logits: True (the LM head): float32 output, and a packed dense copy for many rows
             where :meth:`pack` makes one; False (a decoder layer): the output in the
             activations' dtype and never a dense copy where the kernel has ``q8_mm_f32``.
+        offset: float [out, in / group] (``Q5_K``'s ``-(dmin * m)``), or None: no offset.
 
     Raises:
-        ValueError: ``in`` not a multiple of 32, or ``scale`` not [out, in / 32].
+        ValueError: ``in`` not a multiple of 32, ``scale`` not [out, in / 32] or
+            [out, in / 16], or ``offset`` not of ``scale``'s shape.
     """
 
     q: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
+    offset: torch.Tensor | None
     #: The oneDNN-packed dense copy (:meth:`pack`), or None.
     packed: torch.Tensor | None = None
     #: float32 output (the LM head); False: the activations' dtype (a decoder layer).
@@ -176,20 +200,33 @@ class Q8Linear(nn.Module):
         bias: torch.Tensor | None,
         dtype: torch.dtype = torch.bfloat16,
         logits: bool = True,
+        offset: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
-        if self.in_features % BLOCK or tuple(scale.shape) != (q.shape[0], q.shape[1] // BLOCK):
+        shapes = [(q.shape[0], q.shape[1] // g) for g in GROUPS]
+        if (
+            self.in_features % BLOCK
+            or tuple(scale.shape) not in shapes
+            or (offset is not None and offset.shape != scale.shape)
+        ):
             raise ValueError(
                 f"Q8_0 weight [{self.out_features}, {self.in_features}] needs an input width "
-                f"that is a multiple of {BLOCK} and scales [out, in / {BLOCK}], got "
-                f"{list(scale.shape)}"
+                f"that is a multiple of {BLOCK}, scales [out, in / 32] or [out, in / 16] and "
+                f"offsets none or as the scales, got {list(scale.shape)}"
+                + ("" if offset is None else f" and {list(offset.shape)}")
             )
         self.out_dtype = dtype
         self.logits = logits
         self.register_buffer("q", q.to(torch.int8).contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.register_buffer("offset", None if offset is None else offset.float().contiguous())
+
+    @property
+    def group(self) -> int:
+        """Input columns per scale (32, or 16 for ``Q6_K``)."""
+        return int(self.in_features // self.scale.shape[1])
 
     @property
     def weight(self) -> torch.Tensor:
@@ -198,7 +235,8 @@ class Q8Linear(nn.Module):
         out = torch.empty(self.out_features, self.in_features, dtype=self.out_dtype)
         for i in range(0, self.out_features, _DEQUANT_ROWS):
             rows = slice(i, i + _DEQUANT_ROWS)
-            out[rows] = dequantize(self.q[rows], self.scale[rows])
+            o = None if self.offset is None else self.offset[rows]
+            out[rows] = dequantize(self.q[rows], self.scale[rows], o)
         return out
 
     def pack(self) -> None:
@@ -227,13 +265,15 @@ class Q8Linear(nn.Module):
                 return d if self.logits else d.to(x.dtype)
             self._interim = None
         y: torch.Tensor = torch.ops.asyncllm.q8_0_linear(
-            x, self.q, self.scale, self.packed, self.bias, MAX_ROWS, self.logits
+            x, self.q, self.scale, self.packed, self.bias, MAX_ROWS, self.logits, self.offset
         )
         return y
 
     def extra_repr(self) -> str:
         packed = ", packed copy" if self.packed is not None else ""
         head = "" if self.logits else ", decoder"
+        offset = " + offset" if self.offset is not None else ""
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, Q8_0{packed}{head}"
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int8 g{self.group}{offset}{packed}{head}"
         )

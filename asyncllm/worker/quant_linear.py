@@ -529,7 +529,7 @@ _BUFFERS = {
     "Int4Linear": ("packed", "scales_and_zeros", "bias"),
     "Int8Linear": ("q", "scale", "bias"),
     "QuantEmbedding": ("q", "scale", "offset", "embed_scale"),
-    "Q8Linear": ("q", "scale", "bias"),
+    "Q8Linear": ("q", "scale", "bias", "offset"),
 }
 
 
