@@ -602,7 +602,7 @@ def test_int8_perplexity_within_2_percent(default_perplexities):
 
 
 def test_auto_keeps_the_blocks_it_has_kernels_for(caplog):
-    """The "auto" setting: "gguf" where a linear type has a kernel, a type without one (Q5_K)
+    """The "auto" setting: "gguf" where a linear type has a kernel, a type without one (Q3_K)
     named as dequantized; only types without a kernel -> None; an LM head or embedding table
     of such a type (kept dense or as exact codes anyway) does not count."""
     from types import SimpleNamespace as T
@@ -611,15 +611,15 @@ def test_auto_keeps_the_blocks_it_has_kernels_for(caplog):
     cpu = torch.device("cpu")
     names = ["blk.0.attn_q.weight", "output.weight", "token_embd.weight", "blk.0.ffn_up.weight"]
     ok = [T(name=n, kind=k) for n, k in zip(names, ["Q4_K", "Q6_K", "Q6_K", "Q8_0"], strict=True)]
-    mixed = [*ok, T(name="blk.1.ffn_down.weight", kind="Q5_K")]
-    none = [T(name="blk.0.attn_q.weight", kind="Q6_K"), T(name="blk.0.ffn_up.weight", kind="F16")]
+    mixed = [*ok, T(name="blk.1.ffn_down.weight", kind="Q3_K")]
+    none = [T(name="blk.0.attn_q.weight", kind="Q3_K"), T(name="blk.0.ffn_up.weight", kind="F16")]
     with caplog.at_level("INFO", logger="asyncllm"):
         assert qz._auto_mode(ok, path, cpu, torch.float32) == "gguf"
         assert "dequantized" not in caplog.text
         assert qz._auto_mode(mixed, path, cpu, torch.float32) == "gguf"
-        assert "Q5_K layers dequantized to float32" in caplog.text
+        assert "Q3_K layers dequantized to float32" in caplog.text
         assert qz._auto_mode(none, path, cpu, torch.float32) is None
-        assert "no tensor type with a kernel (Q6_K)" in caplog.text
+        assert "no tensor type with a kernel (Q3_K)" in caplog.text
         assert qz._auto_mode(None, None, cpu, torch.float32) is None
 
 
