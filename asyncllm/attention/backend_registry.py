@@ -22,7 +22,7 @@ steps in C++ without calling back into Python: 1.07x a batch-1 step).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -85,10 +85,17 @@ class AttentionMetadata:
     """What every attention layer of one step reads.
 
     Attributes:
-        key_caches, value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        slot_mapping: ``[num_tokens]`` int64 flat cache slot of each new token.
-        plan: the step's query/context layout, built by ``backend.build_plan``.
+        key_caches, value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``
+            (with layer groups, layers of one slot share a tensor:
+            :mod:`asyncllm.worker.kv_cache`).
+        slot_mapping: ``[num_tokens]`` int64 flat cache slot of each new token (the first
+            layer group's).
+        plan: the step's query/context layout, built by ``backend.build_plan`` (the first
+            layer group's).
         backend: the implementation that writes and attends.
+        layer_groups: per layer, its group; empty: one group (every layer reads ``plan``
+            and ``slot_mapping``).
+        plans, slot_mappings: per group, its plan and slots (empty with one group).
     """
 
     key_caches: list[torch.Tensor]
@@ -96,6 +103,56 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     plan: Any
     backend: AttentionBackend = TORCH_BACKEND
+    layer_groups: tuple[int, ...] = ()
+    plans: tuple[Any, ...] = ()
+    slot_mappings: tuple[torch.Tensor, ...] = ()
+
+    def of_layer(self, layer: int) -> tuple[Any, torch.Tensor]:
+        """The plan and slot mapping ``layer`` reads (its group's)."""
+        if not self.layer_groups:
+            return self.plan, self.slot_mapping
+        g = self.layer_groups[layer]
+        return self.plans[g], self.slot_mappings[g]
+
+
+def grouped_metadata(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    layer_groups: tuple[int, ...],
+    backend: AttentionBackend,
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[Sequence[int]]],
+    slots: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """A step's metadata: a plan per layer group.
+
+    Args:
+        key_caches, value_caches, layer_groups: the cache's
+            (:class:`~asyncllm.worker.kv_cache.KVCache`).
+        query_lens, seq_lens: per sequence, new tokens and context length (tokens).
+        block_tables: per sequence, its block table in each group.
+        slots: per group, the flat cache slot of each new token.
+    """
+    plans = []
+    slot_mappings = []
+    for g, group_slots in enumerate(slots):
+        tables = [t[g] for t in block_tables]
+        plans.append(backend.build_plan(query_lens, seq_lens, tables, block_size, device))
+        slot_mappings.append(torch.tensor(group_slots, dtype=torch.long, device=device))
+    many = len(plans) > 1
+    return AttentionMetadata(
+        key_caches=key_caches,
+        value_caches=value_caches,
+        slot_mapping=slot_mappings[0],
+        plan=plans[0],
+        backend=backend,
+        layer_groups=layer_groups if many else (),
+        plans=tuple(plans) if many else (),
+        slot_mappings=tuple(slot_mappings) if many else (),
+    )
 
 
 def paged_attention_forward(
@@ -160,13 +217,13 @@ def _write_and_attend(
     """``query [R, H, D]``, ``key/value [R, Hkv, D]`` -> contiguous ``[R, H, D]``; rows from
     ``num_tokens`` on (default: none) are padding: zero output, no K/V written."""
     k_cache, v_cache = meta.key_caches[layer], meta.value_caches[layer]
+    plan, slot_mapping = meta.of_layer(layer)
     backend, rows = meta.backend, query.shape[0]
     n = rows if num_tokens is None else min(num_tokens, rows)
     if backend.write_and_decode is not None:
         out = backend.write_and_decode(
-            query, key, value, k_cache, v_cache, meta.slot_mapping, meta.plan, scale, window,
-            softcap,
-        )  # fmt: skip
+            query, key, value, k_cache, v_cache, slot_mapping, plan, scale, window, softcap
+        )
         if out is not None:
             return out
     if n < rows:
@@ -175,8 +232,8 @@ def _write_and_attend(
             meta, layer, query[:n], key[:n], value[:n], scale, window, softcap
         )
         return out
-    backend.write(key, value, k_cache, v_cache, meta.slot_mapping)
-    return backend.attend(query, k_cache, v_cache, meta.plan, scale, window, softcap).contiguous()
+    backend.write(key, value, k_cache, v_cache, slot_mapping)
+    return backend.attend(query, k_cache, v_cache, plan, scale, window, softcap).contiguous()
 
 
 _step = threading.local()

@@ -515,8 +515,12 @@ def arm_decode(meta: AttentionMetadata) -> Callable[[], None] | None:
 
     Returns:
         The function that disarms it (call it after the step), or None where the step or
-        the caches do not suit the kernel (then the op runs its Python implementation).
+        the caches do not suit the kernel, or the layers read several layer groups' block
+        tables (the kernel takes one; then the op runs its Python implementation, which
+        calls the same fused kernel per layer with the layer's group).
     """
+    if meta.layer_groups:
+        return None
     mod, tables = _decode_kernel(meta.plan, meta.key_caches[0]) if meta.key_caches else (None, None)
     if mod is None:
         return None
