@@ -8,6 +8,7 @@ parallel samples."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import pathlib
 
 import pytest
@@ -153,3 +154,35 @@ async def test_a_budget_buys_three_times_the_blocks(gemma3_dir, make_engine):
     assert stats["num_total_blocks"] == 300
     spec = engine._engine.kv_cache.spec
     assert spec.num_slots == 2 and spec.num_layers == 6 and spec.bytes_per_block == BLOCK_BYTES
+
+
+@pytest.mark.parametrize("steps", ["decode", "mixed"])
+def test_a_plan_retabled_for_another_group_attends_like_a_new_one(steps):
+    """:func:`grouped_metadata` plans the first group and retables the others: the same
+    outputs as a plan built over those tables (torch and C++ paths), and the same tensors
+    for Triton's plan."""
+    from asyncllm.attention import cpu_paged, torch_paged, triton_paged
+
+    g = torch.Generator().manual_seed(4)
+    query_lens = [1, 1, 1] if steps == "decode" else [1, 5, 1]
+    seq_lens = [9, 13, 20]
+    first = [list(range(i * 5, i * 5 + 5)) for i in range(3)]
+    other = [torch.randperm(40, generator=g)[15:20].tolist() for _ in range(3)]
+    q = torch.randn(sum(query_lens), 4, 16, generator=g)
+    k, v = torch.randn(2, 40, 4, 2, 16, generator=g)
+    for cls, attend in (
+        (torch_paged.PagedAttentionPlan, torch_paged.paged_attention),
+        (cpu_paged.CpuPagedPlan, cpu_paged.paged_attention_cpu),
+    ):
+        plan = cls.build(query_lens, seq_lens, first, 4)
+        retabled = plan.retable(query_lens, seq_lens, other, 4)
+        fresh = cls.build(query_lens, seq_lens, other, 4)
+        for window in (0, 6):
+            want = attend(q, k, v, fresh, 0.25, window)
+            assert torch.equal(attend(q, k, v, retabled, 0.25, window), want)
+            assert not torch.equal(attend(q, k, v, plan, 0.25, window), want)
+    if importlib.util.find_spec("triton") is not None:
+        plan = triton_paged.TritonPagedPlan.build(query_lens, seq_lens, first, 4)
+        retabled = plan.retable(query_lens, seq_lens, other, 4)
+        fresh = triton_paged.TritonPagedPlan.build(query_lens, seq_lens, other, 4)
+        assert torch.equal(retabled.block_tables, fresh.block_tables)

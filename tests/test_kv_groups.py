@@ -61,6 +61,7 @@ def test_groups_of_other_layouts():
     gemma1b = KVGroups.of_windows([0 if i % 6 == 5 else 512 for i in range(26)])
     assert [len(m) for m in gemma1b.layers] == [4, 4, 4, 4, 4, 4, 2]
     assert gemma1b.describe() == "7 groups of 4 or 2 layers (1 full, 6 window 512)"
+    assert KVGroups.of_windows([0, 8]).describe() == "2 groups of 1 layer (1 full, 1 window 8)"
     with pytest.raises(ValueError):
         KVGroups.of_windows([])
 

@@ -61,6 +61,9 @@ class AttentionBackend:
         arm_step: optional, ``(metadata) -> disarm or None``: called by
             :func:`step_metadata` to hand a step to a native implementation of
             ``asyncllm::paged_attention`` (the CPU kernel's), ``disarm()`` after the step.
+        retable: optional, ``(plan, query_lens, seq_lens, block_tables, block_size,
+            device) -> plan``: ``plan`` over other block tables of the same step (another
+            layer group's), cheaper than ``build_plan`` (:func:`grouped_metadata`).
     """
 
     name: str
@@ -69,14 +72,22 @@ class AttentionBackend:
     attend: Callable[..., torch.Tensor]
     write_and_decode: Callable[..., torch.Tensor | None] | None = None
     arm_step: Callable[[AttentionMetadata], Callable[[], None] | None] | None = None
+    retable: Callable[..., Any] | None = None
 
 
-TORCH_BACKEND = AttentionBackend("torch", PagedAttentionPlan.build, write_kv_cache, paged_attention)
+TORCH_BACKEND = AttentionBackend(
+    "torch",
+    PagedAttentionPlan.build,
+    write_kv_cache,
+    paged_attention,
+    retable=PagedAttentionPlan.retable,
+)
 TRITON_BACKEND = AttentionBackend(
     "triton",
     triton_paged.TritonPagedPlan.build,
     triton_paged.write_kv_cache,
     triton_paged.paged_attention,
+    retable=triton_paged.TritonPagedPlan.retable,
 )
 
 
@@ -136,11 +147,15 @@ def grouped_metadata(
         block_tables: per sequence, its block table in each group.
         slots: per group, the flat cache slot of each new token.
     """
-    plans = []
+    plans: list[Any] = []
     slot_mappings = []
     for g, group_slots in enumerate(slots):
         tables = [t[g] for t in block_tables]
-        plans.append(backend.build_plan(query_lens, seq_lens, tables, block_size, device))
+        if plans and backend.retable is not None:
+            plan = backend.retable(plans[0], query_lens, seq_lens, tables, block_size, device)
+        else:
+            plan = backend.build_plan(query_lens, seq_lens, tables, block_size, device)
+        plans.append(plan)
         slot_mappings.append(torch.tensor(group_slots, dtype=torch.long, device=device))
     many = len(plans) > 1
     return AttentionMetadata(

@@ -20,7 +20,7 @@ Qwen2's sliding layers), and attention logit soft-capping replaces each scaled s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +157,34 @@ class PagedAttentionPlan:
                 identity=len(dec_rows) == row,
             )
         return PagedAttentionPlan(row, decodes, tuple(prefills))
+
+    def retable(
+        self,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedAttentionPlan:
+        """This plan over other block tables of the same step (another layer group's, as
+        long as these): only the block ids are new; rows, lengths and masks (and the
+        windowed masks built from them) are shared."""
+        dec_tables: list[Sequence[int]] = []
+        blocks: list[torch.Tensor] = []
+        for q_len, ctx, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            n_blocks = -(-ctx // block_size)
+            if q_len == 1:
+                dec_tables.append(table[:n_blocks])
+            else:
+                blocks.append(torch.tensor(table[:n_blocks], dtype=torch.long, device=device))
+        decodes = self.decodes
+        if decodes is not None:
+            width = decodes.block_tables.shape[1]
+            padded = [list(t) + [0] * (width - len(t)) for t in dec_tables]
+            tables = torch.tensor(padded, dtype=torch.long, device=device)
+            decodes = replace(decodes, block_tables=tables, flat_blocks=tables.view(-1))
+        prefills = tuple(replace(p, blocks=b) for p, b in zip(self.prefills, blocks, strict=True))
+        return PagedAttentionPlan(self.num_tokens, decodes, prefills)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -133,8 +133,8 @@ class KVGroups:
         parts = [f"{n} full" if w == 0 else f"{n} window {w}" for w, n in sorted(kinds.items())]
         n = self.num_groups
         sizes = sorted({len(members) for members in self.layers}, reverse=True)
-        size = " or ".join(str(s) for s in sizes)
+        size = " or ".join(str(s) for s in sizes) + (" layer" if sizes == [1] else " layers")
         if n == 1:
             w = self.windows[0]
-            return f"1 group of {size} layers ({'full' if w == 0 else f'window {w}'})"
-        return f"{n} groups of {size} layers ({', '.join(parts)})"
+            return f"1 group of {size} ({'full' if w == 0 else f'window {w}'})"
+        return f"{n} groups of {size} ({', '.join(parts)})"
