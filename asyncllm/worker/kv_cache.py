@@ -175,8 +175,8 @@ def size_kv_cache(
         raise ValueError(
             f"kv_cache_bytes={budget} holds {num_blocks * block_size} tokens "
             f"({spec.bytes_per_token} bytes per token), fewer than max_model_len="
-            f"{max_model_len} needs ({per_seq} blocks of {block_size}): raise kv_cache_bytes "
-            "or lower max_model_len"
+            f"{max_model_len} tokens need ({per_seq} blocks of {block_size}): raise "
+            "kv_cache_bytes or lower max_model_len"
         )
     return spec, num_blocks
 
