@@ -148,16 +148,16 @@ def grouped_metadata(
         slots: per group, the flat cache slot of each new token.
     """
     plans: list[Any] = []
-    slot_mappings = []
-    for g, group_slots in enumerate(slots):
+    for g in range(len(slots)):
         tables = [t[g] for t in block_tables]
         if plans and backend.retable is not None:
             plan = backend.retable(plans[0], query_lens, seq_lens, tables, block_size, device)
         else:
             plan = backend.build_plan(query_lens, seq_lens, tables, block_size, device)
         plans.append(plan)
-        slot_mappings.append(torch.tensor(group_slots, dtype=torch.long, device=device))
     many = len(plans) > 1
+    # One tensor for every group's slots; each group's a contiguous row of it.
+    slot_mappings = torch.tensor(slots, dtype=torch.long, device=device).unbind(0)
     return AttentionMetadata(
         key_caches=key_caches,
         value_caches=value_caches,

@@ -63,7 +63,12 @@ import torch
 from asyncllm._kernels import native
 from asyncllm._kernels.native import cpu_flags
 from asyncllm.attention.backend_registry import AttentionBackend, AttentionMetadata
-from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
+from asyncllm.attention.torch_paged import (
+    PagedAttentionPlan,
+    padded_tables,
+    paged_attention,
+    write_kv_cache,
+)
 
 ENV_SWITCH = native.SWITCHES["attention"]
 
@@ -250,8 +255,7 @@ class ChunkLayout:
         def col(i: int) -> torch.Tensor:
             return torch.tensor([p[i] for p in picked], dtype=torch.long, device=device)
 
-        padded = [list(t) + [0] * (width - len(t)) for *_, t in picked]
-        tables = torch.tensor(padded, dtype=torch.long, device=device)
+        tables = padded_tables([t for *_, t in picked], width, device)
         shared = SharedChunks.build(picked, block_size, device) if block_size else None
         return ChunkLayout(tables, col(2), col(0), col(1), shared)
 
