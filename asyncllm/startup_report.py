@@ -1,6 +1,7 @@
 """What the command lines (``generate``, ``serve``) say while an engine starts: the model
 being loaded, then its weights' precision and size, the dtype it computes in, the C++
-kernels that run, whether the forward compiles in the background, and the load time."""
+kernels that run, the KV cache's shape, whether the forward compiles in the background, and
+the load time."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def start_engine(model: str, config: dict[str, Any], out: IO[str] | None = None)
         f"computed in {stats['dtype']}{kernels}",
         file=out,
     )
+    print(f"KV cache: {stats['kv_layout']}", file=out)
     if stats["compile"] == "compiling":
         print(
             "compiling the forward in the background (once per model and machine, about a "

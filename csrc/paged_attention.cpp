@@ -1107,10 +1107,14 @@ void paged_write_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // paged_write_decode straight from here; anything else (prefill steps, a dry run, another
 // thread) calls the op's Python implementation. The Python path around the kernel cost
 // ~30 us per call at batch 1: dispatch back into Python, the backend's checks, the output's
-// allocation, pybind's argument conversion.
+// allocation, pybind's argument conversion. With layer groups (a hybrid KV cache,
+// arm_decode_groups) each group has its own slots and block tables, and each layer reads
+// its group's.
 struct ArmedDecode {
   std::vector<at::Tensor> key_caches, value_caches;
-  at::Tensor slots, tables, lens;
+  std::vector<at::Tensor> slots, tables;  // per layer group (one without groups)
+  at::Tensor lens;
+  std::vector<int64_t> layer_groups;  // per layer, its group; empty: group 0 for all
 };
 static thread_local std::unique_ptr<ArmedDecode> armed_decode;
 
@@ -1118,7 +1122,24 @@ void arm_decode(std::vector<at::Tensor> key_caches, std::vector<at::Tensor> valu
                 at::Tensor slots, at::Tensor tables, at::Tensor lens) {
   TORCH_CHECK(key_caches.size() == value_caches.size(), "arm_decode: one V cache per K cache");
   armed_decode.reset(new ArmedDecode{std::move(key_caches), std::move(value_caches),
-                                     std::move(slots), std::move(tables), std::move(lens)});
+                                     {std::move(slots)}, {std::move(tables)}, std::move(lens),
+                                     {}});
+}
+
+void arm_decode_groups(std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
+                       std::vector<at::Tensor> slots, std::vector<at::Tensor> tables,
+                       at::Tensor lens, std::vector<int64_t> layer_groups) {
+  TORCH_CHECK(key_caches.size() == value_caches.size() &&
+                  layer_groups.size() == key_caches.size(),
+              "arm_decode_groups: one V cache and one group per K cache");
+  TORCH_CHECK(!slots.empty() && slots.size() == tables.size(),
+              "arm_decode_groups: one slot mapping and one block table per group");
+  for (const int64_t g : layer_groups)
+    TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(slots.size()),
+                "arm_decode_groups: a layer's group is out of range");
+  armed_decode.reset(new ArmedDecode{std::move(key_caches), std::move(value_caches),
+                                     std::move(slots), std::move(tables), std::move(lens),
+                                     std::move(layer_groups)});
 }
 
 void disarm_decode() { armed_decode.reset(); }
@@ -1133,9 +1154,10 @@ static at::Tensor paged_attention_cpu_op(const at::Tensor& q, const at::Tensor& 
       q.dim() == 3 && q.scalar_type() == a->key_caches[layer].scalar_type() &&
       k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type()) {
     at::Tensor out = at::empty(q.sizes(), q.options());
+    const size_t g = a->layer_groups.empty() ? 0 : static_cast<size_t>(a->layer_groups[layer]);
     paged_write_decode(q, k, v, const_cast<at::Tensor&>(a->key_caches[layer]),
-                       const_cast<at::Tensor&>(a->value_caches[layer]), a->slots, a->tables,
-                       a->lens, scale, window, softcap, out);
+                       const_cast<at::Tensor&>(a->value_caches[layer]), a->slots[g],
+                       a->tables[g], a->lens, scale, window, softcap, out);
     return out;
   }
   pybind11::gil_scoped_acquire gil;
@@ -1161,6 +1183,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_write_decode", torch::wrap_pybind_function(paged_write_decode), "paged_write_decode");
   m.def("paged_prefill", torch::wrap_pybind_function(paged_prefill), "paged_prefill");
   m.def("arm_decode", torch::wrap_pybind_function(arm_decode), "arm_decode");
+  m.def("arm_decode_groups", torch::wrap_pybind_function(arm_decode_groups), "arm_decode_groups");
   m.def("disarm_decode", torch::wrap_pybind_function(disarm_decode), "disarm_decode");
   m.def("decode_armed", torch::wrap_pybind_function(decode_armed), "decode_armed");
   m.def("shared_prefix_attention", torch::wrap_pybind_function(shared_prefix_attention), "shared_prefix_attention");

@@ -150,8 +150,10 @@ async def test_windows_survive_prefix_caching_and_preemption(
     cls, fields = RUNS["gemma3"]
     path = _save(tmp_path / "gemma3", cls(**{**TINY_CONFIG, **fields}), default_model_dir)
     prompts = [[*PROMPT[:9], 100 + i, 2000 + i, 30 + i] for i in range(4)]
-    block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # layers, K and V, KV heads, head size, float32, tokens
-    engine = make_engine(path, **{**SMALL, "kv_cache_bytes": 10 * block_bytes, "max_model_len": 32})
+    # one layer per block (a group per layer: one full, one sliding): K and V, KV heads,
+    # head size, float32, tokens
+    block_bytes = 2 * 2 * 16 * 4 * 4
+    engine = make_engine(path, **{**SMALL, "kv_cache_bytes": 10 * block_bytes, "max_model_len": 20})
 
     async def run(prompt: list[int]) -> list[int]:
         return [t async for out in engine.stream(prompt, GREEDY) for t in out.token_ids]

@@ -211,6 +211,58 @@ def test_paged_attention_op_runs_an_armed_decode_step_in_cpp(dtype):
         assert not cpu_paged.load().decode_armed()
 
 
+def test_an_armed_decode_step_reads_each_layers_group():
+    """Layer groups (a hybrid KV cache): three layers, two groups (layers 0 and 2 in group
+    0's slots 0 and 1, layer 1 in group 1's slot 0, sharing its tensors with layer 0), each
+    group with its own block tables and slots. The armed C++ op gives each layer its group's
+    and computes what the Python implementation does; windows on the sliding group."""
+    seq_lens, bs, hkv, group, dim = [3, 17, 40], 4, 2, 2, 16
+    query_lens = [1] * len(seq_lens)
+    q, *_ = _random_step(query_lens, seq_lens, bs, hkv, group, dim, seed=8)
+    need = [-(-s // bs) for s in seq_lens]
+    gen = torch.Generator().manual_seed(9)
+    n_blocks = 2 * sum(need) + 3
+    kc, vc = torch.randn(2, n_blocks, bs, hkv, dim, generator=gen)
+    perm = torch.randperm(n_blocks, generator=gen).tolist()
+    tables = [[], []]  # per group, per sequence: disjoint blocks
+    at = 0
+    for grp in range(2):
+        for n in need:
+            tables[grp].append(perm[at : at + n])
+            at += n
+    kv = [torch.randn(len(q), hkv, dim) for _ in range(2)]
+    slots = [
+        [t[(s - 1) // bs] * bs + (s - 1) % bs for t, s in zip(tables[grp], seq_lens, strict=True)]
+        for grp in range(2)
+    ]
+    windows = {0: 0, 1: 6, 2: 0}
+
+    def step(kind: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        k_slots = [kc.clone(), kc.clone()]
+        v_slots = [vc.clone(), vc.clone()]
+        backend = cpu_paged.CPU_BACKEND
+        if kind == "python":
+            backend = dataclasses.replace(backend, arm_step=None)
+        meta = backend_registry.grouped_metadata(
+            [k_slots[0], k_slots[0], k_slots[1]], [v_slots[0], v_slots[0], v_slots[1]],
+            (0, 1, 0), backend, query_lens, seq_lens,
+            [[tables[0][i], tables[1][i]] for i in range(len(seq_lens))], slots, bs,
+            torch.device("cpu"),
+        )  # fmt: skip
+        with backend_registry.step_metadata(meta, len(seq_lens)):
+            assert cpu_paged.load().decode_armed() == (kind == "native")
+            outs = [torch.ops.asyncllm.paged_attention(q, *kv, layer, 0.1, windows[layer], 0.0)
+                    for layer in range(3)]  # fmt: skip
+        return outs, k_slots + v_slots
+
+    native_outs, native_caches = step("native")
+    python_outs, python_caches = step("python")
+    assert all(torch.equal(a, b) for a, b in zip(native_outs, python_outs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches, strict=True))
+    # layers 0 and 1 share slot 0's tensors through different tables: different outputs
+    assert not torch.equal(native_outs[0], native_outs[1])
+
+
 def test_write_and_decode_leaves_mixed_steps_to_write_then_attend():
     # (The chunk kernel attends them after the K/V write: test_chunk_kernel_matches_torch.)
     q, kc, vc, tables = _random_step([1, 4], [9, 4], 16, 3, 3, 64)

@@ -53,7 +53,7 @@ def test_block_pool_properties(ops):
         if op == "admit" and rid not in live:
             toks = _Tokens(prompt)
             hits = bm.find_cached_prefix(rid, toks, len(prompt), salt)
-            for i, b in enumerate(hits):  # a hit holds exactly the tokens it is hashed for
+            for i, b in enumerate(hits.tables[0]):  # a hit holds the tokens it is hashed for
                 assert content[b] == prompt[i * BS : (i + 1) * BS]
             assert len(hits) * BS <= len(prompt) - 1
             if bm.allocate(rid, len(hits) * BS + 1, hits):

@@ -376,6 +376,26 @@ class TestUnderInterpreter:
             results[backend] = [o.token_ids for o in outs]
         assert results["triton"] == results["torch"]
 
+    async def test_hybrid_engine_greedy_matches_torch_backend(self, tiny_qwen2_dir, make_engine):
+        """The tiny Qwen2 (a full layer, a window of 8: two layer groups, each with its own
+        block tables, the sliding one freeing blocks behind the window mid-prefill) end to
+        end in blocks of 4 and chunks of 16: triton vs torch."""
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        g = torch.Generator().manual_seed(6)
+        prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (3, 37)]
+        results = {}
+        for backend in ("torch", "triton"):
+            engine = make_engine(
+                tiny_qwen2_dir, block_size=4, max_num_batched_tokens=16, kv_cache_bytes=2**20,
+                attention_backend=backend,
+            )  # fmt: skip
+            async with engine:
+                outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+                layout = engine.stats()["kv_layout"]
+            assert layout.startswith("2 groups of 1 layer (1 full, 1 window 8)"), layout
+            results[backend] = [o.token_ids for o in outs]
+        assert results["triton"] == results["torch"]
+
 
 def test_kernels_under_triton_interpreter():
     """Runs :class:`TestUnderInterpreter` in a child pytest with ``TRITON_INTERPRET=1``."""

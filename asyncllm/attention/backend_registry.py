@@ -22,7 +22,7 @@ steps in C++ without calling back into Python: 1.07x a batch-1 step).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +61,9 @@ class AttentionBackend:
         arm_step: optional, ``(metadata) -> disarm or None``: called by
             :func:`step_metadata` to hand a step to a native implementation of
             ``asyncllm::paged_attention`` (the CPU kernel's), ``disarm()`` after the step.
+        retable: optional, ``(plan, query_lens, seq_lens, block_tables, block_size,
+            device) -> plan``: ``plan`` over other block tables of the same step (another
+            layer group's), cheaper than ``build_plan`` (:func:`grouped_metadata`).
     """
 
     name: str
@@ -69,14 +72,22 @@ class AttentionBackend:
     attend: Callable[..., torch.Tensor]
     write_and_decode: Callable[..., torch.Tensor | None] | None = None
     arm_step: Callable[[AttentionMetadata], Callable[[], None] | None] | None = None
+    retable: Callable[..., Any] | None = None
 
 
-TORCH_BACKEND = AttentionBackend("torch", PagedAttentionPlan.build, write_kv_cache, paged_attention)
+TORCH_BACKEND = AttentionBackend(
+    "torch",
+    PagedAttentionPlan.build,
+    write_kv_cache,
+    paged_attention,
+    retable=PagedAttentionPlan.retable,
+)
 TRITON_BACKEND = AttentionBackend(
     "triton",
     triton_paged.TritonPagedPlan.build,
     triton_paged.write_kv_cache,
     triton_paged.paged_attention,
+    retable=triton_paged.TritonPagedPlan.retable,
 )
 
 
@@ -85,10 +96,17 @@ class AttentionMetadata:
     """What every attention layer of one step reads.
 
     Attributes:
-        key_caches, value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        slot_mapping: ``[num_tokens]`` int64 flat cache slot of each new token.
-        plan: the step's query/context layout, built by ``backend.build_plan``.
+        key_caches, value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``
+            (with layer groups, layers of one slot share a tensor:
+            :mod:`asyncllm.worker.kv_cache`).
+        slot_mapping: ``[num_tokens]`` int64 flat cache slot of each new token (the first
+            layer group's).
+        plan: the step's query/context layout, built by ``backend.build_plan`` (the first
+            layer group's).
         backend: the implementation that writes and attends.
+        layer_groups: per layer, its group; empty: one group (every layer reads ``plan``
+            and ``slot_mapping``).
+        plans, slot_mappings: per group, its plan and slots (empty with one group).
     """
 
     key_caches: list[torch.Tensor]
@@ -96,6 +114,60 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     plan: Any
     backend: AttentionBackend = TORCH_BACKEND
+    layer_groups: tuple[int, ...] = ()
+    plans: tuple[Any, ...] = ()
+    slot_mappings: tuple[torch.Tensor, ...] = ()
+
+    def of_layer(self, layer: int) -> tuple[Any, torch.Tensor]:
+        """The plan and slot mapping ``layer`` reads (its group's)."""
+        if not self.layer_groups:
+            return self.plan, self.slot_mapping
+        g = self.layer_groups[layer]
+        return self.plans[g], self.slot_mappings[g]
+
+
+def grouped_metadata(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    layer_groups: tuple[int, ...],
+    backend: AttentionBackend,
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[Sequence[int]]],
+    slots: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """A step's metadata: a plan per layer group.
+
+    Args:
+        key_caches, value_caches, layer_groups: the cache's
+            (:class:`~asyncllm.worker.kv_cache.KVCache`).
+        query_lens, seq_lens: per sequence, new tokens and context length (tokens).
+        block_tables: per sequence, its block table in each group.
+        slots: per group, the flat cache slot of each new token.
+    """
+    plans: list[Any] = []
+    for g in range(len(slots)):
+        tables = [t[g] for t in block_tables]
+        if plans and backend.retable is not None:
+            plan = backend.retable(plans[0], query_lens, seq_lens, tables, block_size, device)
+        else:
+            plan = backend.build_plan(query_lens, seq_lens, tables, block_size, device)
+        plans.append(plan)
+    many = len(plans) > 1
+    # One tensor for every group's slots; each group's a contiguous row of it.
+    slot_mappings = torch.tensor(slots, dtype=torch.long, device=device).unbind(0)
+    return AttentionMetadata(
+        key_caches=key_caches,
+        value_caches=value_caches,
+        slot_mapping=slot_mappings[0],
+        plan=plans[0],
+        backend=backend,
+        layer_groups=layer_groups if many else (),
+        plans=tuple(plans) if many else (),
+        slot_mappings=tuple(slot_mappings) if many else (),
+    )
 
 
 def paged_attention_forward(
@@ -160,13 +232,13 @@ def _write_and_attend(
     """``query [R, H, D]``, ``key/value [R, Hkv, D]`` -> contiguous ``[R, H, D]``; rows from
     ``num_tokens`` on (default: none) are padding: zero output, no K/V written."""
     k_cache, v_cache = meta.key_caches[layer], meta.value_caches[layer]
+    plan, slot_mapping = meta.of_layer(layer)
     backend, rows = meta.backend, query.shape[0]
     n = rows if num_tokens is None else min(num_tokens, rows)
     if backend.write_and_decode is not None:
         out = backend.write_and_decode(
-            query, key, value, k_cache, v_cache, meta.slot_mapping, meta.plan, scale, window,
-            softcap,
-        )  # fmt: skip
+            query, key, value, k_cache, v_cache, slot_mapping, plan, scale, window, softcap
+        )
         if out is not None:
             return out
     if n < rows:
@@ -175,8 +247,8 @@ def _write_and_attend(
             meta, layer, query[:n], key[:n], value[:n], scale, window, softcap
         )
         return out
-    backend.write(key, value, k_cache, v_cache, meta.slot_mapping)
-    return backend.attend(query, k_cache, v_cache, meta.plan, scale, window, softcap).contiguous()
+    backend.write(key, value, k_cache, v_cache, slot_mapping)
+    return backend.attend(query, k_cache, v_cache, plan, scale, window, softcap).contiguous()
 
 
 _step = threading.local()

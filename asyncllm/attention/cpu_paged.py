@@ -63,7 +63,12 @@ import torch
 from asyncllm._kernels import native
 from asyncllm._kernels.native import cpu_flags
 from asyncllm.attention.backend_registry import AttentionBackend, AttentionMetadata
-from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
+from asyncllm.attention.torch_paged import (
+    PagedAttentionPlan,
+    padded_tables,
+    paged_attention,
+    write_kv_cache,
+)
 
 ENV_SWITCH = native.SWITCHES["attention"]
 
@@ -250,8 +255,7 @@ class ChunkLayout:
         def col(i: int) -> torch.Tensor:
             return torch.tensor([p[i] for p in picked], dtype=torch.long, device=device)
 
-        padded = [list(t) + [0] * (width - len(t)) for *_, t in picked]
-        tables = torch.tensor(padded, dtype=torch.long, device=device)
+        tables = padded_tables([t for *_, t in picked], width, device)
         shared = SharedChunks.build(picked, block_size, device) if block_size else None
         return ChunkLayout(tables, col(2), col(0), col(1), shared)
 
@@ -304,6 +308,22 @@ class CpuPagedPlan:
             return CpuPagedPlan(base, torch_part, dec_lens, chunks, chunks)
         short_chunks = ChunkLayout.build(short, device, block_size) if short else None
         return CpuPagedPlan(base, torch_part, dec_lens, chunks, short_chunks)
+
+    def retable(
+        self,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> CpuPagedPlan:
+        """This plan over another layer group's block tables (same step): a decode-only
+        step's new block ids only (:meth:`PagedAttentionPlan.retable`); a step with
+        prefills is planned again."""
+        if self.chunks is not None or self.base.prefills:
+            return CpuPagedPlan.build(query_lens, seq_lens, block_tables, block_size, device)
+        base = self.base.retable(query_lens, seq_lens, block_tables, block_size, device)
+        return CpuPagedPlan(base, self.torch_part, self.dec_lens)
 
 
 def _check_dtypes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> Any:
@@ -512,6 +532,7 @@ def arm_decode(meta: AttentionMetadata) -> Callable[[], None] | None:
     """Hand a decode-only step's caches, slots, block tables and lengths to the kernel's
     C++ implementation of ``asyncllm::paged_attention`` on this thread, so that a compiled
     graph's attention calls run :func:`write_and_decode`'s kernel without Python around it.
+    With layer groups each layer gets its group's slots and block tables.
 
     Returns:
         The function that disarms it (call it after the step), or None where the step or
@@ -520,14 +541,33 @@ def arm_decode(meta: AttentionMetadata) -> Callable[[], None] | None:
     mod, tables = _decode_kernel(meta.plan, meta.key_caches[0]) if meta.key_caches else (None, None)
     if mod is None:
         return None
-    mod.arm_decode(
-        meta.key_caches, meta.value_caches, meta.slot_mapping, tables, meta.plan.dec_lens
+    if not meta.layer_groups:
+        mod.arm_decode(
+            meta.key_caches, meta.value_caches, meta.slot_mapping, tables, meta.plan.dec_lens
+        )
+        return mod.disarm_decode  # type: ignore[no-any-return]
+    arm_groups = getattr(mod, "arm_decode_groups", None)  # not in builds before layer groups
+    if arm_groups is None:
+        return None
+    arm_groups(
+        meta.key_caches,
+        meta.value_caches,
+        list(meta.slot_mappings),
+        [_decode_kernel(p, meta.key_caches[0])[1] for p in meta.plans],
+        meta.plan.dec_lens,
+        list(meta.layer_groups),
     )
     return mod.disarm_decode  # type: ignore[no-any-return]
 
 
 CPU_BACKEND = AttentionBackend(
-    "cpu", CpuPagedPlan.build, write_kv_cache, paged_attention_cpu, write_and_decode, arm_decode
+    "cpu",
+    CpuPagedPlan.build,
+    write_kv_cache,
+    paged_attention_cpu,
+    write_and_decode,
+    arm_decode,
+    CpuPagedPlan.retable,
 )
 """The C++ kernels, the torch path for long chunks ("auto" on CPU when they build)."""
 

@@ -19,8 +19,9 @@ Qwen2's sliding layers), and attention logit soft-capping replaces each scaled s
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,19 @@ def write_kv_cache(
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
     flat_k.index_copy_(0, slot_mapping, key)
     flat_v.index_copy_(0, slot_mapping, value)
+
+
+def padded_tables(
+    tables: Sequence[Sequence[int]], width: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``[len(tables), width]`` int64 block tables, each padded with block 0: filled through
+    an ``array`` (3x faster than ``torch.tensor`` of nested lists at 64 tables of 38 blocks,
+    a cost paid once per step and layer group)."""
+    flat = array("q", bytes(8 * len(tables) * width))
+    for i, t in enumerate(tables):
+        flat[i * width : i * width + len(t)] = array("q", t)
+    out = torch.frombuffer(flat, dtype=torch.long) if flat else torch.zeros(0, dtype=torch.long)
+    return out.view(len(tables), width).to(device)
 
 
 @dataclass(frozen=True)
@@ -144,10 +158,9 @@ class PagedAttentionPlan:
         decodes = None
         if dec_rows:
             width = max(len(t) for t in dec_tables)
-            padded = [list(t) + [0] * (width - len(t)) for t in dec_tables]
             lens = torch.tensor(dec_lens, device=device)
             mask = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
-            tables = torch.tensor(padded, dtype=torch.long, device=device)
+            tables = padded_tables(dec_tables, width, device)
             decodes = _Decodes(
                 rows=torch.tensor(dec_rows, dtype=torch.long, device=device),
                 block_tables=tables,
@@ -157,6 +170,32 @@ class PagedAttentionPlan:
                 identity=len(dec_rows) == row,
             )
         return PagedAttentionPlan(row, decodes, tuple(prefills))
+
+    def retable(
+        self,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedAttentionPlan:
+        """This plan over other block tables of the same step (another layer group's, as
+        long as these): only the block ids are new; rows, lengths and masks (and the
+        windowed masks built from them) are shared."""
+        dec_tables: list[Sequence[int]] = []
+        blocks: list[torch.Tensor] = []
+        for q_len, ctx, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            n_blocks = -(-ctx // block_size)
+            if q_len == 1:
+                dec_tables.append(table[:n_blocks])
+            else:
+                blocks.append(torch.tensor(table[:n_blocks], dtype=torch.long, device=device))
+        decodes = self.decodes
+        if decodes is not None:
+            tables = padded_tables(dec_tables, decodes.block_tables.shape[1], device)
+            decodes = replace(decodes, block_tables=tables, flat_blocks=tables.view(-1))
+        prefills = tuple(replace(p, blocks=b) for p, b in zip(self.prefills, blocks, strict=True))
+        return PagedAttentionPlan(self.num_tokens, decodes, prefills)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -136,6 +136,24 @@ class TritonPagedPlan:
             prefill_block_m=block_m,
             max_prefill_len=prefill_len,
         )
+
+    def retable(
+        self,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> TritonPagedPlan:
+        """This plan over another layer group's block tables (same step, tables as long):
+        only ``block_tables`` is new."""
+        width = self.block_tables.shape[1]
+        rows = []
+        for ctx, table in zip(seq_lens, block_tables, strict=True):
+            row = list(table[: -(-ctx // block_size)])
+            rows.append(row + [0] * (width - len(row)))
+        tables = torch.tensor(rows or [[0]], dtype=torch.int32, device=torch.device(device))
+        return replace(self, block_tables=tables)
 
 
 def write_kv_cache(

@@ -118,6 +118,7 @@ class AsyncllmWorker:
             "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "kv_blocks": core.block_manager.num_total_blocks,
+            "kv_layout": core.stats()["kv_layout"],
             "kv_cache_mib": round(core.kv_cache.num_bytes / 2**20, 1),
             "prefix_caching": c.enable_prefix_caching,
             "preemption_mode": c.preemption_mode,
@@ -253,17 +254,19 @@ class Tracer:
         self.core.step_observer = None
 
     def kv_sample(self) -> dict[str, float]:
-        """Blocks held, and the tokens in use (distinct filled slots of the held blocks)."""
+        """Blocks held, and the tokens in use (distinct filled slots of the held blocks, in
+        every layer group's table)."""
         bm = self.core.block_manager
         bs = bm.block_size
         filled: dict[int, int] = {}
         for r in self.core.scheduler.running:
-            table = bm.block_table(r.request_id)
             n = r.num_computed_tokens
-            for j, b in enumerate(table):
-                k = min(bs, max(0, n - j * bs))
-                if k > filled.get(b, -1):
-                    filled[b] = k
+            for g, table in enumerate(bm.block_tables(r.request_id)):
+                for j in range(bm.live_from(r.request_id, g), len(table)):
+                    b = table[j]
+                    k = min(bs, max(0, n - j * bs))
+                    if k > filled.get(b, -1):
+                        filled[b] = k
         return {
             "blocks_held": float(bm.num_total_blocks - bm.num_free_blocks),
             "tokens_in_use": float(sum(filled.values())),

@@ -1,25 +1,36 @@
-"""Paged KV cache bookkeeping: a pool of physical blocks, block tables, prefix caching.
+"""Paged KV cache bookkeeping: block tables over a pool of physical blocks, prefix caching.
 
 Pure Python, integers and bytes only. The worker owns the tensors; this module only decides
 which physical block (an index into the first dimension of the K/V cache tensors) holds which
 tokens. Token ``i`` of a request lives in block ``block_table[i // block_size]`` at offset
-``i % block_size`` (PagedAttention, Kwon et al., SOSP 2023).
+``i % block_size`` (PagedAttention, Kwon et al., SOSP 2023); with layer groups
+(:mod:`asyncllm.core.kv_groups`) a request has one such table per group.
 
-Automatic prefix caching (as in vLLM): every full block gets a hash that chains the hash of
-the block before it, the block's token ids, and the request's optional ``cache_salt`` (in the
-first block, so it reaches every later one). A request's prompt is matched block by block
-against the hashes of blocks already computed; hits are shared by reference count instead of
-being computed again. A freed block keeps its hash and stays in the free queue, least recently
-freed first; it serves hits until it is handed out again, which evicts it.
+Automatic prefix caching (as in vLLM; hashes and the pool in
+:mod:`asyncllm.core.block_pool`): a request's prompt is matched block by block against the
+hashes of blocks already computed; hits are shared by reference count instead of being
+computed again.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
+
+from asyncllm.core.block_pool import BlockPool, BlockPoolError, hash_block, prompt_block_hashes
+from asyncllm.core.kv_groups import KVGroups
+
+__all__ = [
+    "PLACEHOLDER",
+    "BlockManager",
+    "BlockPool",
+    "BlockPoolError",
+    "PrefixHit",
+    "TokenSource",
+    "hash_block",
+    "longest_hit",
+    "prompt_block_hashes",
+]
 
 
 class TokenSource(Protocol):
@@ -28,200 +39,77 @@ class TokenSource(Protocol):
     def token_ids(self, start: int, stop: int) -> list[int]: ...
 
 
-class BlockPoolError(RuntimeError):
-    """A bookkeeping bug: double free, freeing an unknown block, or a broken invariant."""
+class PrefixHit:
+    """The longest cached prefix found for a request (:meth:`BlockManager.find_cached_prefix`):
+    ``len(hit)`` whole blocks, and per layer group the blocks serving them.
 
-
-def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None = None) -> bytes:
-    """SHA-256 of (parent hash, salt of the first block, token ids): 32 bytes.
-
-    SHA-256 makes collisions negligible (unlike Python's ``hash()`` of a tuple, which is 64-bit
-    and seeded per process).
-    """
-    h = hashlib.sha256()
-    if parent is None:
-        # surrogatepass: any Python str is a valid salt, lone surrogates included.
-        h.update(b"root" if salt is None else b"salt:" + salt.encode("utf-8", "surrogatepass"))
-    else:
-        h.update(parent)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
-
-
-def prompt_block_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    salt: str | None = None,
-    max_blocks: int | None = None,
-) -> list[bytes]:
-    """The chained hashes of the blocks of a prompt that the prefix cache can serve: the full
-    blocks among its first ``len(token_ids) - 1`` tokens (the last token is always computed,
-    as :meth:`BlockManager.find_cached_prefix` says), at most ``max_blocks`` of them.
-
-    The same hashes :class:`BlockManager` gives the prompt's blocks (same ``block_size``,
-    :func:`hash_block` chain, ``salt`` in the first block), so a router outside the engine
-    can tell which replica's cache holds a prompt's prefix.
-
-    Raises:
-        ValueError: ``block_size`` < 1.
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    n = max(len(token_ids) - 1, 0) // block_size
-    if max_blocks is not None:
-        n = min(n, max_blocks)
-    hashes: list[bytes] = []
-    for i in range(n):
-        parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt))
-    return hashes
-
-
-class BlockPool:
-    """A fixed set of ``num_blocks`` physical blocks with reference counts and hashes.
-
-    A block is in the free queue exactly when its reference count is zero. The queue is
-    ordered least recently freed first; :meth:`allocate` takes from its head and evicts the
-    cached hash of a block it takes.
-
-    Raises:
-        ValueError: ``num_blocks`` < 1.
+    Attributes:
+        tables: per group, ``len(hit)`` block ids; a sliding group's entries before its
+            ``live_from`` are placeholders (the window of the first token to compute does
+            not reach them) and are not shared.
+        live_from: per group, the first entry that is a block of the cache.
     """
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._ref_counts = [0] * num_blocks
-        self._hashes: list[bytes | None] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[bytes, int] = {}
-        self.num_evictions = 0
+    __slots__ = ("live_from", "tables")
 
-    @property
-    def num_free(self) -> int:
-        """Blocks with reference count zero (cached or not)."""
-        return len(self._free)
+    def __init__(self, tables: list[list[int]], live_from: list[int]) -> None:
+        self.tables = tables
+        self.live_from = live_from
 
-    @property
-    def num_cached(self) -> int:
-        """Blocks that carry a hash (in use or free)."""
-        return len(self._cached)
+    def __len__(self) -> int:
+        return len(self.tables[0]) if self.tables else 0
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks, least recently freed first, each with reference count 1.
+    def live_blocks(self) -> Iterator[int]:
+        """The blocks of the cache the hit shares (placeholders left out)."""
+        for table, lo in zip(self.tables, self.live_from, strict=True):
+            yield from table[lo:]
 
-        Raises:
-            BlockPoolError: fewer than ``n`` blocks are free (callers check ``num_free`` first).
-        """
-        if n > len(self._free):
-            raise BlockPoolError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = []
-        for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            h = self._hashes[b]
-            if h is not None:  # evict: its old contents are about to be overwritten
-                del self._cached[h]
-                self._hashes[b] = None
-                self.num_evictions += 1
-            self._ref_counts[b] = 1
-            blocks.append(b)
-        return blocks
 
-    def lookup(self, block_hash: bytes) -> int | None:
-        """The block holding ``block_hash``, or None."""
-        return self._cached.get(block_hash)
-
-    def share(self, blocks: Iterable[int]) -> None:
-        """Add one reference to each block, taking cached free blocks out of the free queue."""
-        for b in blocks:
-            if self._ref_counts[b] == 0:
-                if self._hashes[b] is None:
-                    raise BlockPoolError(f"sharing free uncached block {b}")
-                del self._free[b]
-            self._ref_counts[b] += 1
-
-    def set_hash(self, block: int, block_hash: bytes) -> bool:
-        """Register a full, computed block under ``block_hash``.
-
-        Returns:
-            False when another block already holds that hash (this one stays uncached).
-        """
-        if self._hashes[block] is not None or block_hash in self._cached:
-            return False
-        self._hashes[block] = block_hash
-        self._cached[block_hash] = block
-        return True
-
-    def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block; a block whose count reaches zero joins the tail
-        of the free queue (keeping its hash, so it can still be hit).
-
-        Raises:
-            BlockPoolError: a block id is out of range or already free (double free).
-        """
-        for b in blocks:
-            if not 0 <= b < self.num_blocks:
-                raise BlockPoolError(f"block {b} out of range [0, {self.num_blocks})")
-            if self._ref_counts[b] <= 0:
-                raise BlockPoolError(f"double free of block {b}")
-            self._ref_counts[b] -= 1
-            if self._ref_counts[b] == 0:
-                self._free[b] = None
-
-    def evict_free_cached(self) -> int:
-        """Drop the hashes of all free blocks (blocks in use keep theirs); returns how many."""
-        dropped = 0
-        for b in self._free:
-            h = self._hashes[b]
-            if h is not None:
-                del self._cached[h]
-                self._hashes[b] = None
-                dropped += 1
-        return dropped
-
-    def ref_count(self, block: int) -> int:
-        """The number of block tables holding ``block``."""
-        return self._ref_counts[block]
-
-    def block_hash(self, block: int) -> bytes | None:
-        """The hash a block is cached under, or None."""
-        return self._hashes[block]
-
-    def check_invariants(self) -> None:
-        """Raise BlockPoolError unless free queue, reference counts and hashes agree."""
-        for b in range(self.num_blocks):
-            rc = self._ref_counts[b]
-            if rc < 0:
-                raise BlockPoolError(f"block {b} has negative reference count")
-            if (rc == 0) != (b in self._free):
-                raise BlockPoolError(f"block {b}: ref count {rc} vs free queue")
-            h = self._hashes[b]
-            if h is not None and self._cached.get(h) != b:
-                raise BlockPoolError(f"block {b}: hash not mapped back to it")
-        if len(self._cached) != sum(h is not None for h in self._hashes):
-            raise BlockPoolError("cached-hash map and block hashes disagree")
+#: What a sliding group's table holds for a block it freed (a valid block id, so that a
+#: table copied into a kernel's tensor stays in range: no kernel reads such an entry).
+PLACEHOLDER = 0
 
 
 class BlockManager:
     """Block tables of the requests that hold KV cache, over one :class:`BlockPool`.
 
+    With layer groups (:class:`~asyncllm.core.kv_groups.KVGroups`) each request holds one
+    table per group, all drawn from the one pool; a sliding group's blocks behind its window
+    go back to the pool as the request advances (:meth:`free_behind_window`), and a prefix
+    hit needs, in a sliding group, only the blocks that the window of its first computed
+    token reaches (:meth:`find_cached_prefix`).
+
     Args:
         num_blocks: physical blocks in the KV cache.
         block_size: tokens per block.
         enable_caching: match and register full blocks by hash (prefix caching).
+        groups: the layer groups; None: one full-attention group.
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` below 1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        groups: KVGroups | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
-        self._tables: dict[str, list[int]] = {}
+        self.groups = groups if groups is not None else KVGroups.single(1)
+        self.num_groups = self.groups.num_groups
+        #: The sliding groups (their blocks behind the window are freed).
+        self.sliding = tuple(g for g, w in enumerate(self.groups.windows) if w > 0)
+        self.pool = BlockPool(num_blocks, self.num_groups)
+        # Per request, per group: its block table, and the first entry that is not a
+        # placeholder (always 0 in a full group).
+        self._tables: dict[str, list[list[int]]] = {}
+        self._live: dict[str, list[int]] = {}
         # Per request, the hashes of its full blocks in order (computed lazily).
         self._hashes: dict[str, list[bytes]] = {}
         # Per request, how many of its leading blocks are registered in the pool.
@@ -251,87 +139,140 @@ class BlockManager:
 
     def find_cached_prefix(
         self, request_id: str, tokens: TokenSource, num_tokens: int, salt: str | None
-    ) -> list[int]:
-        """The blocks of the longest cached prefix of ``token_ids`` made of full blocks.
+    ) -> PrefixHit:
+        """The longest cached prefix of ``token_ids`` made of full blocks: ``k`` blocks such
+        that every full group has blocks ``0..k-1`` cached and every sliding group those
+        that the window of position ``k * block_size`` reaches.
 
         The last token is never covered (it must be computed to produce logits), so a prompt
         that is a whole number of blocks leaves its last block to be computed into a fresh one.
         Changes nothing but the request's hash list.
         """
         if not self.enable_caching:
-            return []
+            return PrefixHit([[] for _ in range(self.num_groups)], [0] * self.num_groups)
         hashes = self.block_hashes(request_id, tokens, salt, num_tokens - 1)
-        hits: list[int] = []
-        for h in hashes:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        return longest_hit(self.pool, self.groups, hashes, self.block_size)
 
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """New blocks the request needs so that its table covers ``num_tokens`` tokens."""
-        held = len(self._tables.get(request_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - held)
+    def _first_live(self, group: int, start: int) -> int:
+        return self.groups.first_live_block(group, start, self.block_size)
+
+    def blocks_needed(self, request_id: str, num_tokens: int, start: int | None = None) -> int:
+        """New blocks the request needs so that its tables cover ``num_tokens`` tokens (in a
+        sliding group, only from the first block that position ``start``'s window reaches,
+        when it holds none yet)."""
+        n = -(-num_tokens // self.block_size)
+        tables = self._tables.get(request_id)
+        total = 0
+        for g in range(self.num_groups):
+            held = len(tables[g]) if tables else 0
+            if start is not None and g in self.sliding:
+                held = max(held, self._first_live(g, start))
+            total += max(0, n - held)
+        return total
 
     def allocate(
         self,
         request_id: str,
         num_tokens: int,
-        cached: Sequence[int] = (),
+        cached: PrefixHit | Sequence[int] = (),
         *,
         write_from: int | None = None,
         copies: list[tuple[int, int]] | None = None,
     ) -> bool:
-        """Grow the request's block table to cover ``num_tokens`` tokens.
+        """Grow the request's block tables to cover ``num_tokens`` tokens.
 
         Args:
-            cached: for a request holding no blocks yet, the prefix blocks found by
-                :meth:`find_cached_prefix`; they are shared, not copied.
+            cached: for a request holding no blocks yet, the prefix found by
+                :meth:`find_cached_prefix` (or, with one group, its blocks); they are
+                shared, not copied.
             write_from: the first position the step writes. If it falls inside a block that
                 other tables share (a forked, partly filled block), that block is copied on
                 write: a new block replaces it in this table and ``(old, new)`` is appended to
-                ``copies`` for the worker to copy before the step.
+                ``copies`` for the worker to copy before the step. For a request holding no
+                blocks yet, a sliding group starts at the first block this position's window
+                reaches (placeholders before it).
 
         Returns:
             False, changing nothing, when too few blocks are free.
         """
-        table = self._tables.get(request_id)
-        if cached and table:
-            raise BlockPoolError(f"{request_id}: cached prefix given to a request with blocks")
-        need = max(0, -(-num_tokens // self.block_size) - len(table or cached))
-        reclaimed = sum(1 for b in cached if self.pool.ref_count(b) == 0)
-        cow = -1
-        if table and write_from is not None and write_from % self.block_size:
-            i = write_from // self.block_size
-            if i < len(table) and self.pool.ref_count(table[i]) > 1:
-                cow = i
-        if need + reclaimed + (cow >= 0) > self.pool.num_free:
-            return False
-        if table is None:
-            table = self._tables[request_id] = []
+        tables = self._tables.get(request_id)
+        hit: PrefixHit | None = None
         if cached:
-            self.pool.share(cached)
-            table.extend(cached)
-        if cow >= 0:
+            if tables:
+                raise BlockPoolError(f"{request_id}: cached prefix given to a request with blocks")
+            hit = cached if isinstance(cached, PrefixHit) else PrefixHit([list(cached)], [0])
+        n = -(-num_tokens // self.block_size)
+        G = self.num_groups
+        base = [len(t) for t in tables] if tables else [len(hit or ())] * G
+        skip = [0] * G
+        if tables is None and write_from is not None:
+            for g in self.sliding:
+                skip[g] = max(0, self._first_live(g, write_from) - base[g])
+        need = [max(0, n - base[g] - skip[g]) for g in range(G)]
+        reclaimed = (
+            0 if hit is None else sum(1 for b in hit.live_blocks() if self.pool.ref_count(b) == 0)
+        )
+        cows = self._shared_write_blocks(request_id, tables, write_from)
+        if sum(need) + reclaimed + len(cows) > self.pool.num_free:
+            return False
+        if tables is None:
+            tables = self._tables[request_id] = [[] for _ in range(G)]
+            live = self._live[request_id] = [0] * G if hit is None else list(hit.live_from)
+        else:
+            live = self._live[request_id]
+        if hit is not None:
+            self.pool.share(hit.live_blocks())
+            for g in range(G):
+                tables[g].extend(hit.tables[g])
+        for g in self.sliding:
+            if skip[g]:
+                tables[g].extend([PLACEHOLDER] * skip[g])
+                live[g] = len(tables[g])
+        for g, i in cows:
             (new,) = self.pool.allocate(1)
-            old = table[cow]
+            old = tables[g][i]
             self.pool.free([old])
-            table[cow] = new
+            tables[g][i] = new
             if copies is None:
                 raise BlockPoolError("copy-on-write needs a copies list")
             copies.append((old, new))
-        if need:
-            table.extend(self.pool.allocate(need))
+        total = sum(need)
+        if total:
+            fresh = self.pool.allocate(total)
+            at = 0
+            for g in range(G):
+                tables[g].extend(fresh[at : at + need[g]])
+                at += need[g]
         return True
+
+    def _shared_write_blocks(
+        self, request_id: str, tables: list[list[int]] | None, write_from: int | None
+    ) -> list[tuple[int, int]]:
+        """``(group, entry)`` of the partly filled blocks at ``write_from`` that other tables
+        share (to copy on write)."""
+        bs = self.block_size
+        if not tables or write_from is None or not write_from % bs:
+            return []
+        i = write_from // bs
+        live = self._live[request_id]
+        return [
+            (g, i)
+            for g, table in enumerate(tables)
+            if live[g] <= i < len(table) and self.pool.ref_count(table[i]) > 1
+        ]
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` (holding no blocks) the parent's blocks, shared by reference."""
         if self._tables.get(child_id):
             raise BlockPoolError(f"{child_id} already holds blocks")
-        table = list(self._tables.get(parent_id, ()))
-        self.pool.share(table)
-        self._tables[child_id] = table
+        tables = [list(t) for t in self._tables.get(parent_id, ())]
+        if not tables:
+            return
+        live = list(self._live[parent_id])
+        for table, lo in zip(tables, live, strict=True):
+            self.pool.share(table[lo:])
+        self._tables[child_id] = tables
+        self._live[child_id] = live
 
     def cache_full_blocks(
         self, request_id: str, tokens: TokenSource, salt: str | None, num_computed: int
@@ -344,34 +285,139 @@ class BlockManager:
         full = num_computed // self.block_size
         if full <= done:
             return
-        table = self._tables[request_id]
+        tables = self._tables[request_id]
+        live = self._live[request_id]
         hashes = self.block_hashes(request_id, tokens, salt, num_computed)
-        for i in range(done, full):
-            self.pool.set_hash(table[i], hashes[i])
+        for g, table in enumerate(tables):
+            for i in range(max(done, live[g]), full):
+                self.pool.set_hash(table[i], hashes[i], g)
         self._registered[request_id] = full
 
-    def block_table(self, request_id: str) -> list[int]:
-        """The request's physical block ids, logical order (the live list; do not mutate)."""
+    def free_behind_window(self, request_id: str, num_computed: int) -> None:
+        """Return to the pool the sliding groups' blocks that no token from position
+        ``num_computed`` on can see (they keep their hashes: cached until evicted)."""
+        if not self.sliding:
+            return
+        tables = self._tables.get(request_id)
+        if not tables:
+            return
+        live = self._live[request_id]
+        for g in self.sliding:
+            table = tables[g]
+            lo = min(self._first_live(g, num_computed), len(table))
+            if lo > live[g]:
+                dead = table[live[g] : lo]
+                table[live[g] : lo] = [PLACEHOLDER] * len(dead)
+                live[g] = lo
+                self.pool.free(dead)
+
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's physical block ids in ``group``, logical order (the live list; do
+        not mutate; a sliding group's entries before :meth:`live_from` are placeholders)."""
+        tables = self._tables.get(request_id)
+        return tables[group] if tables else []
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's tables, one per group (empty when it holds none; do not mutate)."""
         return self._tables.get(request_id, [])
+
+    def live_from(self, request_id: str, group: int) -> int:
+        """The first entry of the request's ``group`` table that holds a block."""
+        live = self._live.get(request_id)
+        return live[group] if live else 0
+
+    def num_held_blocks(self, request_id: str, group: int | None = None) -> int:
+        """Blocks of the cache the request's tables hold (in ``group``, or all groups)."""
+        tables = self._tables.get(request_id)
+        if not tables:
+            return 0
+        live = self._live[request_id]
+        groups = range(self.num_groups) if group is None else (group,)
+        return sum(len(tables[g]) - live[g] for g in groups)
+
+    def live_blocks(self, request_id: str, start: int, num_blocks: int) -> list[int]:
+        """Group after group, the request's blocks among its first ``num_blocks`` entries
+        that a token from position ``start`` on reads: what a preemption swaps out (and what
+        :meth:`allocate` with ``write_from=start`` gives a request swapped back in).
+
+        Raises:
+            BlockPoolError: one of them was freed.
+        """
+        out: list[int] = []
+        for g, table in enumerate(self._tables.get(request_id, ())):
+            lo = self._first_live(g, start)
+            if lo < self._live[request_id][g] or num_blocks > len(table):
+                raise BlockPoolError(f"{request_id}: group {g} does not hold {lo}..{num_blocks}")
+            out.extend(table[lo:num_blocks])
+        return out
 
     def free(self, request_id: str) -> None:
         """Return all of the request's blocks to the pool (no-op if it holds none)."""
         self._hashes.pop(request_id, None)
         self._registered.pop(request_id, None)
-        table = self._tables.pop(request_id, None)
-        if table:
-            # Tail first: the tail is the least shared part, so it is evicted first.
-            self.pool.free(reversed(table))
+        tables = self._tables.pop(request_id, None)
+        live = self._live.pop(request_id, None)
+        if tables and live:
+            for table, lo in zip(tables, live, strict=True):
+                # Tail first: the tail is the least shared part, so it is evicted first.
+                self.pool.free(reversed(table[lo:]))
 
     def check_invariants(self) -> None:
-        """Raise BlockPoolError unless reference counts equal the block tables' holdings."""
+        """Raise BlockPoolError unless reference counts equal the block tables' holdings and
+        every cached block is held only by tables of the group it is cached for."""
         self.pool.check_invariants()
         counts = [0] * self.pool.num_blocks
-        for table in self._tables.values():
-            for b in table:
-                counts[b] += 1
+        for rid, tables in self._tables.items():
+            for g, table in enumerate(tables):
+                for b in table[self._live[rid][g] :]:
+                    counts[b] += 1
+                    if self.pool.hash_group(b) not in (None, g):
+                        raise BlockPoolError(f"block {b}: cached for another group than {g}")
         for b, c in enumerate(counts):
             if c != self.pool.ref_count(b):
                 raise BlockPoolError(
                     f"block {b}: {c} tables hold it, ref count says {self.pool.ref_count(b)}"
                 )
+
+
+def longest_hit(
+    pool: BlockPool, groups: KVGroups, hashes: Sequence[bytes], block_size: int
+) -> PrefixHit:
+    """The longest prefix of ``hashes`` (chained block hashes) that ``pool`` serves for every
+    group (see :meth:`BlockManager.find_cached_prefix`)."""
+    G = groups.num_groups
+    k = len(hashes)
+    found: list[list[int | None]] = []
+    for g, w in enumerate(groups.windows):
+        look: list[int | None] = []
+        if w <= 0:  # a full group: its hits must be contiguous from the first block
+            for h in hashes[:k]:
+                b = pool.lookup(h, g)
+                if b is None:
+                    break
+                look.append(b)
+            k = len(look)
+        else:
+            look = [pool.lookup(h, g) for h in hashes[:k]]
+        found.append(look)
+    # Per sliding group, the last miss at or before each entry (-1: none).
+    last_miss: dict[int, list[int]] = {}
+    for g, w in enumerate(groups.windows):
+        if w > 0:
+            miss, marks = -1, []
+            for i, b in enumerate(found[g][:k]):
+                if b is None:
+                    miss = i
+                marks.append(miss)
+            last_miss[g] = marks
+    while k > 0 and any(
+        marks[k - 1] >= groups.first_live_block(g, k * block_size, block_size)
+        for g, marks in last_miss.items()
+    ):
+        k -= 1
+    live = [groups.first_live_block(g, k * block_size, block_size) for g in range(G)]
+    tables: list[list[int]] = []
+    for g in range(G):
+        blocks = found[g][live[g] : k]
+        tables.append([PLACEHOLDER] * live[g] + [b for b in blocks if b is not None])
+    return PrefixHit(tables, live)

@@ -129,7 +129,9 @@ class Request:
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        # While swapped out: the CPU blocks holding its first num_computed_tokens tokens' KV.
+        # While swapped out: the CPU blocks holding its first num_computed_tokens tokens' KV
+        # (with layer groups, each group's blocks that its window still reads, group by group:
+        # BlockManager.live_blocks).
         self.cpu_blocks: list[int] | None = None
         self.status = RequestStatus.WAITING
 

@@ -30,6 +30,12 @@ arrival. A victim's KV blocks are either
 Either way the request's output is unchanged. The copies of one step are listed in its plan
 (``swap_out`` before ``swap_in``) and done by the worker before the forward pass.
 
+Layer groups (models with sliding-window layers, :mod:`asyncllm.core.kv_groups`): a request
+holds one block table per group, and every count of blocks here is over all of them. After
+each step a sliding group's blocks that fell behind the window of the tokens still to be
+computed go back to the pool, so such a request holds a bounded number of them; a swap moves
+the blocks each group still reads, and a swapped-in request gets new blocks only for those.
+
 Parallel sampling (n > 1), kept in :class:`~asyncllm.core.parallel.SampleGroups`: the n
 samples of one prompt share its KV blocks. A hidden prefix request computes all prompt tokens
 but the last; then each sample forks its block table (reference counts, no copies) and
@@ -79,8 +85,10 @@ class ScheduledChunk:
         request_id: the request.
         token_ids: token ids whose K/V this step computes (positions ``start_pos`` onward).
         start_pos: position of ``token_ids[0]``; tokens before it are already in the cache.
-        block_table: the request's physical blocks, covering at least
-            ``start_pos + len(token_ids)`` tokens.
+        block_tables: the request's physical blocks, one table per layer group
+            (:mod:`asyncllm.core.kv_groups`; one for a model without sliding windows), each
+            covering at least ``start_pos + len(token_ids)`` tokens (a sliding group's
+            entries behind its window are placeholders no kernel reads).
         sample: whether the last token's logits are sampled (the chunk reaches the end of the
             request's tokens).
         num_output_tokens: tokens the request had generated before this step.
@@ -95,13 +103,18 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
+    block_tables: list[list[int]]
     sample: bool
     num_output_tokens: int
     params: Any
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     stop_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's table (the only one of a model without sliding windows)."""
+        return self.block_tables[0]
 
 
 PROTECT_AFTER_PREEMPTIONS = 3
@@ -345,11 +358,12 @@ class Scheduler:
         bm = self.block_manager
         rid = request.request_id
         if request.cpu_blocks is not None:  # swapped out: copy back, continue where it stopped
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not bm.allocate(rid, request.num_computed_tokens + n):
+            start = request.num_computed_tokens
+            n = min(request.num_tokens - start, budget)
+            if not bm.allocate(rid, start + n, write_from=start):
                 return 0
-            device = bm.block_table(rid)
-            out.swap_in.extend(zip(request.cpu_blocks, device, strict=False))
+            device = bm.live_blocks(rid, start, -(-start // bm.block_size))
+            out.swap_in.extend(zip(request.cpu_blocks, device, strict=True))
             out.cpu_blocks_to_free.extend(request.cpu_blocks)
             self.num_swapped_in_blocks += len(request.cpu_blocks)
             request.cpu_blocks = None
@@ -401,8 +415,9 @@ class Scheduler:
         bm = self.block_manager
 
         def wanted(r: Request) -> int:  # blocks for r's next chunk, at most a full budget
-            n = min(r.num_tokens - r.num_computed_tokens, self.max_num_batched_tokens)
-            return bm.blocks_needed(r.request_id, r.num_computed_tokens + n)
+            start = r.num_computed_tokens
+            n = min(r.num_tokens - start, self.max_num_batched_tokens)
+            return bm.blocks_needed(r.request_id, start + n, start)
 
         while len(self.running) >= self.max_num_seqs or (
             wanted(head) + sum(wanted(r) for r in self.running) > bm.num_free_blocks
@@ -459,9 +474,10 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
-            self.block_manager.cache_full_blocks(
-                request.request_id, request, request.cache_salt, request.num_computed_tokens
-            )
+            bm = self.block_manager
+            done = request.num_computed_tokens
+            bm.cache_full_blocks(request.request_id, request, request.cache_salt, done)
+            bm.free_behind_window(request.request_id, done)
             if request.prefill_only and request.num_computed_tokens == request.num_tokens:
                 self._fork(request)
             if not chunk.sample:
@@ -484,7 +500,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.token_ids(start, start + n),
             start_pos=start,
-            block_table=list(self.block_manager.block_table(request.request_id)),
+            block_tables=[list(t) for t in self.block_manager.block_tables(request.request_id)],
             sample=start + n == request.num_tokens and not request.prefill_only,
             num_output_tokens=len(request.output_token_ids),
             params=request.params,
@@ -521,13 +537,14 @@ class Scheduler:
         """Swap the request out to the CPU pool if it has room, else drop its KV."""
         bm = self.block_manager
         rid = request.request_id
-        n_valid = -(-request.num_computed_tokens // bm.block_size)
+        start = request.num_computed_tokens
+        valid = bm.live_blocks(rid, start, -(-start // bm.block_size)) if start else []
         cpu = self.cpu_pool
-        if cpu is not None and 0 < n_valid <= cpu.num_free:
-            cpu_blocks = cpu.allocate(n_valid)
-            out.swap_out.extend(zip(bm.block_table(rid)[:n_valid], cpu_blocks, strict=True))
+        if cpu is not None and 0 < len(valid) <= cpu.num_free:
+            cpu_blocks = cpu.allocate(len(valid))
+            out.swap_out.extend(zip(valid, cpu_blocks, strict=True))
             request.cpu_blocks = cpu_blocks
-            self.num_swapped_out_blocks += n_valid
+            self.num_swapped_out_blocks += len(valid)
         else:
             self.num_recomputed_tokens += request.num_computed_tokens
             request.num_computed_tokens = 0

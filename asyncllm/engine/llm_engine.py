@@ -138,10 +138,12 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs,
             kv_cache_bytes=config.kv_cache_bytes,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         logger.info(
-            "KV cache: %d bytes per token, %d blocks of %d tokens = %d tokens, %.1f MiB",
+            "KV cache: %s; %d bytes per token, %d blocks of %d tokens = %d tokens, %.1f MiB",
+            spec.layer_groups.describe(),
             spec.bytes_per_token,
             num_blocks,
             config.block_size,
@@ -149,7 +151,10 @@ class LLMEngine:
             self.kv_cache.num_bytes / 2**20,
         )
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            groups=spec.layer_groups,
         )
         cpu_bytes = config.cpu_offload_bytes
         if cpu_bytes is None:
@@ -390,7 +395,9 @@ class LLMEngine:
         "ready" or "failed"; ``EngineConfig.compile``) and ``compile_seconds`` (seconds it
         took, or has taken so far; 0.0 when off); ``cpu_kernels``: per C++ kernel family,
         what runs on CPU (the instruction-set variant installed, "off" or "torch":
-        :func:`asyncllm._kernels.native.status`), "" on other devices."""
+        :func:`asyncllm._kernels.native.status`), "" on other devices; ``kv_layout``: the
+        KV pool's shape, e.g. "6 groups of 3 layers (1 full, 5 window 512), 9000 blocks of
+        16" (:mod:`asyncllm.core.kv_groups`)."""
         compiled = self.runner.compiled
         bm = self.block_manager
         sched = self.scheduler
@@ -422,4 +429,5 @@ class LLMEngine:
             "cpu_kernels": " ".join(f"{k}={v}" for k, v in native.status().items())
             if self.device.type == "cpu"
             else "",
+            "kv_layout": f"{bm.groups.describe()}, {bm.num_total_blocks} blocks of {bm.block_size}",
         }

@@ -1,4 +1,11 @@
-"""The pre-allocated paged KV cache tensors and their sizing."""
+"""The pre-allocated paged KV cache tensors and their sizing.
+
+A model with sliding-window layers gets a hybrid layout (:mod:`asyncllm.core.kv_groups`):
+its layers in groups of ``g``, one block table per group, and ``g`` K and ``g`` V tensors
+(*slots*) that the groups share: a block holds ``g`` layers' K/V, layer ``s`` of the group
+whose table holds it in slot ``s``. ``KVCache.key_caches[layer]`` is its slot's tensor, so
+the layers of one slot see the same tensor (each through its own group's block table).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,11 @@ import math
 import mmap
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from asyncllm.core.kv_groups import KVGroups
 
 CPU_MEMORY_FRACTION = 0.2
 """Share of the available host memory a CPU engine's KV cache takes when not told."""
@@ -26,6 +36,7 @@ class KVCacheSpec:
         head_dim: features per head.
         dtype: the cache's element type.
         block_size: tokens per block.
+        groups: the layer groups (None: one group of all layers, full attention).
     """
 
     num_layers: int
@@ -33,16 +44,28 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    groups: KVGroups | None = None
+
+    @property
+    def layer_groups(self) -> KVGroups:
+        """The layer groups (one of all layers when ``groups`` is None)."""
+        return self.groups if self.groups is not None else KVGroups.single(self.num_layers)
+
+    @property
+    def num_slots(self) -> int:
+        """Layers whose K/V one block holds (all layers without groups)."""
+        return self.num_layers if self.groups is None else self.groups.num_slots
 
     @property
     def bytes_per_token(self) -> int:
-        """``2 (K and V) x layers x kv_heads x head_dim x dtype bytes``."""
+        """Bytes of one token in one block table: ``2 (K and V) x slots x kv_heads x
+        head_dim x dtype bytes`` (slots: all layers, or a group's with layer groups)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_slots * self.num_kv_heads * self.head_dim * elem
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across its slots, K and V."""
         return self.bytes_per_token * self.block_size
 
 
@@ -67,18 +90,43 @@ def default_kv_cache_bytes(device: torch.device, cap_bytes: int) -> int:
     return min(int(available_memory_bytes(device) * fraction), cap_bytes)
 
 
-def kv_cache_spec(config: object, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+def expected_windows(config: Any) -> list[int]:
+    """The sliding window (tokens; 0: none) each layer's attention must apply, from the
+    config: ``layer_types`` where it has them, else its ``sliding_window`` on every layer
+    (unless ``use_sliding_window`` is off). A window at least ``max_position_embeddings``
+    long is none."""
+    cfg = config.get_text_config(decoder=True)
+    layers = int(cfg.num_hidden_layers)
+    window = int(getattr(cfg, "sliding_window", None) or 0)
+    longest = getattr(cfg, "max_position_embeddings", None)
+    if window and longest and window >= int(longest):
+        window = 0
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return [window if kind == "sliding_attention" else 0 for kind in types]
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return [0] * layers
+    return [window] * layers
+
+
+def kv_cache_spec(
+    config: object, dtype: torch.dtype, block_size: int, max_model_len: int | None = None
+) -> KVCacheSpec:
     """The per-token K/V shape of a transformers decoder config (``head_dim`` when the
     config has one, else ``hidden_size // num_attention_heads``; ``num_key_value_heads``
-    for grouped-query attention, else one K/V head per query head)."""
+    for grouped-query attention, else one K/V head per query head), with layer groups
+    where its layers have sliding windows shorter than ``max_model_len``
+    (:func:`expected_windows`, :meth:`KVGroups.of_windows`)."""
     heads = config.num_attention_heads  # type: ignore[attr-defined]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
+    groups = KVGroups.of_windows(expected_windows(config), max_model_len)
     return KVCacheSpec(
         num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         dtype=dtype,
         block_size=block_size,
+        groups=groups if groups.is_hybrid else None,
     )
 
 
@@ -91,6 +139,7 @@ def size_kv_cache(
     max_model_len: int,
     max_num_seqs: int,
     kv_cache_bytes: int | None,
+    max_num_batched_tokens: int | None = None,
 ) -> tuple[KVCacheSpec, int]:
     """The KV cache's shape and its number of blocks.
 
@@ -103,7 +152,10 @@ def size_kv_cache(
         max_num_seqs: the most sequences running at once.
         kv_cache_bytes: the budget in bytes; None: :func:`default_kv_cache_bytes` of the
             device's free memory, capped at ``max_num_seqs`` sequences of
-            ``max_model_len`` tokens (each in whole blocks).
+            ``max_model_len`` tokens (each in whole blocks; with layer groups, the blocks
+            one such sequence holds at once: :meth:`KVGroups.blocks_per_sequence`).
+        max_num_batched_tokens: the longest chunk a step computes (a sliding group holds
+            its window plus a chunk); None: ``max_model_len``.
 
     Returns:
         (the spec, the number of blocks the budget holds).
@@ -111,17 +163,20 @@ def size_kv_cache(
     Raises:
         ValueError: a budget that cannot hold one sequence of ``max_model_len`` tokens.
     """
-    spec = kv_cache_spec(model_config, dtype, block_size)
+    spec = kv_cache_spec(model_config, dtype, block_size, max_model_len)
     # Whole blocks per sequence: a block size that does not divide max_model_len still
     # leaves room for one sequence of max_model_len tokens per max_num_seqs.
-    cap = max_num_seqs * -(-max_model_len // block_size) * spec.bytes_per_block
+    chunk = max_num_batched_tokens or max_model_len
+    per_seq = spec.layer_groups.blocks_per_sequence(max_model_len, block_size, chunk)
+    cap = max_num_seqs * per_seq * spec.bytes_per_block
     budget = kv_cache_bytes or default_kv_cache_bytes(device, cap)
     num_blocks = budget // spec.bytes_per_block
-    if num_blocks * block_size < max_model_len:
+    if num_blocks < per_seq:
         raise ValueError(
             f"kv_cache_bytes={budget} holds {num_blocks * block_size} tokens "
             f"({spec.bytes_per_token} bytes per token), fewer than max_model_len="
-            f"{max_model_len}: raise kv_cache_bytes or lower max_model_len"
+            f"{max_model_len} tokens need ({per_seq} blocks of {block_size}): raise "
+            "kv_cache_bytes or lower max_model_len"
         )
     return spec, num_blocks
 
@@ -163,27 +218,39 @@ def zeros_on_demand(
 
 
 class KVCache:
-    """One K and one V tensor per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """One K and one V tensor per slot, ``[num_blocks, block_size, num_kv_heads, head_dim]``
+    (a slot per layer without layer groups; see the module's text).
 
     Allocated once, zero-filled so that never-written slots read as finite numbers; on CPU
     committed page by page as blocks are first written (:func:`zeros_on_demand`).
 
     Args:
         spec: the per-token shape.
-        num_blocks: blocks per layer (>= 1).
+        num_blocks: blocks per slot (>= 1).
         device: where the tensors live.
+
+    Attributes:
+        key_slots, value_slots: the tensors, one per slot.
+        key_caches, value_caches: per layer, its slot's tensor.
+        layer_groups: per layer, the group whose block table it reads; empty with one
+            group (every layer reads the one table).
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.key_caches = [
-            zeros_on_demand(shape, spec.dtype, device) for _ in range(spec.num_layers)
+        self.key_slots = [zeros_on_demand(shape, spec.dtype, device) for _ in range(spec.num_slots)]
+        self.value_slots = [
+            zeros_on_demand(shape, spec.dtype, device) for _ in range(spec.num_slots)
         ]
-        self.value_caches = [
-            zeros_on_demand(shape, spec.dtype, device) for _ in range(spec.num_layers)
-        ]
+        groups = spec.layer_groups
+        where = groups.layer_slots()
+        self.key_caches = [self.key_slots[s] for _, s in where]
+        self.value_caches = [self.value_slots[s] for _, s in where]
+        self.layer_groups: tuple[int, ...] = (
+            tuple(g for g, _ in where) if groups.num_groups > 1 else ()
+        )
 
     @property
     def num_bytes(self) -> int:
@@ -191,12 +258,12 @@ class KVCache:
         return self.num_blocks * self.spec.bytes_per_block
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src -> dst`` in every layer's K and V (copy-on-write); one
+        """Copy whole blocks ``src -> dst`` in every slot's K and V (copy-on-write); one
         gather and one scatter per tensor for all pairs."""
         if not pairs:
             return
-        device = self.key_caches[0].device
+        device = self.key_slots[0].device
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
-        for cache in self.key_caches + self.value_caches:
+        for cache in self.key_slots + self.value_slots:
             cache.index_copy_(0, dst, cache.index_select(0, src))

@@ -19,6 +19,7 @@ from asyncllm.attention.backend_registry import (
     TRITON_BACKEND,
     AttentionBackend,
     AttentionMetadata,
+    grouped_metadata,
     register,
     step_metadata,
 )
@@ -116,6 +117,7 @@ class ModelRunner:
         # Refuse a model whose attention does not run on the paged cache before serving it.
         check_paged_forward(model, kv_cache, self.attention_backend)
         self.block_size = kv_cache.spec.block_size
+        self.num_groups = kv_cache.spec.layer_groups.num_groups
         self.sampler = Sampler(seed, self.device)
         #: The current step's timings when the engine has a step observer (its ``prep``,
         #: ``forward`` and ``sample`` phases are lapped here); None: nothing is measured.
@@ -149,12 +151,11 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
         sample_rows: list[int] = []
         prompt_rows: list[PromptRows] = []
         prompt_flat: list[int] = []
         for chunk in plan.chunks:
-            table = chunk.block_table
             start = chunk.start_pos
             end = start + len(chunk.token_ids)
             rows = PromptRows.of_chunk(chunk)
@@ -164,23 +165,23 @@ class ModelRunner:
                 prompt_flat.extend(range(first, first + len(rows.target_ids)))
             input_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            for group_slots, table in zip(slots, chunk.block_tables, strict=True):
+                group_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if chunk.sample:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
-        attn_plan = self.attention_backend.build_plan(
+        cache = self.kv_cache
+        meta = grouped_metadata(
+            cache.key_caches,
+            cache.value_caches,
+            cache.layer_groups,
+            self.attention_backend,
             [len(c.token_ids) for c in plan.chunks],
             [c.start_pos + len(c.token_ids) for c in plan.chunks],
-            [c.block_table for c in plan.chunks],
+            [c.block_tables for c in plan.chunks],
+            slots,
             bs,
             dev,
-        )
-        meta = AttentionMetadata(
-            key_caches=self.kv_cache.key_caches,
-            value_caches=self.kv_cache.value_caches,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            plan=attn_plan,
-            backend=self.attention_backend,
         )
         keep = torch.tensor(sample_rows + prompt_flat, dtype=torch.long, device=dev)
         clock = self.sampler.timings = self.timings

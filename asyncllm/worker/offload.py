@@ -1,9 +1,10 @@
 """KV block copies that ride along with a step: swap out to and in from a CPU block pool.
 
-The CPU pool mirrors the device cache's layout, one K and one V tensor per layer of shape
+The CPU pool mirrors the device cache's layout, one K and one V tensor per slot (per layer
+without layer groups: :mod:`asyncllm.worker.kv_cache`) of shape
 ``[num_cpu_blocks, block_size, num_kv_heads, head_dim]``, in pinned memory when the device is
 CUDA (so copies can overlap) and plain memory otherwise. Each direction is one gather and one
-scatter per layer and per K/V for the whole step, never a copy per block from Python.
+scatter per slot and per K/V for the whole step, never a copy per block from Python.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class CPUOffloadPool:
 
     Args:
         kv_cache: the device cache whose blocks are swapped.
-        num_blocks: CPU blocks per layer (>= 1).
+        num_blocks: CPU blocks per slot (>= 1).
 
     Memory is reserved but not touched here: a CPU block is only read after it was written.
     """
@@ -30,12 +31,12 @@ class CPUOffloadPool:
         self.kv_cache = kv_cache
         self.num_blocks = num_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        pin = kv_cache.key_caches[0].device.type == "cuda"
+        pin = kv_cache.key_slots[0].device.type == "cuda"
         self.key_blocks = [
-            torch.empty(shape, dtype=spec.dtype, pin_memory=pin) for _ in range(spec.num_layers)
+            torch.empty(shape, dtype=spec.dtype, pin_memory=pin) for _ in range(spec.num_slots)
         ]
         self.value_blocks = [
-            torch.empty(shape, dtype=spec.dtype, pin_memory=pin) for _ in range(spec.num_layers)
+            torch.empty(shape, dtype=spec.dtype, pin_memory=pin) for _ in range(spec.num_slots)
         ]
 
     @property
@@ -46,12 +47,12 @@ class CPUOffloadPool:
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         """Do one step's copies: ``swap_out`` (device block, CPU block) pairs first, then
         ``swap_in`` (CPU block, device block) pairs."""
-        device = self.kv_cache.key_caches[0].device
+        device = self.kv_cache.key_slots[0].device
         if swap_out:
             dev = _ids([d for d, _ in swap_out], device)
             cpu = _ids([c for _, c in swap_out], torch.device("cpu"))
             for src, dst in zip(
-                self.kv_cache.key_caches + self.kv_cache.value_caches,
+                self.kv_cache.key_slots + self.kv_cache.value_slots,
                 self.key_blocks + self.value_blocks,
                 strict=True,
             ):
@@ -61,7 +62,7 @@ class CPUOffloadPool:
             dev = _ids([d for _, d in swap_in], device)
             for src, dst in zip(
                 self.key_blocks + self.value_blocks,
-                self.kv_cache.key_caches + self.kv_cache.value_caches,
+                self.kv_cache.key_slots + self.kv_cache.value_slots,
                 strict=True,
             ):
                 moved = src.index_select(0, cpu).to(dst.device, non_blocking=True)

@@ -42,11 +42,11 @@ from asyncllm.attention.backend_registry import (
     ATTN_IMPLEMENTATION,
     METADATA_KWARG,
     AttentionBackend,
-    AttentionMetadata,
+    grouped_metadata,
     step_metadata,
 )
 from asyncllm.errors import ModelLoadError, UnsupportedModelError
-from asyncllm.worker.kv_cache import KVCache
+from asyncllm.worker.kv_cache import KVCache, expected_windows
 
 __all__ = ["PROBE_CHUNKS", "check_paged_forward", "expected_windows", "logits_agree"]
 
@@ -112,9 +112,10 @@ def check_paged_forward(model: Any, kv_cache: KVCache, backend: AttentionBackend
     ids = [(17 * i + 5) % vocab for i in range(total)]  # any tokens: the weights are what differ
     calls = [0]
     windows: dict[int, int] = {}
+    layer_of: dict[tuple[int, int], int] = {}
     try:
-        counting = _counting(backend, calls, windows, kv_cache.key_caches)
-        paged = _paged_logits(model, kv_cache, counting, ids)
+        counting = _counting(backend, calls, windows, layer_of)
+        paged = _paged_logits(model, kv_cache, counting, ids, layer_of)
     except (MemoryError, torch.OutOfMemoryError):
         raise  # the machine's limit, not the model's
     except Exception as exc:
@@ -246,25 +247,6 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def expected_windows(config: Any) -> list[int]:
-    """The sliding window (tokens; 0: none) each layer's attention must apply, from the
-    config: ``layer_types`` where it has them, else its ``sliding_window`` on every layer
-    (unless ``use_sliding_window`` is off). A window at least ``max_position_embeddings``
-    long is none."""
-    cfg = config.get_text_config(decoder=True)
-    layers = int(cfg.num_hidden_layers)
-    window = int(getattr(cfg, "sliding_window", None) or 0)
-    longest = getattr(cfg, "max_position_embeddings", None)
-    if window and longest and window >= int(longest):
-        window = 0
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return [window if kind == "sliding_attention" else 0 for kind in types]
-    if getattr(cfg, "use_sliding_window", True) is False:
-        return [0] * layers
-    return [window] * layers
-
-
 def _check_windows(config: Any, seen: dict[int, int], model_type: str) -> None:
     """Refuse a model whose layers did not hand the attention the window their config
     asks for: a window longer than the probe would go unnoticed by the logits (the modeling
@@ -285,14 +267,14 @@ def _counting(
     backend: AttentionBackend,
     calls: list[int],
     windows: dict[int, int],
-    key_caches: list[torch.Tensor],
+    layer_of: dict[tuple[int, int], int],
 ) -> AttentionBackend:
     """``backend`` with each layer call that writes the cache counted in ``calls[0]``, and
     the sliding window each layer's attention was given in ``windows`` (layer -> tokens, 0:
-    none; the layer found by its key cache); no native step (``arm_step``), so every layer
-    goes through the Python attention function."""
+    none; the layer found by ``layer_of[(id(plan), id(key cache))]``: layers of one slot
+    share a key cache, each with its group's plan); no native step (``arm_step``), so every
+    layer goes through the Python attention function."""
     write, attend, fast = backend.write, backend.attend, backend.write_and_decode
-    layer_of = {id(k): i for i, k in enumerate(key_caches)}
 
     def counted_write(*args: Any) -> None:
         calls[0] += 1
@@ -302,7 +284,7 @@ def _counting(
         query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Any,
         scale: float, window: int = 0, softcap: float = 0.0,
     ) -> torch.Tensor:  # fmt: skip
-        windows[layer_of.get(id(k_cache), -1)] = window
+        windows[layer_of.get((id(plan), id(k_cache)), -1)] = window
         return attend(query, k_cache, v_cache, plan, scale, window, softcap)
 
     def counted_fast(*args: Any) -> torch.Tensor | None:
@@ -310,7 +292,7 @@ def _counting(
         out = fast(*args)
         if out is not None:
             calls[0] += 1
-            windows[layer_of.get(id(args[3]), -1)] = int(args[8])
+            windows[layer_of.get((id(args[6]), id(args[3])), -1)] = int(args[8])
         return out
 
     return dataclasses.replace(
@@ -323,24 +305,38 @@ def _counting(
 
 
 def _paged_logits(
-    model: Any, kv_cache: KVCache, backend: AttentionBackend, ids: list[int]
+    model: Any,
+    kv_cache: KVCache,
+    backend: AttentionBackend,
+    ids: list[int],
+    layer_of: dict[tuple[int, int], int],
 ) -> torch.Tensor:
-    """Logits [len(ids), vocab] of ``ids`` fed to the paged path in :data:`PROBE_CHUNKS`."""
+    """Logits [len(ids), vocab] of ``ids`` fed to the paged path in :data:`PROBE_CHUNKS`
+    (each layer group its own blocks); fills ``layer_of`` as :func:`_counting` reads it."""
     bs = kv_cache.spec.block_size
-    table = list(range(-(-len(ids) // bs)))
+    per_group = -(-len(ids) // bs)
+    num_groups = kv_cache.spec.layer_groups.num_groups
+    tables = [list(range(g * per_group, (g + 1) * per_group)) for g in range(num_groups)]
     dev = kv_cache.key_caches[0].device
+    groups = kv_cache.layer_groups or (0,) * len(kv_cache.key_caches)
     out, start = [], 0
     for n in PROBE_CHUNKS:
         end = start + n
-        meta = AttentionMetadata(
-            key_caches=kv_cache.key_caches,
-            value_caches=kv_cache.value_caches,
-            slot_mapping=torch.tensor(
-                [table[p // bs] * bs + p % bs for p in range(start, end)], device=dev
-            ),
-            plan=backend.build_plan([n], [end], [table], bs, dev),
-            backend=backend,
+        meta = grouped_metadata(
+            kv_cache.key_caches,
+            kv_cache.value_caches,
+            kv_cache.layer_groups,
+            backend,
+            [n],
+            [end],
+            [tables],
+            [[t[p // bs] * bs + p % bs for p in range(start, end)] for t in tables],
+            bs,
+            dev,
         )
+        plans = meta.plans or (meta.plan,)
+        for layer, k in enumerate(kv_cache.key_caches):
+            layer_of[(id(plans[groups[layer]]), id(k))] = layer
         with torch.inference_mode(), step_metadata(meta, n):
             logits = model(
                 input_ids=torch.tensor([ids[start:end]], device=dev),
