@@ -114,11 +114,11 @@ def test_default_kv_cache_holds_max_model_len_in_whole_blocks(block_size, blocks
     """Unset kv_cache_bytes is capped at max_num_seqs sequences of max_model_len tokens in
     whole blocks: with one sequence and a block size that does not divide max_model_len,
     the cap used to round down below one sequence and the engine refused to start."""
-    from types import SimpleNamespace
+    from transformers import LlamaConfig
 
     from asyncllm.worker.kv_cache import size_kv_cache
 
-    config = SimpleNamespace(
+    config = LlamaConfig(
         num_attention_heads=4, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2
     )
     _, num_blocks = size_kv_cache(
