@@ -147,6 +147,12 @@ def grouped_metadata(
         block_tables: per sequence, its block table in each group.
         slots: per group, the flat cache slot of each new token.
     """
+    if len(slots) == 1:  # one group: every layer reads the one plan
+        plan = backend.build_plan(
+            query_lens, seq_lens, [t[0] for t in block_tables], block_size, device
+        )
+        mapping = torch.tensor(slots[0], dtype=torch.long, device=device)
+        return AttentionMetadata(key_caches, value_caches, mapping, plan, backend)
     plans: list[Any] = []
     for g in range(len(slots)):
         tables = [t[g] for t in block_tables]
@@ -155,7 +161,6 @@ def grouped_metadata(
         else:
             plan = backend.build_plan(query_lens, seq_lens, tables, block_size, device)
         plans.append(plan)
-    many = len(plans) > 1
     # One tensor for every group's slots; each group's a contiguous row of it.
     slot_mappings = torch.tensor(slots, dtype=torch.long, device=device).unbind(0)
     return AttentionMetadata(
@@ -164,9 +169,9 @@ def grouped_metadata(
         slot_mapping=slot_mappings[0],
         plan=plans[0],
         backend=backend,
-        layer_groups=layer_groups if many else (),
-        plans=tuple(plans) if many else (),
-        slot_mappings=tuple(slot_mappings) if many else (),
+        layer_groups=layer_groups,
+        plans=tuple(plans),
+        slot_mappings=tuple(slot_mappings),
     )
 
 

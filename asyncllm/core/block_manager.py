@@ -196,38 +196,18 @@ class BlockManager:
             False, changing nothing, when too few blocks are free.
         """
         tables = self._tables.get(request_id)
-        hit: PrefixHit | None = None
+        if tables is None or not tables[0]:  # every group grows alike: none holds a block
+            return self._allocate_new(request_id, num_tokens, cached, write_from)
         if cached:
-            if tables:
-                raise BlockPoolError(f"{request_id}: cached prefix given to a request with blocks")
-            hit = cached if isinstance(cached, PrefixHit) else PrefixHit([list(cached)], [0])
+            raise BlockPoolError(f"{request_id}: cached prefix given to a request with blocks")
         n = -(-num_tokens // self.block_size)
-        G = self.num_groups
-        base = [len(t) for t in tables] if tables else [len(hit or ())] * G
-        skip = [0] * G
-        if tables is None and write_from is not None:
-            for g in self.sliding:
-                skip[g] = max(0, self._first_live(g, write_from) - base[g])
-        need = [max(0, n - base[g] - skip[g]) for g in range(G)]
-        reclaimed = (
-            0 if hit is None else sum(1 for b in hit.live_blocks() if self.pool.ref_count(b) == 0)
-        )
+        need = 0
+        for table in tables:
+            if n > len(table):
+                need += n - len(table)
         cows = self._shared_write_blocks(request_id, tables, write_from)
-        if sum(need) + reclaimed + len(cows) > self.pool.num_free:
+        if need + len(cows) > self.pool.num_free:
             return False
-        if tables is None:
-            tables = self._tables[request_id] = [[] for _ in range(G)]
-            live = self._live[request_id] = [0] * G if hit is None else list(hit.live_from)
-        else:
-            live = self._live[request_id]
-        if hit is not None:
-            self.pool.share(hit.live_blocks())
-            for g in range(G):
-                tables[g].extend(hit.tables[g])
-        for g in self.sliding:
-            if skip[g]:
-                tables[g].extend([PLACEHOLDER] * skip[g])
-                live[g] = len(tables[g])
         for g, i in cows:
             (new,) = self.pool.allocate(1)
             old = tables[g][i]
@@ -236,30 +216,78 @@ class BlockManager:
             if copies is None:
                 raise BlockPoolError("copy-on-write needs a copies list")
             copies.append((old, new))
+        if need:
+            fresh = self.pool.allocate(need)
+            at = 0
+            for table in tables:
+                k = n - len(table)
+                if k > 0:
+                    table.extend(fresh[at : at + k])
+                    at += k
+        return True
+
+    def _allocate_new(
+        self,
+        request_id: str,
+        num_tokens: int,
+        cached: PrefixHit | Sequence[int],
+        write_from: int | None,
+    ) -> bool:
+        """:meth:`allocate` for a request that holds no blocks yet."""
+        hit: PrefixHit | None = None
+        if cached:
+            hit = cached if isinstance(cached, PrefixHit) else PrefixHit([list(cached)], [0])
+        G = self.num_groups
+        k = 0 if hit is None else len(hit)
+        n = -(-num_tokens // self.block_size)
+        skip = [0] * G
+        if write_from is not None:
+            for g in self.sliding:
+                skip[g] = max(0, self._first_live(g, write_from) - k)
+        need = [max(0, n - k - skip[g]) for g in range(G)]
         total = sum(need)
+        reclaimed = (
+            0 if hit is None else sum(1 for b in hit.live_blocks() if self.pool.ref_count(b) == 0)
+        )
+        if total + reclaimed > self.pool.num_free:
+            return False
+        if hit is None:
+            tables: list[list[int]] = [[] for _ in range(G)]
+            live = [0] * G
+        else:
+            self.pool.share(hit.live_blocks())
+            tables = [list(t) for t in hit.tables]
+            live = list(hit.live_from)
+        for g in self.sliding:
+            if skip[g]:
+                tables[g].extend([PLACEHOLDER] * skip[g])
+                live[g] = len(tables[g])
         if total:
             fresh = self.pool.allocate(total)
             at = 0
             for g in range(G):
                 tables[g].extend(fresh[at : at + need[g]])
                 at += need[g]
+        self._tables[request_id] = tables
+        self._live[request_id] = live
         return True
 
     def _shared_write_blocks(
-        self, request_id: str, tables: list[list[int]] | None, write_from: int | None
+        self, request_id: str, tables: list[list[int]], write_from: int | None
     ) -> list[tuple[int, int]]:
         """``(group, entry)`` of the partly filled blocks at ``write_from`` that other tables
         share (to copy on write)."""
         bs = self.block_size
-        if not tables or write_from is None or not write_from % bs:
+        if write_from is None or not write_from % bs:
             return []
         i = write_from // bs
         live = self._live[request_id]
-        return [
-            (g, i)
-            for g, table in enumerate(tables)
-            if live[g] <= i < len(table) and self.pool.ref_count(table[i]) > 1
-        ]
+        ref_count = self.pool.ref_count
+        shared = []
+        for g, table in enumerate(tables):
+            if live[g] <= i < len(table) and ref_count(table[i]) > 1:
+                shared.append((g, i))
+        return shared
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` (holding no blocks) the parent's blocks, shared by reference."""

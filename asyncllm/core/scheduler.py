@@ -477,7 +477,8 @@ class Scheduler:
             bm = self.block_manager
             done = request.num_computed_tokens
             bm.cache_full_blocks(request.request_id, request, request.cache_salt, done)
-            bm.free_behind_window(request.request_id, done)
+            if bm.sliding:
+                bm.free_behind_window(request.request_id, done)
             if request.prefill_only and request.num_computed_tokens == request.num_tokens:
                 self._fork(request)
             if not chunk.sample:
