@@ -186,3 +186,30 @@ def test_a_plan_retabled_for_another_group_attends_like_a_new_one(steps):
         retabled = plan.retable(query_lens, seq_lens, other, 4)
         fresh = triton_paged.TritonPagedPlan.build(query_lens, seq_lens, other, 4)
         assert torch.equal(retabled.block_tables, fresh.block_tables)
+
+
+def test_the_load_check_finds_each_layer_of_a_shared_slot(tmp_path, default_model_dir, monkeypatch):
+    """The load-time check tells the layers apart although layers of one slot share their
+    K/V tensors (each reads its group's plan): one sliding layer (4) not handed its window of
+    64 is named, the others pass."""
+    from asyncllm import AsyncEngine, UnsupportedModelError
+    from asyncllm.attention import backend_registry
+
+    config = tf.Gemma3TextConfig(
+        **{**TINY_CONFIG, "num_hidden_layers": 6},
+        head_dim=16,
+        sliding_window=64,
+        layer_types=LAYER_TYPES,
+    )
+    path = tmp_path / "gemma3-64"
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tf.AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
+    attend = backend_registry._write_and_attend
+
+    def drops_layer_4s(meta, layer, q, k, v, scale, window, softcap, num_tokens=None):
+        window = 0 if layer == 4 else window
+        return attend(meta, layer, q, k, v, scale, window, softcap, num_tokens)
+
+    monkeypatch.setattr(backend_registry, "_write_and_attend", drops_layer_4s)
+    with pytest.raises(UnsupportedModelError, match=r"layer 4 .* 64 tokens.*\(1 layer\(s\) so\)"):
+        AsyncEngine.from_pretrained(str(path), **SMALL, kv_cache_bytes=200 * BLOCK_BYTES)

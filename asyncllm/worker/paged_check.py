@@ -112,10 +112,9 @@ def check_paged_forward(model: Any, kv_cache: KVCache, backend: AttentionBackend
     ids = [(17 * i + 5) % vocab for i in range(total)]  # any tokens: the weights are what differ
     calls = [0]
     windows: dict[int, int] = {}
-    layer_of: dict[tuple[int, int], int] = {}
     try:
-        counting = _counting(backend, calls, windows, layer_of)
-        paged = _paged_logits(model, kv_cache, counting, ids, layer_of)
+        counting = _counting(backend, calls, windows, kv_cache)
+        paged = _paged_logits(model, kv_cache, counting, ids)
     except (MemoryError, torch.OutOfMemoryError):
         raise  # the machine's limit, not the model's
     except Exception as exc:
@@ -267,14 +266,34 @@ def _counting(
     backend: AttentionBackend,
     calls: list[int],
     windows: dict[int, int],
-    layer_of: dict[tuple[int, int], int],
+    kv_cache: KVCache,
 ) -> AttentionBackend:
     """``backend`` with each layer call that writes the cache counted in ``calls[0]``, and
     the sliding window each layer's attention was given in ``windows`` (layer -> tokens, 0:
-    none; the layer found by ``layer_of[(id(plan), id(key cache))]``: layers of one slot
-    share a key cache, each with its group's plan); no native step (``arm_step``), so every
-    layer goes through the Python attention function."""
+    none); no native step (``arm_step``), so every layer goes through the Python attention
+    function. The layer is found by its key cache and its plan: layers of one slot share a
+    key cache (:mod:`asyncllm.worker.kv_cache`), each with its group's plan, and a step's
+    plans are made group after group (:func:`grouped_metadata`)."""
     write, attend, fast = backend.write, backend.attend, backend.write_and_decode
+    num_groups = kv_cache.spec.layer_groups.num_groups
+    groups = kv_cache.layer_groups or (0,) * len(kv_cache.key_caches)
+    layer_of = {
+        (g, id(k)): i for i, (g, k) in enumerate(zip(groups, kv_cache.key_caches, strict=True))
+    }
+    plan_group: dict[int, int] = {}  # id(plan) -> its group
+    made = [0]
+
+    def planned(make: Any) -> Any:
+        def make_and_note(*args: Any) -> Any:
+            plan = make(*args)
+            plan_group[id(plan)] = made[0] % num_groups
+            made[0] += 1
+            return plan
+
+        return make_and_note
+
+    def note(plan: Any, k_cache: torch.Tensor, window: int) -> None:
+        windows[layer_of.get((plan_group.get(id(plan), -1), id(k_cache)), -1)] = window
 
     def counted_write(*args: Any) -> None:
         calls[0] += 1
@@ -284,7 +303,7 @@ def _counting(
         query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Any,
         scale: float, window: int = 0, softcap: float = 0.0,
     ) -> torch.Tensor:  # fmt: skip
-        windows[layer_of.get((id(plan), id(k_cache)), -1)] = window
+        note(plan, k_cache, window)
         return attend(query, k_cache, v_cache, plan, scale, window, softcap)
 
     def counted_fast(*args: Any) -> torch.Tensor | None:
@@ -292,11 +311,13 @@ def _counting(
         out = fast(*args)
         if out is not None:
             calls[0] += 1
-            windows[layer_of.get((id(args[6]), id(args[3])), -1)] = int(args[8])
+            note(args[6], args[3], int(args[8]))
         return out
 
     return dataclasses.replace(
         backend,
+        build_plan=planned(backend.build_plan),
+        retable=None if backend.retable is None else planned(backend.retable),
         write=counted_write,
         attend=seen_attend,
         write_and_decode=None if fast is None else counted_fast,
@@ -305,20 +326,15 @@ def _counting(
 
 
 def _paged_logits(
-    model: Any,
-    kv_cache: KVCache,
-    backend: AttentionBackend,
-    ids: list[int],
-    layer_of: dict[tuple[int, int], int],
+    model: Any, kv_cache: KVCache, backend: AttentionBackend, ids: list[int]
 ) -> torch.Tensor:
     """Logits [len(ids), vocab] of ``ids`` fed to the paged path in :data:`PROBE_CHUNKS`
-    (each layer group its own blocks); fills ``layer_of`` as :func:`_counting` reads it."""
+    (each layer group in blocks of its own)."""
     bs = kv_cache.spec.block_size
     per_group = -(-len(ids) // bs)
     num_groups = kv_cache.spec.layer_groups.num_groups
     tables = [list(range(g * per_group, (g + 1) * per_group)) for g in range(num_groups)]
     dev = kv_cache.key_caches[0].device
-    groups = kv_cache.layer_groups or (0,) * len(kv_cache.key_caches)
     out, start = [], 0
     for n in PROBE_CHUNKS:
         end = start + n
@@ -334,9 +350,6 @@ def _paged_logits(
             bs,
             dev,
         )
-        plans = meta.plans or (meta.plan,)
-        for layer, k in enumerate(kv_cache.key_caches):
-            layer_of[(id(plans[groups[layer]]), id(k))] = layer
         with torch.inference_mode(), step_metadata(meta, n):
             logits = model(
                 input_ids=torch.tensor([ids[start:end]], device=dev),
