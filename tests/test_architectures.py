@@ -317,8 +317,8 @@ def test_a_chunk_that_attends_only_to_itself_is_refused_in_noisy_bfloat16(
 
     real = paged_check._paged_logits
 
-    def self_only(model, kv_cache, backend, ids, layer_of):  # type: ignore[no-untyped-def]
-        logits = real(model, kv_cache, backend, ids, layer_of)  # layer calls still counted
+    def self_only(model, kv_cache, backend, ids):  # type: ignore[no-untyped-def]
+        logits = real(model, kv_cache, backend, ids)  # layer calls still counted
         first = paged_check.PROBE_CHUNKS[0]
         model.set_attn_implementation("eager")
         try:
