@@ -151,6 +151,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             id and name as soon as its name is complete, then its arguments text as it
             grows, as OpenAI streams ``delta.tool_calls``); None when there are none, and
             always with other output kinds.
+        reasoning: from ``chat`` with a thinking model's template (``<think>...</think>``,
+            :mod:`asyncllm.engine.reasoning`): the reasoning text, split from ``text``
+            (which then holds only the answer); new text on a delta item, all of it so far
+            otherwise. None when there is none.
     """
 
     request_id: str
@@ -171,6 +175,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     tool_calls: list[ToolCall] | None = None
     tool_call_error: str | None = None
     tool_call_deltas: list[ToolCallDelta] | None = None
+    reasoning: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -33,7 +33,7 @@ import anyio.to_thread
 import msgspec
 
 from asyncllm.config import EngineConfig
-from asyncllm.engine.chat_tool_setup import ChatToolSetup, constrain_to_calls
+from asyncllm.engine.chat_tool_setup import ChatOutputs, ChatToolSetup, render_chat_call
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.engine.output_processor import RequestState, TokenTextCache
 from asyncllm.engine.parallel_sampling import num_samples
@@ -46,7 +46,6 @@ from asyncllm.engine.request_table import (
 )
 from asyncllm.engine.step_output import StepOutput
 from asyncllm.engine.streams import RequestStream, collect, stream_method
-from asyncllm.engine.tool_calls import ChatTools
 from asyncllm.engine.wakeup import Wakeup, wait_future
 from asyncllm.errors import EngineDeadError, EngineNotRunningError
 from asyncllm.outputs import RequestOutput
@@ -335,7 +334,7 @@ class AsyncEngine:
                 a named function with ``params.structured_outputs`` set; and everything
                 :meth:`stream` raises.
         """
-        prompt, params, calls = await self._chat_prompt(
+        prompt, params, post = await self._chat_prompt(
             messages,
             params,
             ChatToolSetup(tools, tool_choice, parallel_tool_calls),
@@ -347,7 +346,7 @@ class AsyncEngine:
                           strict_max_tokens=strict_max_tokens)  # fmt: skip
         async with gen:
             async for out in gen:
-                yield out if calls is None else calls.apply(out)
+                yield out if post is None else post.apply(out)
 
     async def _chat_prompt(
         self,
@@ -357,9 +356,9 @@ class AsyncEngine:
         *,
         add_generation_prompt: bool,
         chat_template_kwargs: Mapping[str, Any] | None,
-    ) -> tuple[PromptType, SamplingParams | None, ChatTools | None]:
-        """A chat call's prompt (rendered and tokenized off the loop), its params and its
-        tool-call parser (see :meth:`chat`)."""
+    ) -> tuple[PromptType, SamplingParams | None, ChatOutputs | None]:
+        """A chat call's prompt (rendered and tokenized off the loop), its params and what
+        its outputs go through (reasoning split, tool calls parsed; see :meth:`chat`)."""
         self._check_running()
         self._engine.inputs.check_chat(
             messages,
@@ -369,16 +368,16 @@ class AsyncEngine:
         calls, params, chat_template_kwargs = tools.prepare(
             self._engine.tokenizer, params, chat_template_kwargs
         )
-        if calls is not None and calls.constrained:
-            spec = await self._off_loop(calls.structured_outputs)  # imports xgrammar
-            params = constrain_to_calls(params, spec)
         render = functools.partial(
-            self._engine.inputs.render_chat,
+            render_chat_call,
+            self._engine.inputs,
             messages,
+            calls,
+            params,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return await self._off_loop(render, num_samples(params)), params, calls
+        return await self._off_loop(render, num_samples(params))
 
     async def generate(
         self,

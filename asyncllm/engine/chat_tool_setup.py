@@ -31,11 +31,13 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from asyncllm.engine.reasoning import THINK_END, ReasoningSplit, thinks
 from asyncllm.engine.tool_calls import ChatTools
 from asyncllm.errors import InvalidRequestError
+from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["ChatToolSetup", "constrain_to_calls"]
+__all__ = ["ChatOutputs", "ChatToolSetup", "constrain_to_calls", "render_chat_call"]
 
 
 class ChatToolSetup(NamedTuple):
@@ -62,6 +64,10 @@ class ChatToolSetup(NamedTuple):
                 given without tools, tools for a template without tool support, or
                 "required" / a named function together with ``params.structured_outputs``.
         """
+        if isinstance(params, SamplingParams) and params.skip_special_tokens:
+            template = _template(tokenizer, chat_template_kwargs, self.tools)
+            if template is not None and thinks(template) and _special(tokenizer, THINK_END):
+                params = msgspec.structs.replace(params, skip_special_tokens=False)
         if self.tools is None:
             if self.tool_choice not in (None, "none", "auto"):
                 raise InvalidRequestError(f"tool_choice {self.tool_choice!r:.80} needs tools")
@@ -100,3 +106,69 @@ def constrain_to_calls(
     """``params`` (default ``SamplingParams()``) with the forced-call grammar ``spec``
     (``ChatTools.structured_outputs``, built off the loop: it imports xgrammar)."""
     return msgspec.structs.replace(params or SamplingParams(), structured_outputs=spec)
+
+
+def _template(tokenizer: Any, kwargs: Mapping[str, Any] | None, tools: object) -> str | None:
+    """The template that renders the call (None when the tokenizer has none: rendering
+    then fails with its own error)."""
+    try:
+        return str(tokenizer.get_chat_template((kwargs or {}).get("chat_template"), tools))
+    except ValueError:
+        return None
+
+
+def _special(tokenizer: Any, marker: str) -> bool:
+    """``marker`` is a special token, which ``skip_special_tokens`` drops from the text."""
+    return marker in set(getattr(tokenizer, "all_special_tokens", ()) or ())
+
+
+class ChatOutputs:
+    """What a chat call does to each output of its stream: the reasoning split off
+    (:class:`~asyncllm.engine.reasoning.ReasoningSplit`), then tool calls parsed from the
+    answer alone (:class:`~asyncllm.engine.tool_calls.ChatTools`)."""
+
+    def __init__(self, reasoning: ReasoningSplit | None, calls: ChatTools | None) -> None:
+        self.reasoning = reasoning
+        self.calls = calls
+
+    def apply(self, out: RequestOutput) -> RequestOutput:
+        """``out`` with its reasoning and tool calls taken out of ``text``."""
+        if self.reasoning is not None:
+            out = self.reasoning.apply(out)
+        return out if self.calls is None else self.calls.apply(out)
+
+
+def render_chat_call(
+    inputs: Any,
+    messages: Sequence[Mapping[str, Any]],
+    calls: ChatTools | None,
+    params: SamplingParams | None,
+    *,
+    add_generation_prompt: bool,
+    chat_template_kwargs: Mapping[str, Any] | None,
+) -> tuple[list[int], SamplingParams | None, ChatOutputs | None]:
+    """Render and tokenize a chat call (``InputProcessor.render_chat``), constrain its
+    ``params`` to tool calls when :attr:`ChatTools.constrained` (:func:`constrain_to_calls`;
+    this imports xgrammar), and build what its outputs go through (None when nothing: no
+    tools, no thinking). Time proportional to the messages: call it off the event loop.
+
+    Raises:
+        InvalidRequestError: as ``InputProcessor.render_chat`` and
+            ``ChatTools.structured_outputs``.
+    """
+    if calls is not None and calls.constrained:
+        params = constrain_to_calls(params, calls.structured_outputs())
+    ids: list[int] = inputs.render_chat(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    kwargs = chat_template_kwargs or {}
+    template = _template(inputs.tokenizer, kwargs, kwargs.get("tools"))
+    kind = params.output_kind if isinstance(params, SamplingParams) else "delta"
+    split = None
+    if template is not None:
+        split = ReasoningSplit.for_prompt(inputs.tokenizer, template, ids, kind)
+    if split is None and calls is None:
+        return ids, params, None
+    return ids, params, ChatOutputs(split, calls)

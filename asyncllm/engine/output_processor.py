@@ -348,4 +348,5 @@ def merge_outputs(items: Sequence[RequestOutput], kind: str) -> RequestOutput:
     last.prompt_logprobs = prompt_lps
     calls = [c for it in items for c in it.tool_calls or ()]
     last.tool_calls = calls or None
+    last.reasoning = "".join(it.reasoning or "" for it in items) or None
     return last

@@ -131,7 +131,7 @@ class _CallStream:
         return ToolCallDelta(index=index, arguments=rest) if rest else None
 
 
-def _held_prefix(text: str, marker: str) -> int:
+def held_prefix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-k:]):
@@ -287,7 +287,7 @@ class ToolCallParser:
                 self._buf = buf[start + len(HERMES_START) :]
                 self._in_call = True
                 continue
-            keep = 0 if final else _held_prefix(buf, HERMES_START)
+            keep = 0 if final else held_prefix(buf, HERMES_START)
             text = buf[: len(buf) - keep]
             if self.calls and not text.strip() and not final:
                 break  # whitespace after a call: held until something else follows

@@ -59,6 +59,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     last: RequestOutput | None = None
     offset: int = 0  # legacy logprobs text offset of a stream (characters so far)
 
@@ -90,6 +91,8 @@ def all_choices(prompts: list[Prompt]) -> list[Choice]:
 def accumulate(choice: Choice, out: RequestOutput) -> None:
     """Add one delta output to its choice."""
     choice.text.append(out.text)
+    if out.reasoning:
+        choice.reasoning.append(out.reasoning)
     choice.token_ids.extend(out.token_ids)
     if out.logprobs:
         choice.logprobs.extend(out.logprobs)

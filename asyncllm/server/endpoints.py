@@ -260,6 +260,8 @@ class ChatShape:
         for c in choices:
             assert c.last is not None
             message = r.ChatMessage(content="".join(c.text))
+            if c.reasoning:
+                message.reasoning_content = "".join(c.reasoning)
             if c.tool_calls:
                 message.content = message.content or None
                 message.tool_calls = [r.tool_call_json(t) for t in c.tool_calls]
@@ -294,15 +296,19 @@ class ChatShape:
     def chunk(
         self, choice: Choice, out: RequestOutput, first: bool
     ) -> r.ChatCompletionChunk | None:
-        """One output's chunk: its text and tool-call pieces (None when it carries nothing)."""
+        """One output's chunk: its text, reasoning and tool-call pieces (None when it
+        carries nothing)."""
         if (
             not out.text
+            and not out.reasoning
             and not out.tool_call_deltas
             and out.finish_reason is None
             and not (self.logprobs and out.token_ids)
         ):
             return None
         delta = r.Delta(content=out.text) if out.text else r.Delta()
+        if out.reasoning:
+            delta.reasoning_content = out.reasoning
         if out.tool_call_deltas:  # calls stream as OpenAI's: name, then argument pieces
             delta.tool_calls = r.tool_call_deltas_json(out.tool_call_deltas)
         item = r.ChatChunkChoice(

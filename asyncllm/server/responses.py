@@ -322,10 +322,12 @@ class Completion(_Response, kw_only=True):
 
 
 class ChatMessage(_Body, kw_only=True):
-    """A chat choice's ``message`` (``content`` null when the model made only tool calls)."""
+    """A chat choice's ``message`` (``content`` null when the model made only tool calls;
+    ``reasoning_content``, as vLLM names it, only from a thinking model)."""
 
     role: str = "assistant"
     content: str | None
+    reasoning_content: str | UnsetType = UNSET
     tool_calls: list[ToolCallJSON] | UnsetType = UNSET
 
 
@@ -352,6 +354,7 @@ class Delta(_Body, kw_only=True):
 
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
     tool_calls: list[ToolCallDeltaJSON] | UnsetType = UNSET
 
 
