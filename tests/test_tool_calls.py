@@ -28,6 +28,23 @@ LLAMA_TWO = (
 LLAMA_ONE = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}'
 HERMES_BAD = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
 LLAMA_BAD = '{"name": "get_weather", "parameters": {"city": "Paris"'
+MISTRAL_LIST = (
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}, '
+    '{"name": "get_time", "arguments": {"tz": "CET"}}]'
+)
+MISTRAL_V11 = (
+    'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "°C"}'
+    '[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'
+)
+PYTHONIC_TWO = '[get_weather(city="Paris", unit="°C"), get_time(tz="CET")]'
+QWEN_TWO = (
+    "Looking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=unit>\n°C\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=get_time>\n<parameter=tz>\nCET\n</parameter>\n</function>\n"
+    "</tool_call>"
+)
+QWEN_BAD = "<tool_call>\n<function=f>\nnot xml\n</function>\n</tool_call>"
+TWO = [("get_weather", WEATHER), ("get_time", {"tz": "CET"})]
 
 # (format, model output, content, [(name, arguments)], error expected)
 CASES = [
@@ -65,6 +82,22 @@ CASES = [
     (tc.LLAMA3_JSON, '{"answer": 4}', '{"answer": 4}', [], False),  # JSON, not a call
     (tc.LLAMA3_JSON, '{"name": 3, "parameters": {}}', '{"name": 3, "parameters": {}}', [],
      True),
+    (tc.MISTRAL, MISTRAL_LIST, "", TWO, False),
+    (tc.MISTRAL, MISTRAL_V11, "Sure.", TWO, False),
+    (tc.MISTRAL, "[TOOL_CALLS]get_time[ARGS]{}\n[TOOL_CALLS]", "", [("get_time", {})], False),
+    (tc.MISTRAL, "Plain answer [TOOL", "Plain answer [TOOL", [], False),
+    (tc.MISTRAL, '[TOOL_CALLS]f[ARGS]{"city": ', '[TOOL_CALLS]f[ARGS]{"city": ', [], True),
+    (tc.PYTHONIC, PYTHONIC_TWO, "", TWO, False),
+    (tc.PYTHONIC, '<|python_start|>[f(a=[1, 2], b={"k": None})]', "",
+     [("f", {"a": [1, 2], "b": {"k": None}})], False),
+    (tc.PYTHONIC, "The answer is [4].", "The answer is [4].", [], False),
+    (tc.PYTHONIC, "[get_weather(city=Paris)]", "[get_weather(city=Paris)]", [], True),
+    (tc.PYTHONIC, '[os.system("ls")]', '[os.system("ls")]', [], True),
+    (tc.PYTHONIC, "[f(a=1), g(", "[f(a=1), g(", [], True),
+    (tc.QWEN3_CODER, QWEN_TWO, "Looking.\n", TWO, False),
+    (tc.QWEN3_CODER, QWEN_BAD, QWEN_BAD, [], True),
+    (tc.QWEN3_CODER, "<tool_call>\n<function=f>", "<tool_call>\n<function=f>", [], True),
+    (tc.QWEN3_CODER, "No call <tool", "No call <tool", [], False),
 ]  # fmt: skip
 
 
@@ -86,7 +119,7 @@ def test_parse_whole(fmt, text, content, calls, error):
 def _streamed(
     fmt: str, text: str, cuts: list[int], parallel: bool = True
 ) -> tuple[str, list, str | None]:
-    parser = tc.ToolCallParser(fmt, parallel=parallel)
+    parser = tc.make_parser(fmt, parallel=parallel)
     content, calls, deltas = [], [], []
     bounds = [0, *sorted(set(cuts)), len(text)]
     for a, b in itertools.pairwise(bounds):
@@ -153,7 +186,7 @@ ODD = (  # spacing, escapes and numbers that json.dumps writes otherwise
 )
 
 
-@pytest.mark.parametrize("fmt", tc.FORMATS)
+@pytest.mark.parametrize("fmt", tc.JSON_FORMATS)
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_argument_deltas_join_to_the_arguments(fmt, data):
@@ -245,7 +278,43 @@ def test_detect_format_refuses_templates_without_tools():
     with pytest.raises(InvalidRequestError, match="no tool support"):
         tc.detect_format("{% for m in messages %}{{ m.content }}{% endfor %}")
     with pytest.raises(InvalidRequestError, match="format asyncllm does not parse"):
-        tc.detect_format("{% if tools %}[TOOL_CALLS]{% endif %}")
+        tc.detect_format("{% if tools %}<|tool_calls_begin|>{% endif %}")
+
+
+@pytest.mark.parametrize(
+    ("template", "fmt"),
+    [
+        ("{% if tools %}<tool_call>{{ tools }}{% endif %}", tc.HERMES),
+        ('{{ tools }} {"name": name, "parameters": ...}', tc.LLAMA3_JSON),
+        ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]{% endif %}", tc.MISTRAL),
+        ("{{ tools }} [func_name1(params_name1=params_value1), func_name2(params)]",
+         tc.PYTHONIC),
+        ("{{ tools }} <tool_call>\n<function=example>\n<parameter=x>\n1\n</parameter>",
+         tc.QWEN3_CODER),
+    ],
+)  # fmt: skip
+def test_detect_format_of_each_template(template, fmt):
+    assert tc.detect_format(template) == fmt
+
+
+def test_qwen3_coder_values_take_their_schema_types():
+    text = (
+        "<tool_call>\n<function=f>\n<parameter=n>\n12\n</parameter>\n"
+        "<parameter=x>\n1.5\n</parameter>\n<parameter=ok>\ntrue\n</parameter>\n"
+        '<parameter=cfg>\n{"a": [1]}\n</parameter>\n<parameter=id>\n007\n</parameter>\n'
+        "<parameter=code>\ndef f():\n    return 1\n</parameter>\n"
+        "<parameter=bad>\nmany\n</parameter>\n<parameter=extra>\n3\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    props = {"n": "integer", "x": "number", "ok": "boolean", "cfg": "object", "id": "string",
+             "code": "string", "bad": "integer"}  # fmt: skip
+    schema = {"properties": {k: {"type": v} for k, v in props.items()}}
+    _, (call,), error = tc.parse_tool_calls(text, tc.QWEN3_CODER, {"f": schema})
+    assert error is None
+    assert json.loads(call.arguments) == {
+        "n": 12, "x": 1.5, "ok": True, "cfg": {"a": [1]}, "id": "007",
+        "code": "def f():\n    return 1", "bad": "many", "extra": "3",
+    }  # fmt: skip
 
 
 def _tool(name="get_weather", **fn):

@@ -193,6 +193,53 @@ async def test_bad_tool_arguments_are_refused(hermes_dir, make_engine, kwargs, m
         assert out.num_generated_tokens == 2  # the engine is unaffected
 
 
+# Small templates of the other formats: what detect_format reads, and turns a model sees.
+OTHER_FORMATS = {
+    "mistral": (
+        "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+        "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | tojson }}"
+        "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}",
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+        "Sure.",
+    ),
+    "pythonic": (
+        "{% if tools %}Call as [func_name1(params_name1=params_value1), func_name2(params)]"
+        "{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}",
+        '[get_weather(city="Paris"), get_time()]',
+        "",
+    ),
+    "qwen3_coder": (
+        "{% if tools %}{{ tools | tojson }} <tool_call>\n<function=name>\n<parameter=key>\n"
+        "value\n</parameter>\n</function>\n</tool_call>{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+        "</function>\n</tool_call>",
+        "Checking.\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(OTHER_FORMATS))
+async def test_other_formats_through_chat(fmt, tiny_llama_dir, make_engine, tmp_path):
+    template, output, content = OTHER_FORMATS[fmt]
+    engine = make_engine(_with_template(tiny_llama_dir, tmp_path / fmt, template), **SMALL)
+    script_output(engine, output)
+    async with engine:
+        items = [out async for out in engine.chat(ASK, PARAMS, tools=TOOLS)]
+        with pytest.raises(InvalidRequestError, match=f"writes '{fmt}' calls"):
+            await collect(engine.chat(ASK, PARAMS, tools=TOOLS, tool_choice="required"), "delta")
+    calls = [c for it in items for c in it.tool_calls or ()]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    assert "".join(it.text for it in items) == content
+    assert items[-1].finish_reason == "tool_calls" and items[-1].tool_call_error is None
+    joined = _join_deltas([d for it in items for d in it.tool_call_deltas or ()])
+    assert [tuple(j) for j in joined.values()] == [(c.id, c.name, c.arguments) for c in calls]
+
+
 async def test_template_without_tool_support(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, **SMALL)
     async with engine:

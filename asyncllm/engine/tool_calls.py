@@ -12,6 +12,10 @@ of the same names are the reference):
 - ``"llama3_json"`` (Llama 3.1/3.2/3.3): the whole message is ``{"name": ...,
   "parameters": {...}}`` (optionally after ``<|python_tag|>``; several objects separated by
   ``;``). Chosen when the template renders ``"parameters"`` and mentions ``tools``.
+- ``"mistral"``, ``"pythonic"`` and ``"qwen3_coder"``: see
+  :mod:`asyncllm.engine.tool_formats`. Their calls stream whole (one delta per call, when
+  it is complete), and ``tool_choice`` "required" or a named function is refused for them
+  (no grammar of their call syntax yet).
 
 A template that never mentions ``tools`` has no tool support: passing tools raises
 :class:`~asyncllm.errors.InvalidRequestError` (the model would never see them).
@@ -30,17 +34,26 @@ from typing import Any
 
 import msgspec
 
-from asyncllm.engine.tool_parser import (
+from asyncllm.engine.tool_formats import (
     FORMATS,
+    MARKERS,
+    MISTRAL,
+    MISTRAL_MARKER,
+    PYTHONIC,
+    QWEN3_CODER,
+    make_parser,
+    parse_tool_calls,
+)
+from asyncllm.engine.tool_parser import (
     HERMES,
     HERMES_END,
     HERMES_START,
+    JSON_FORMATS,
     LLAMA3_JSON,
     LLAMA3_SEPARATOR,
     PYTHON_TAG,
     ToolCallParser,
     new_call_id,
-    parse_tool_calls,
 )
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import RequestOutput
@@ -52,9 +65,13 @@ __all__ = [
     "HERMES_END",
     "HERMES_START",
     "HERMES_TEMPLATE",
+    "JSON_FORMATS",
     "LLAMA3_JSON",
     "LLAMA3_SEPARATOR",
+    "MISTRAL",
+    "PYTHONIC",
     "PYTHON_TAG",
+    "QWEN3_CODER",
     "ChatTools",
     "ToolCallParser",
     "call_schema",
@@ -62,6 +79,7 @@ __all__ = [
     "check_tool_choice",
     "check_tools",
     "detect_format",
+    "make_parser",
     "new_call_id",
     "parse_tool_calls",
     "template_messages",
@@ -114,13 +132,19 @@ def detect_format(template: str) -> str:
         InvalidRequestError: the template has no tool support, or writes calls in a format
             not listed in :data:`FORMATS`.
     """
+    if "<function=" in template and "<parameter=" in template:
+        return QWEN3_CODER
     if HERMES_START in template:
         return HERMES
+    if MISTRAL_MARKER in template:
+        return MISTRAL
     if "tools" not in template:
         raise InvalidRequestError(
             "this model's chat template has no tool support (it never renders `tools`), "
             "so the model cannot be given tools"
         )
+    if "func_name1(" in template:  # the pythonic templates' example call
+        return PYTHONIC
     if '"parameters"' in template or PYTHON_TAG in template:
         return LLAMA3_JSON
     raise InvalidRequestError(
@@ -327,7 +351,7 @@ class ChatTools:
         self.fmt = fmt
         self.parallel = parallel
         self.output_kind = output_kind
-        self._parsers: dict[int, ToolCallParser] = {}
+        self._parsers: dict[int, Any] = {}  # a make_parser parser per sample
         self._content: dict[int, str] = {}  # cumulative: the content so far, per sample
         self._seen: dict[int, int] = {}  # cumulative: characters of text read, per sample
 
@@ -349,7 +373,8 @@ class ChatTools:
         Raises:
             InvalidRequestError: bad ``tools``, ``tool_choice`` or
                 ``parallel_tool_calls``; ``tools`` also given in ``chat_template_kwargs``;
-                a template without tool support (unless ``tool_choice`` is "none").
+                a template without tool support (unless ``tool_choice`` is "none");
+                "required" or a named function for a format without a call grammar.
         """
         checked = check_tools(tools)
         choice = check_tool_choice(tool_choice, checked)
@@ -365,6 +390,12 @@ class ChatTools:
             except ValueError as e:
                 raise InvalidRequestError(f"no chat template to render tools: {e}") from e
             fmt = detect_format(template)
+            if choice != "auto" and fmt not in JSON_FORMATS:
+                raise InvalidRequestError(
+                    f"tool_choice {choice!r} forces calls with a grammar, which asyncllm has "
+                    f"for the {' and '.join(JSON_FORMATS)} formats only; this model writes "
+                    f"{fmt!r} calls (use tool_choice 'auto')"
+                )
         return cls(checked, choice, fmt, parallel=parallel_tool_calls, output_kind=output_kind)
 
     def template_kwargs(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -415,10 +446,9 @@ class ChatTools:
         """True when the format's markers are special tokens of ``tokenizer``, which
         ``skip_special_tokens`` would drop from the text the parser reads (vLLM's hermes
         parser turns it off for the same reason)."""
-        if self.fmt != HERMES:
-            return False  # llama3_json needs no marker: the JSON is found without the tag
         special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
-        return HERMES_START in special or HERMES_END in special
+        # llama3_json needs no marker: the JSON is found without the tag
+        return any(m in special for m in MARKERS.get(self.fmt or "", ()))
 
     def apply(self, out: RequestOutput) -> RequestOutput:
         """One output of the call with its tool calls parsed out of ``text`` (see
@@ -430,7 +460,9 @@ class ChatTools:
             return out
         parser = self._parsers.get(out.index)
         if parser is None:
-            parser = self._parsers[out.index] = ToolCallParser(self.fmt, parallel=self.parallel)
+            schemas = {t["function"]["name"]: t["function"].get("parameters") for t in self.tools}
+            parser = make_parser(self.fmt, parallel=self.parallel, schemas=schemas)
+            self._parsers[out.index] = parser
         new = out.text
         if self.output_kind == "cumulative":
             seen = self._seen.get(out.index, 0)

@@ -27,8 +27,9 @@ from asyncllm.outputs import ToolCall, ToolCallDelta
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
-#: The formats :class:`ToolCallParser` reads.
-FORMATS = (HERMES, LLAMA3_JSON)
+#: The formats :class:`ToolCallParser` reads (the others are
+#: :mod:`asyncllm.engine.tool_formats`').
+JSON_FORMATS = (HERMES, LLAMA3_JSON)
 
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
@@ -147,7 +148,7 @@ class ToolCallParser:
     that text. Joined, the contents and calls are the same however the text was split.
 
     Args:
-        fmt: one of :data:`FORMATS`.
+        fmt: one of :data:`JSON_FORMATS`.
         parallel: keep every call; False keeps only the first (OpenAI's
             ``parallel_tool_calls=false``; later calls and their text are dropped).
 
@@ -161,8 +162,8 @@ class ToolCallParser:
     """
 
     def __init__(self, fmt: str, *, parallel: bool = True) -> None:
-        if fmt not in FORMATS:
-            raise ValueError(f"unknown tool-call format {fmt!r}; known: {', '.join(FORMATS)}")
+        if fmt not in JSON_FORMATS:
+            raise ValueError(f"unknown tool-call format {fmt!r}; known: {', '.join(JSON_FORMATS)}")
         self.fmt = fmt
         self.parallel = parallel
         self.calls: list[ToolCall] = []
@@ -389,12 +390,3 @@ class ToolCallParser:
         self._buf = ""
         if not self._dropping():
             content.append(text)
-
-
-def parse_tool_calls(text: str, fmt: str) -> tuple[str, list[ToolCall], str | None]:
-    """Parse a whole generation: ``(content, calls, error)`` as :class:`ToolCallParser`
-    gives them."""
-    parser = ToolCallParser(fmt)
-    content, calls = parser.feed(text)
-    more, last = parser.finish()
-    return content + more, calls + last, parser.error
