@@ -95,6 +95,13 @@ Endpoints:
   ``apply_chat_template`` option (``chat_template``, ``tokenize``, ``return_dict``, ``tools``,
   ``documents``, ``truncation``...) there answers 400 (``chat_template`` is allowed with
   ``--trust-request-chat-template``, as is a top-level ``chat_template``).
+  A thinking model's reasoning (``<think>...</think>``) comes apart from the answer, as
+  ``message.reasoning_content`` and ``delta.reasoning_content`` (vLLM's names).
+- ``POST /v1/responses``: OpenAI's Responses API over the chat path
+  (:mod:`asyncllm.server.responses_api`): ``input`` text or items (messages, function calls
+  and their outputs), ``instructions``, function ``tools``, ``previous_response_id`` (kept in
+  the server's memory, bounded), ``text.format`` as ``response_format``, streamed events as
+  OpenAI sends them (``client.responses.create`` and ``client.responses.stream`` work).
 - Logprobs name each token by its own bytes (the tokenizer's token-to-bytes mapping): chat
   ``bytes`` are those bytes, and a token that holds part of a UTF-8 character is named
   OpenAI's way, ``"bytes:\\xe6"`` (``bytes`` ``[230]``); the legacy ``text_offset`` is in

@@ -1,7 +1,8 @@
 """The Starlette app of the OpenAI-compatible server.
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics``.
+``POST /v1/chat/completions``, ``POST /v1/responses``
+(:mod:`asyncllm.server.responses_api`), ``GET /health``, ``GET /metrics``.
 
 A generation route reads and checks the body (:mod:`asyncllm.server.security`), turns it
 into the engine's arguments (:mod:`asyncllm.server.endpoints`, pure functions) and returns
@@ -49,6 +50,12 @@ from asyncllm.server.drivers import (
 from asyncllm.server.metrics import ServerMetrics
 from asyncllm.server.protocol import INTERNAL_ERROR, APIError, api_error
 from asyncllm.server.responses import Health, ModelCard, ModelList
+from asyncllm.server.responses_api import (
+    ResponsesRequest,
+    ResponsesShape,
+    ResponseStore,
+    responses_call,
+)
 from asyncllm.server.security import (
     DEFAULT_MAX_REQUEST_BYTES,
     TENANT_KEY,
@@ -120,6 +127,7 @@ class OpenAIServer:
         self.share_prefix_cache = share_prefix_cache
         self.chat_template = chat_template
         self._reserved_template_options = p.reserved_template_options(engine.tokenizer)
+        self.response_store = ResponseStore()  # for /v1/responses' previous_response_id
 
     # ------------------------------------------------------------------ helpers
 
@@ -181,6 +189,18 @@ class OpenAIServer:
         return GenerationResponse(Fanout(prompts, open_stream, self.metrics), shape, stream)
 
     # ------------------------------------------------------------------ routes
+
+    def routes(self) -> list[Route]:
+        """The app's routes (see the module docstring)."""
+        return [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_route, methods=["GET"]),
+        ]
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models`` and ``/v1/models/{id}``."""
@@ -266,6 +286,30 @@ class OpenAIServer:
         kwargs = {**call.kwargs, "cache_salt": self._cache_salt(request, req.cache_salt)}
         method = functools.partial(self.engine.chat, params=call.params)
         return self._generate(make_prompts(call.prompts, call.n, rid), method, kwargs, shape,
+                              call.stream)  # fmt: skip
+
+    async def responses(self, request: Request) -> Response | GenerationResponse:
+        """``POST /v1/responses``."""
+        try:
+            req = await read_json(request, ResponsesRequest, self.max_request_bytes)
+            self._check_model(req.model)
+            call, conversation = responses_call(
+                req,
+                self.response_store,
+                self.client_priority_range,
+                self._reserved_template_options,
+                self.chat_template,
+            )
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as e:
+            err = api_error(e)
+            return json_response(err.body(), err.status)
+        shape = ResponsesShape(req, self.model_name, conversation, self.response_store,
+                               keep=req.store is not False)  # fmt: skip
+        kwargs = {**call.kwargs, "cache_salt": self._cache_salt(request, req.cache_salt)}
+        method = functools.partial(self.engine.chat, params=call.params)
+        return self._generate(make_prompts(call.prompts, 1, shape.id), method, kwargs, shape,
                               call.stream)  # fmt: skip
 
 
@@ -377,14 +421,7 @@ def create_app(
 
     middleware = _middleware(split_commas(api_keys), metrics_without_auth, allowed_origins)
     app = Starlette(
-        routes=[
-            Route("/v1/models", server.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", server.models, methods=["GET"]),
-            Route("/v1/completions", server.completions, methods=["POST"]),
-            Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-            Route("/health", server.health, methods=["GET"]),
-            Route("/metrics", server.metrics_route, methods=["GET"]),
-        ],
+        routes=server.routes(),
         middleware=middleware,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,

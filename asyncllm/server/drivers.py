@@ -40,9 +40,11 @@ CLIENT_CLOSED = 499
 
 
 def json_response(
-    body: msgspec.Struct, status: int = 200, headers: Mapping[str, str] | None = None
+    body: msgspec.Struct | dict[str, Any],
+    status: int = 200,
+    headers: Mapping[str, str] | None = None,
 ) -> Response:
-    """A response with ``body`` encoded by msgspec as JSON."""
+    """A response with ``body`` (a struct or a dict) encoded by msgspec as JSON."""
     return Response(encode(body), status, headers, media_type="application/json")
 
 
@@ -120,14 +122,17 @@ def total_usage(choices: list[Choice]) -> Usage:
 class Shape(Protocol):
     """An endpoint's response bodies, as pure functions of the choices' outputs."""
 
-    def body(self, choices: list[Choice]) -> msgspec.Struct:
+    def body(self, choices: list[Choice]) -> msgspec.Struct | dict[str, Any]:
         """The non-streamed body, once every choice has finished."""
 
-    def preamble(self, choices: list[Choice]) -> Sequence[msgspec.Struct]:
+    def preamble(self, choices: list[Choice]) -> Sequence[msgspec.Struct | dict[str, Any]]:
         """Chunks sent first in a stream (chat: each choice's role)."""
 
-    def chunk(self, choice: Choice, out: RequestOutput, first: bool) -> msgspec.Struct | None:
-        """The chunk for one output (``first``: the choice's first), or None to send none."""
+    def chunk(
+        self, choice: Choice, out: RequestOutput, first: bool
+    ) -> msgspec.Struct | Sequence[dict[str, Any]] | None:
+        """The chunk for one output (``first``: the choice's first), a list of events
+        (``/v1/responses``), or None to send none."""
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct | None:
         """The stream's last chunk with ``usage``, or None when the client did not ask."""
@@ -207,7 +212,7 @@ class Fanout:
         self._receive.close()
 
 
-def sse(obj: msgspec.Struct) -> bytes:
+def sse(obj: msgspec.Struct | dict[str, Any]) -> bytes:
     """One server-sent event holding ``obj`` as JSON."""
     return b"data: " + encode(obj) + b"\n\n"
 
@@ -329,8 +334,9 @@ class GenerationResponse:
                 accumulate(choice, out)
                 chunk = shape.chunk(choice, out, choice.index not in started)
                 started.add(choice.index)
-                if chunk is not None:
-                    yield sse(chunk)
+                for event in chunk if isinstance(chunk, Sequence) else (chunk,):
+                    if event is not None:
+                        yield sse(event)
                 item = None if fan.done else await fan.next()
             last = shape.usage_chunk(total_usage(fan.choices))
             if last is not None:
