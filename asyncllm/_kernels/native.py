@@ -19,13 +19,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import pathlib
 import platform
 import threading
 from functools import cache
 from typing import Any
 
+from asyncllm import envs
 from asyncllm._kernels.variants import FAMILIES, VARIANTS, module_name, variants_for
 
 __all__ = ["SWITCHES", "cpu_flags", "enabled", "failure", "import_variant", "module", "status"]
@@ -79,7 +79,7 @@ def _runnable_variants() -> list[str]:
     better than :data:`VARIANT_ENV` names, where it is set)."""
     flags = cpu_flags()
     names = variants_for(platform.machine())
-    cap = os.environ.get(VARIANT_ENV, "").strip()
+    cap = envs.text(VARIANT_ENV)
     if cap in names:
         names = names[: names.index(cap) + 1]
     return [v for v in reversed(names) if VARIANTS[v][2] <= flags]
@@ -87,8 +87,7 @@ def _runnable_variants() -> list[str]:
 
 def enabled(family: str) -> bool:
     """The family is not switched off (its :data:`SWITCHES` variable)."""
-    flag = os.environ.get(SWITCHES[family], "1").strip().lower()
-    return flag not in ("0", "false", "no", "off")
+    return envs.switch(SWITCHES[family])
 
 
 def import_variant(family: str, name: str) -> Any:

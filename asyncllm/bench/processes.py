@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from asyncllm import envs
 from asyncllm.bench.options import LABELS, vllm_columns
 
 WORKER = pathlib.Path(__file__).with_name("engine_process.py")
@@ -194,7 +195,7 @@ class WorkerProc:
 def find_venv(explicit: str | None, env_var: str, dirname: str) -> pathlib.Path | None:
     """A peer's virtual environment: ``explicit``, ``$env_var``, or ``dirname`` in the
     repository or its parent; the first that has ``bin/python``, else None."""
-    cands = [explicit, os.environ.get(env_var)]
+    cands = [explicit, envs.text(env_var)]
     cands += [str(REPO / dirname), str(REPO.parent / dirname)]
     for c in cands:
         if c and (pathlib.Path(c) / "bin" / "python").exists():

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from asyncllm import envs
 from asyncllm._kernels import native
 from asyncllm.config import EngineConfig
 from asyncllm.core.block_manager import BlockManager, BlockPool
@@ -397,7 +398,8 @@ class LLMEngine:
         what runs on CPU (the instruction-set variant installed, "off" or "torch":
         :func:`asyncllm._kernels.native.status`), "" on other devices; ``kv_layout``: the
         KV pool's shape, e.g. "6 groups of 3 layers (1 full, 5 window 512), 9000 blocks of
-        16" (:mod:`asyncllm.core.kv_groups`)."""
+        16" (:mod:`asyncllm.core.kv_groups`); ``env``: the asyncllm environment variables set
+        to other than their default (:func:`asyncllm.envs.non_default`), "" when none."""
         compiled = self.runner.compiled
         bm = self.block_manager
         sched = self.scheduler
@@ -430,4 +432,5 @@ class LLMEngine:
             if self.device.type == "cpu"
             else "",
             "kv_layout": f"{bm.groups.describe()}, {bm.num_total_blocks} blocks of {bm.block_size}",
+            "env": " ".join(f"{k}={v}" for k, v in envs.non_default().items()),
         }

@@ -39,6 +39,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from asyncllm import envs
 from asyncllm.errors import (
     ModelLoadError,
     ModelNotFoundError,
@@ -82,9 +83,9 @@ def cache_dir() -> pathlib.Path:
 
     ``$ASYNCLLM_CACHE`` if set, else ``$XDG_CACHE_HOME/asyncllm``, else ``~/.cache/asyncllm``.
     """
-    explicit = os.environ.get("ASYNCLLM_CACHE")
-    if explicit:
-        return pathlib.Path(explicit).expanduser()
+    explicit = envs.path("ASYNCLLM_CACHE")
+    if explicit is not None:
+        return explicit
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
     return base / "asyncllm"
@@ -271,6 +272,8 @@ def _load_model(
     lm.requires_grad_(False)
     if info.mode is not None:
         logger.info("asyncllm: weights at %s%s", info.precision, " (cached)" * info.from_cache)
+        if envs.non_default():  # what changes paths, named where a run's log starts
+            logger.info("asyncllm: environment %s", envs.non_default())
 
     return LoadedModel(
         model=lm,

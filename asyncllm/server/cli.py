@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from asyncllm import envs
 from asyncllm.chat_templates import load_chat_template
 from asyncllm.config_args import add_engine_arguments, engine_config_from_args
 from asyncllm.preflight import check_engine_config
@@ -156,11 +156,11 @@ def app_options_from_args(
     Raises:
         ValueError: a ``--chat-template`` that names no built-in template or file.
     """
-    env = os.environ if environ is None else environ
     template = getattr(args, "chat_template", None)
     keys = split_commas(getattr(args, "api_key", None))
     if not keys:
-        keys = split_commas(env.get(API_KEY_ENV))
+        value = envs.text(API_KEY_ENV) if environ is None else environ.get(API_KEY_ENV)
+        keys = split_commas(value)
     return {
         "api_keys": keys,
         "metrics_without_auth": getattr(args, "metrics_without_auth", False),

@@ -33,11 +33,11 @@ below 17 rows); ``benchmarks/soak_server.py`` shows the resulting flat RSS.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from asyncllm import envs
 from asyncllm._kernels import ops
 
 logger = logging.getLogger("asyncllm")
@@ -161,7 +161,7 @@ def packed_linear_op(
 def packing_supported(model: nn.Module) -> bool:
     """Float32 or bfloat16 weights on CPU, oneDNN available (with bfloat16 support for
     bfloat16 weights), and not ``ASYNCLLM_CPU_PACKED_LINEAR=0``."""
-    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.switch(ENV_DISABLE):
         return False
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):

@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from asyncllm import envs
 from asyncllm._kernels.native import cpu_flags
 
 logger = logging.getLogger("asyncllm")
@@ -136,9 +137,7 @@ def resolve_compile(compile: str | bool, device: torch.device, experts: bool = F
     """
     if isinstance(compile, bool):
         return compile
-    env = os.environ.get(COMPILE_ENV, "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"${COMPILE_ENV} must be '0' or '1', got {env!r}")
+    env = envs.choice(COMPILE_ENV)
     if env:
         return env == "1"
     return device.type == "cpu" and not experts

@@ -23,12 +23,12 @@ layout's row block).
 
 from __future__ import annotations
 
-import os
 import typing
 
 import torch
 from torch import nn
 
+from asyncllm import envs
 from asyncllm.worker.quant_linear import Int4Linear
 
 __all__ = ["ENV_SWITCH", "SIBLING_NAMES", "SiblingLinear", "fuse_siblings"]
@@ -132,7 +132,7 @@ def fuse_siblings(model: nn.Module) -> int:
     groups fused. Idempotent (fused groups are no longer plain linears); groups that cannot
     be fused (see the module docstring) are left as they are; none with
     ``ASYNCLLM_FUSED_SIBLINGS=0``."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.switch(ENV_SWITCH):
         return 0
     n = 0
     for parent in list(model.modules()):
