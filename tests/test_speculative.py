@@ -66,7 +66,14 @@ def test_request_speculation_adapts_length_and_catches_up():
     spec.record(proposed=4, accepted=4)
     assert spec.k == 6  # capped at speculative_tokens
     spec.record(proposed=6, accepted=0)
-    assert spec.k == 1
+    assert spec.k == 1 and spec.pause == 0
+    spec.record(proposed=1, accepted=0)  # a second miss in a row: two steps without
+    assert [spec.propose(req, 4) for _ in range(3)] == [[], [], [1]]  # k is 1 now
+    spec.record(proposed=1, accepted=0)
+    assert spec.pause == 4
+    spec.pause = 0
+    spec.record(proposed=1, accepted=1)
+    assert spec.misses == 0 and spec.k == 2
 
 
 def test_accept_prefix():

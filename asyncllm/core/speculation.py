@@ -18,7 +18,8 @@ the blocks allocated past the need stay with the request for its next step (free
 
 Adaptive length, per request: after a step that accepted every proposal the next proposal may
 be twice as long (up to ``speculative_tokens``); after a rejection at position ``a`` it is at
-most ``a + 1``. Speculation steps aside in steps with at least
+most ``a + 1``; a request whose proposals keep being rejected pauses for a growing number of
+steps (:meth:`RequestSpeculation.record`). Speculation steps aside in steps with at least
 ``speculative_disable_by_batch_size`` decoding requests (vLLM's option name), where the
 verification rows cost more than they save (docs/tuning.md), and never makes a request
 preempt another: when the blocks for the proposals are not free the request decodes plainly.
@@ -64,29 +65,40 @@ class RequestSpeculation:
         config: the engine's settings.
     """
 
-    __slots__ = ("index", "k", "max_k")
+    __slots__ = ("index", "k", "max_k", "misses", "pause")
 
     def __init__(self, config: SpecConfig) -> None:
         self.index = NgramIndex(config.min_n, config.max_n)
         self.max_k = config.num_tokens
         #: The proposal length now (adapted to the request's acceptance).
         self.k = config.num_tokens
+        #: Verifications in a row that accepted nothing.
+        self.misses = 0
+        #: Steps left without proposals (after ``misses`` reached 2).
+        self.pause = 0
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """At most ``min(k, limit)`` proposals after the request's tokens (the index catches
-        up with tokens appended since the last call first)."""
+        up with tokens appended since the last call first); [] while paused."""
+        if self.pause > 0:
+            self.pause -= 1
+            return []
         index = self.index
         if len(index) < request.num_tokens:
             index.extend(request.token_ids(len(index), request.num_tokens))
         return index.propose(min(self.k, limit))
 
     def record(self, proposed: int, accepted: int) -> None:
-        """Adapt ``k`` to one verification: doubled after full acceptance, else at most one
-        more than the proposals accepted."""
+        """Adapt to one verification: ``k`` doubled after full acceptance, else at most one
+        more than the proposals accepted; after 2, 3, 4 ... verifications in a row that
+        accepted nothing, no proposals for 2, 4, 8 ... (at most 32) steps."""
         if accepted >= proposed:
             self.k = min(self.max_k, max(1, 2 * proposed))
         else:
             self.k = max(1, min(self.k, accepted + 1))
+        self.misses = self.misses + 1 if accepted == 0 else 0
+        if self.misses >= 2:
+            self.pause = min(2 ** (self.misses - 1), 32)
 
 
 class Speculation:
