@@ -62,6 +62,9 @@ times or has waited ``PROTECT_AFTER_WAIT_S`` seconds since it arrived. A protect
 admitted before every unprotected one and is preempted only when no unprotected request can
 be, so it finishes under any sustained load of higher priority.
 
+Speculative decoding (:mod:`asyncllm.core.speculation`): a decode may also compute its
+n-gram proposals, verified by the worker; the verified tokens come back in one update each.
+
 Pure Python: the plan crosses to the worker as a :class:`SchedulerOutput` of plain lists.
 """
 
@@ -492,8 +495,9 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            if chunk.spec_token_ids and self.spec is not None and spec_tokens is not None:
-                self.spec.apply(self, request, chunk, spec_tokens[chunk.request_id], updates)
+            if chunk.spec_token_ids and self.spec is not None:  # none verified: row 0's token
+                tokens = (spec_tokens or {}).get(request.request_id) or [sampled[chunk.request_id]]
+                self.spec.apply(self, request, chunk, tokens, updates)
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
             bm = self.block_manager
