@@ -9,6 +9,7 @@ chi-square statistic.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -364,3 +365,25 @@ def test_grammar_requests_do_not_speculate(tiny_llama_dir, make_engine):
     assert req.spec is None and plain.spec is not None
     core.abort_request("g")
     core.abort_request("p")
+
+
+async def test_grammar_request_beside_speculating_ones(tiny_llama_dir, make_engine):
+    """A constrained request shares steps with speculating ones: its bitmask (rows for
+    ``max_num_seqs`` = 4 sampled rows) is padded for the verification rows."""
+    constrained = SamplingParams(
+        max_tokens=60, temperature=0.0, structured_outputs={"regex": "(ab|cd){20}"}
+    )
+    prompts = _repetitive_prompts()[:3]
+    results = []
+    for cfg in ({}, SPEC):
+        engine = make_engine(tiny_llama_dir, **KW, max_num_seqs=4, **cfg)
+        async with engine:
+            outs = await asyncio.gather(
+                engine.generate(prompts[0], constrained),
+                *(engine.generate(p, GREEDY40) for p in prompts),
+            )
+            results.append(([(o.token_ids, o.text) for o in outs], engine.stats()))
+    (plain, _), (spec, stats) = results
+    assert spec == plain
+    assert re.fullmatch("(ab|cd){20}", spec[0][1])
+    assert stats["spec_num_accepted_tokens"] > 0
