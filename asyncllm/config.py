@@ -87,7 +87,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             with an exception, in-flight requests are aborted whatever the mode.
         speculative_tokens: model-free speculative decoding (n-gram / prompt lookup): the
             most tokens proposed per decoding request and step, verified in one forward
-            pass (:mod:`asyncllm.core.speculation`); 0 (default) turns it off. Greedy
+            pass (``asyncllm.core.speculation``); 0 (default) turns it off. Greedy
             outputs are token-identical to decoding without it and sampled ones follow the
             same distribution; requests with ``structured_outputs`` never speculate.
         prompt_lookup_max: the longest n-gram (tokens) looked up in the request's prompt and
