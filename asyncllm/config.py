@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -84,6 +85,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             accepting new ones and lets them finish first. Either way the background task
             and its thread are joined before ``__aexit__`` returns; when the block exits
             with an exception, in-flight requests are aborted whatever the mode.
+        speculative_tokens: model-free speculative decoding (n-gram / prompt lookup): the
+            most tokens proposed per decoding request and step, verified in one forward
+            pass (``asyncllm.core.speculation``); 0 (default) turns it off. Greedy
+            outputs are token-identical to decoding without it and sampled ones follow the
+            same distribution; requests with ``structured_outputs`` never speculate.
+        prompt_lookup_max: the longest n-gram (tokens) looked up in the request's prompt and
+            output for proposals (vLLM's name).
+        prompt_lookup_min: the shortest n-gram tried, after the longer ones found nothing.
+        speculative_disable_by_batch_size: speculation steps aside in a step with at least
+            this many decoding requests (its verification rows would cost more than they
+            save; docs/tuning.md has the measurement behind the default).
 
     Raises:
         ValueError: a field outside its range, naming the field.
@@ -108,6 +120,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     shutdown_mode: Literal["abort", "drain"] = "abort"
     quantization: Literal["auto", "int8", "int4", "gguf"] | None = "auto"
     quantization_group_size: int = 32
+    speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    speculative_disable_by_batch_size: int = 8
 
     def __post_init__(self) -> None:
         def positive(name: str, value: object, lo: int = 1) -> None:
@@ -167,4 +183,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.shutdown_mode not in ("abort", "drain"):
             raise ValueError(
                 f"EngineConfig.shutdown_mode must be 'abort' or 'drain', got {self.shutdown_mode!r}"
+            )
+        self._check_speculation(positive)
+
+    def _check_speculation(self, positive: Callable[..., None]) -> None:
+        """Validate the speculative decoding fields (ValueError naming the field)."""
+        positive("speculative_tokens", self.speculative_tokens, 0)
+        positive("prompt_lookup_min", self.prompt_lookup_min, 1)
+        positive("prompt_lookup_max", self.prompt_lookup_max, 1)
+        positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"EngineConfig.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.speculative_tokens >= self.max_num_batched_tokens:
+            raise ValueError(
+                f"EngineConfig.speculative_tokens ({self.speculative_tokens}) must be below "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
             )

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncllm.core.speculation import RequestSpeculation
 
 SAMPLE_ID_SEP = "\x1f"
 """Joins a caller's request id and a parallel sample's index (or "prefix") into the id of a
@@ -63,6 +66,9 @@ class Request:
         group_id: the call the request belongs to when it is one of several parallel
             samples (None: a call of its own); the scheduler shares running slots fairly
             between calls.
+        spec: its speculative decoding proposer
+            (:class:`~asyncllm.core.speculation.RequestSpeculation`); None: it never
+            speculates.
 
     Attributes:
         admitted: the request has been admitted once (or forked from its admitted
@@ -89,6 +95,7 @@ class Request:
         "priority",
         "prompt_token_ids",
         "request_id",
+        "spec",
         "status",
         "stop_token_ids",
     )
@@ -108,6 +115,7 @@ class Request:
         cache_salt: str | None = None,
         prefill_only: bool = False,
         group_id: str | None = None,
+        spec: RequestSpeculation | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -124,6 +132,7 @@ class Request:
         self.cache_salt = cache_salt
         self.prefill_only = prefill_only
         self.group_id = group_id
+        self.spec = spec
         self.admitted = False
         # Prompt tokens served from the prefix cache at first admission.
         self.num_cached_tokens = 0

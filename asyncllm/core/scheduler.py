@@ -62,6 +62,9 @@ times or has waited ``PROTECT_AFTER_WAIT_S`` seconds since it arrived. A protect
 admitted before every unprotected one and is preempted only when no unprotected request can
 be, so it finishes under any sustained load of higher priority.
 
+Speculative decoding (:mod:`asyncllm.core.speculation`): a decode may also compute its
+n-gram proposals, verified by the worker; the verified tokens come back in one update each.
+
 Pure Python: the plan crosses to the worker as a :class:`SchedulerOutput` of plain lists.
 """
 
@@ -75,6 +78,7 @@ from typing import Any
 from asyncllm.core.block_manager import BlockManager, BlockPool
 from asyncllm.core.parallel import SampleGroups
 from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.speculation import Speculation
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,9 @@ class ScheduledChunk:
         output_token_ids: the request's generated tokens so far (read-only reference).
         stop_token_ids: the tokens that stop the request (masked while ``min_tokens`` is
             not reached).
+        spec_token_ids: speculative decoding's proposals, the last ``k`` of ``token_ids``
+            (:mod:`asyncllm.core.speculation`): all ``1 + k`` rows are sampled and verified;
+            () for a plain chunk.
     """
 
     request_id: str
@@ -110,6 +117,7 @@ class ScheduledChunk:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     stop_token_ids: frozenset[int] = frozenset()
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def block_table(self) -> list[int]:
@@ -211,6 +219,8 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache at first admission (not readmission).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0  # of which served from cached blocks
+        #: Speculative decoding (None: off; the engine sets it).
+        self.spec: Speculation | None = None
 
     @property
     def num_unfinished(self) -> int:
@@ -297,12 +307,21 @@ class Scheduler:
         decodes = [r for r in order if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in order if r.num_tokens - r.num_computed_tokens > 1]
         computing: set[bytes] = set()  # hashes of the blocks this step's chunks complete
-        for request in decodes + prefills:
+        spec = self.spec if self.spec is not None and self.spec.active(len(decodes)) else None
+        for i, request in enumerate(decodes + prefills):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Speculation spends only the budget the decodes after this one do not need.
+            if spec is not None and i < len(decodes):
+                chunk = spec.chunk(self, request, budget - len(decodes) + i, out)
+                if chunk is not None:
+                    out.chunks.append(chunk)
+                    scheduled.add(request.request_id)
+                    budget -= len(chunk.token_ids)
+                    continue
             if self._allocate_or_preempt(request, n, scheduled, out):
                 out.chunks.append(self._chunk(request, n))
                 scheduled.add(request.request_id)
@@ -453,6 +472,7 @@ class Scheduler:
         output: SchedulerOutput,
         sampled: Mapping[str, int],
         finished: Mapping[str, RequestStatus] | None = None,
+        spec_tokens: Mapping[str, list[int]] | None = None,
     ) -> list[RequestUpdate]:
         """Advance the requests of a finished step and apply stop conditions.
 
@@ -462,6 +482,8 @@ class Scheduler:
             finished: request id -> a finished status the worker decided for the sampled
                 token (a grammar that is complete), applied after the token is appended and
                 before the request's own stop conditions.
+            spec_tokens: request id -> the tokens a speculative chunk produced (accepted
+                proposals and the model's own token; :mod:`asyncllm.core.speculation`).
 
         Returns:
             One update per sampled request still running; finished requests' blocks are freed.
@@ -472,6 +494,10 @@ class Scheduler:
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if chunk.spec_token_ids and self.spec is not None:  # none verified: row 0's token
+                tokens = (spec_tokens or {}).get(request.request_id) or [sampled[chunk.request_id]]
+                self.spec.apply(self, request, chunk, tokens, updates)
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
             bm = self.block_manager

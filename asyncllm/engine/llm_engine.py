@@ -22,6 +22,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.core.block_manager import BlockManager, BlockPool
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler, SchedulerOutput
+from asyncllm.core.speculation import RequestSpeculation, SpecConfig, Speculation
 from asyncllm.engine.input_processor import InputProcessor, PromptType
 from asyncllm.engine.parallel_sampling import shares_prompt
 from asyncllm.engine.step_output import IDLE_STEP, RequestStart, StepOutput
@@ -48,6 +49,9 @@ __all__ = ["ComputeThread", "LLMEngine", "PromptType", "StepOutput"]
 logger = logging.getLogger("asyncllm")
 
 _T = TypeVar("_T")
+
+#: The counters ``stats()`` reports while speculative decoding is off (all zero).
+_NO_SPECULATION = Speculation(SpecConfig(1, 1, 1, 1))
 
 
 class ComputeThread(ThreadPoolExecutor):
@@ -170,6 +174,15 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             cpu_pool=BlockPool(num_cpu_blocks) if self.offload else None,
         )
+        if config.speculative_tokens > 0:
+            self.scheduler.spec = Speculation(
+                SpecConfig(
+                    config.speculative_tokens,
+                    config.prompt_lookup_min,
+                    config.prompt_lookup_max,
+                    config.speculative_disable_by_batch_size,
+                )
+            )
         self.runner = ModelRunner(
             loaded.model,
             self.kv_cache,
@@ -281,6 +294,7 @@ class LLMEngine:
             InvalidRequestError: its grammar cannot be compiled (nothing is queued).
         """
         self._add_matchers([request], grammar)
+        self._add_speculation([request])
         self.scheduler.add_request(request)
 
     def _add_matchers(self, requests: Sequence[Request], grammar: Any) -> None:
@@ -294,12 +308,23 @@ class LLMEngine:
             stops = r.stop_token_ids.union(self.eos_token_ids)  # EOS too under ignore_eos
             self.grammar_matchers.add(r.request_id, grammar, stops)
 
+    def _add_speculation(self, requests: Sequence[Request]) -> None:
+        """A proposer for each request when speculative decoding is on (requests with
+        ``structured_outputs`` decode plainly: their proposals are not checked against the
+        grammar)."""
+        spec = self.scheduler.spec
+        if spec is None or requests[0].params.structured_outputs is not None:
+            return
+        for r in requests:
+            r.spec = RequestSpeculation(spec.config)
+
     def add_parallel_requests(self, samples: Sequence[Request], grammar: Any = None) -> None:
         """Queue the samples of one call made by ``inputs.make_requests``, sharing the
         prompt's KV blocks when :func:`~asyncllm.engine.parallel_sampling.shares_prompt`
         (each with a grammar matcher of its own when constrained; ``grammar`` as in
         :meth:`add_request`)."""
         self._add_matchers(samples, grammar)
+        self._add_speculation(samples)
         if shares_prompt(samples):
             self.scheduler.add_parallel_requests(samples)
         else:
@@ -361,7 +386,7 @@ class LLMEngine:
         finished = matchers.accept(out.sampled) if mask is not None else None
         if clock is not None and mask is not None:
             clock.lap("grammar_accept")
-        updates = self.scheduler.update_from_output(plan, out.sampled, finished)
+        updates = self.scheduler.update_from_output(plan, out.sampled, finished, out.spec_tokens)
         if mask is not None:
             matchers.free(u.request_id for u in updates if u.finish_reason is not None)
         self.num_steps += 1
@@ -399,7 +424,9 @@ class LLMEngine:
         :func:`asyncllm._kernels.native.status`), "" on other devices; ``kv_layout``: the
         KV pool's shape, e.g. "6 groups of 3 layers (1 full, 5 window 512), 9000 blocks of
         16" (:mod:`asyncllm.core.kv_groups`); ``env``: the asyncllm environment variables set
-        to other than their default (:func:`asyncllm.envs.non_default`), "" when none."""
+        to other than their default (:func:`asyncllm.envs.non_default`), "" when none;
+        speculative decoding's ``spec_*`` counters
+        (:meth:`~asyncllm.core.speculation.Speculation.stats`; zeros when it is off)."""
         compiled = self.runner.compiled
         bm = self.block_manager
         sched = self.scheduler
@@ -433,4 +460,5 @@ class LLMEngine:
             else "",
             "kv_layout": f"{bm.groups.describe()}, {bm.num_total_blocks} blocks of {bm.block_size}",
             "env": " ".join(f"{k}={v}" for k, v in envs.non_default().items()),
+            **(sched.spec or _NO_SPECULATION).stats(),
         }

@@ -302,6 +302,9 @@ def process_step(
     """Feed one step's result into the states of its requests (by internal request id;
     requests without a state, ended during the step, are skipped).
 
+    A speculative request may have several updates in one step, one per token, in order;
+    once one of them finishes its state, the later ones are dropped.
+
     Yields:
         (state, must_stop_core) for each sampled request that has a state, after its token
         was posted (:meth:`RequestState.post`): the caller finishes the request in the core
@@ -320,10 +323,18 @@ def process_step(
         if state is not None:
             state.add_prompt_logprobs(first, entries)
     logprobs = step.logprobs
+    spec_logprobs = step.spec_logprobs
+    seen: dict[str, int] = {}  # a speculative request's updates so far (several a step)
     for u in step.updates:
-        state = states.get(u.request_id)
+        rid = u.request_id
+        lp = logprobs.get(rid)
+        several = spec_logprobs.get(rid)
+        if several is not None:
+            i = seen[rid] = seen.get(rid, -1) + 1
+            lp = several[i]
+        state = states.get(rid)
         if state is not None:
-            yield state, state.post(u.token_id, u.finish_reason, logprobs.get(u.request_id))
+            yield state, state.post(u.token_id, u.finish_reason, lp)
 
 
 def merge_outputs(items: Sequence[RequestOutput], kind: str) -> RequestOutput:

@@ -51,6 +51,8 @@ class StepOutput:
             logprobs), for requests that ask for ``logprobs``.
         prompt_logprobs: request id -> (index in the prompt of the first token scored, one
             entry as above per prompt token scored this step).
+        spec_logprobs: request id -> one entry as above per update of the request, for
+            speculative requests (several updates in one step) that ask for ``logprobs``.
         started: request id -> :class:`RequestStart`, for requests scheduled for the first
             time this step.
         preempted: ids of the requests preempted this step (each counts once more).
@@ -63,6 +65,7 @@ class StepOutput:
     started: Mapping[str, RequestStart] = field(default_factory=_empty)
     preempted: Sequence[str] = ()
     idle: bool = False
+    spec_logprobs: Mapping[str, Sequence[TokenLogprobs]] = field(default_factory=_empty)
 
     def __iter__(self) -> Iterator[RequestUpdate]:
         return iter(self.updates)
@@ -86,6 +89,7 @@ class StepOutput:
             out.prompt_logprobs or _EMPTY,
             started or _EMPTY,
             preempted,
+            spec_logprobs=out.spec_logprobs or _EMPTY,
         )
 
 

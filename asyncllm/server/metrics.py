@@ -31,7 +31,9 @@ reason, in that order; a request that failed before its first output, refused by
 engine, is not counted),
 and from the engine ``asyncllm:prefix_cache_queries_total`` and
 ``asyncllm:prefix_cache_hits_total`` (prompt tokens looked up / served from the prefix cache),
-``asyncllm:num_preemptions_total``.
+``asyncllm:num_preemptions_total``, ``asyncllm:spec_decode_num_draft_tokens_total`` and
+``asyncllm:spec_decode_num_accepted_tokens_total`` (speculative decoding's proposals and
+those accepted; zero while ``EngineConfig.speculative_tokens`` is 0).
 
 Gauges, from the engine: ``asyncllm:num_requests_running``, ``asyncllm:num_requests_waiting``
 (preempted requests included; these two count samples, each of which the scheduler runs as a
@@ -93,6 +95,10 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str | Callable[[Mapping[str, Any]], 
     ("gauge", "prefix_cache_hit_rate", "Prefix cache hits / queries since start.",
      "prefix_cache_hit_rate"),
     ("counter", "num_preemptions", "Preemptions of running requests.", "num_preemptions"),
+    ("counter", "spec_decode_num_draft_tokens",
+     "Speculative decoding: tokens proposed (n-gram).", "spec_num_draft_tokens"),
+    ("counter", "spec_decode_num_accepted_tokens",
+     "Speculative decoding: proposed tokens accepted.", "spec_num_accepted_tokens"),
 )  # fmt: skip
 
 _FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}

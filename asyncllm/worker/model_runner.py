@@ -34,6 +34,7 @@ from asyncllm.worker.quant_linear import load_kernels
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.sampler import Sampler, sample_chunks
 from asyncllm.worker.sibling_linears import fuse_siblings
+from asyncllm.worker.speculative import verify_chunks
 from asyncllm.worker.step_timing import StepTimings
 
 
@@ -136,8 +137,9 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Run one step.
 
-        Logits are kept for the sampled rows and, for requests with ``prompt_logprobs``, for
-        the rows of their chunk that score prompt tokens.
+        Logits are kept for the sampled rows (every row of a speculative chunk:
+        :mod:`asyncllm.worker.speculative` verifies them) and, for requests with
+        ``prompt_logprobs``, for the rows of their chunk that score prompt tokens.
 
         Args:
             plan: the scheduler's plan.
@@ -153,6 +155,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in range(self.num_groups)]
         sample_rows: list[int] = []
+        spec_rows: list[int] = []  # rows 1..k of speculative chunks (row 0 is a sample row)
         prompt_rows: list[PromptRows] = []
         prompt_flat: list[int] = []
         for chunk in plan.chunks:
@@ -168,7 +171,9 @@ class ModelRunner:
             for group_slots, table in zip(slots, chunk.block_tables, strict=True):
                 group_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if chunk.sample:
-                sample_rows.append(len(input_ids) - 1)
+                k = len(chunk.spec_token_ids)
+                sample_rows.append(len(input_ids) - 1 - k)
+                spec_rows.extend(range(len(input_ids) - k, len(input_ids)))
         dev = self.device
         cache = self.kv_cache
         meta = grouped_metadata(
@@ -183,6 +188,7 @@ class ModelRunner:
             bs,
             dev,
         )
+        sample_rows += spec_rows
         keep = torch.tensor(sample_rows + prompt_flat, dtype=torch.long, device=dev)
         clock = self.sampler.timings = self.timings
         if clock is not None:
@@ -194,11 +200,8 @@ class ModelRunner:
             return RunnerOutput({})
         n = len(sample_rows)
         sampled = [c for c in plan.chunks if c.sample]
-        out = (
-            sample_chunks(self.sampler, logits[:n], sampled, dev, token_bitmask)
-            if n
-            else RunnerOutput({})
-        )
+        pick = verify_chunks if spec_rows else sample_chunks
+        out = pick(self.sampler, logits[:n], sampled, dev, token_bitmask) if n else RunnerOutput({})
         if prompt_rows:
             out.prompt_logprobs = prompt_logprobs(logits[n:], prompt_rows)
         if clock is not None:

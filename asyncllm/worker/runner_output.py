@@ -24,8 +24,14 @@ class RunnerOutput:
             requests that ask for logprobs.
         prompt_logprobs: request id -> (index in the prompt of the first token scored, one
             :data:`TokenLogprobs` per prompt token scored this step).
+        spec_tokens: request id -> the tokens a speculative chunk yields (its first is also
+            in ``sampled``; :mod:`asyncllm.worker.speculative`), or None.
+        spec_logprobs: request id -> one :data:`TokenLogprobs` per token of ``spec_tokens``,
+            for speculative requests that ask for logprobs, or None.
     """
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] | None = None
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+    spec_tokens: dict[str, list[int]] | None = None
+    spec_logprobs: dict[str, list[TokenLogprobs]] | None = None
