@@ -43,6 +43,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             the device KV cache; 0: no pool (always recompute). Pinned memory on CUDA.
         enable_prefix_caching: share the KV blocks of prompt prefixes that were computed
             before (full blocks only, matched by a chained SHA-256 of their tokens).
+        host_prefix_cache_bytes: the host tier of the prefix cache
+            (:mod:`asyncllm.core.host_store`): a cached block the device pool evicts is
+            copied to host memory and swapped back in when a later prompt needs it, instead
+            of being recomputed. It lives in the CPU offload pool (``cpu_offload_bytes``),
+            shared with preemption swap, which always takes precedence (the store gives up
+            its least recently used blocks). None: up to the whole pool (none under
+            ``preemption_mode="recompute"``); 0: off; N: at most N bytes of it (under
+            "recompute" a pool of N bytes for the store alone). Only with
+            ``enable_prefix_caching``. On CPU the pool is ordinary memory committed as
+            blocks are written: resident memory grows by up to its size as prefixes are
+            evicted. Stats count hits per tier (``prefix_cache_host_hits``).
         num_threads: torch intra-op threads on CPU; None: one per core the process may run
             on (see docs/tuning.md for the measurement behind it, and when 1 is safer).
         attention_backend: "auto" (the Triton kernels of docs/kernels.md on CUDA; on CPU the
@@ -99,6 +110,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
+    host_prefix_cache_bytes: int | None = None
     preemption_mode: Literal["offload", "recompute"] = "offload"
     cpu_offload_bytes: int | None = None
     num_threads: int | None = None
@@ -142,6 +154,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.cpu_offload_bytes is not None:
             positive("cpu_offload_bytes", self.cpu_offload_bytes, 0)
+        if self.host_prefix_cache_bytes is not None:
+            positive("host_prefix_cache_bytes", self.host_prefix_cache_bytes, 0)
+            if self.host_prefix_cache_bytes > 0 and self.cpu_offload_bytes == 0:
+                raise ValueError(
+                    "EngineConfig.host_prefix_cache_bytes lives in the CPU offload pool: "
+                    "cpu_offload_bytes=0 leaves it none (set host_prefix_cache_bytes=0 or "
+                    "give cpu_offload_bytes)"
+                )
         positive("block_size", self.block_size)
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)

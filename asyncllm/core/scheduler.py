@@ -28,7 +28,9 @@ arrival. A victim's KV blocks are either
   back to 0 and the prompt and generated tokens are prefilled again on readmission.
 
 Either way the request's output is unchanged. The copies of one step are listed in its plan
-(``swap_out`` before ``swap_in``) and done by the worker before the forward pass.
+(``swap_out`` before ``swap_in``) and done by the worker before the forward pass. The host
+tier of the prefix cache (:mod:`asyncllm.core.host_store`) shares the CPU pool: its copies
+join the same lists, and it gives up slots whenever a swap out needs them.
 
 Layer groups (models with sliding-window layers, :mod:`asyncllm.core.kv_groups`): a request
 holds one block table per group, and every count of blocks here is over all of them. After
@@ -211,6 +213,7 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache at first admission (not readmission).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0  # of which served from cached blocks
+        self.prefix_cache_host_hits = 0  # of which loaded from the host tier
 
     @property
     def num_unfinished(self) -> int:
@@ -287,6 +290,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy)."""
         out = SchedulerOutput()
+        store = self.block_manager.host_store
+        if store is not None:
+            store.new_step()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
         self.groups.refresh(self.running, self.waiting)
@@ -331,6 +337,8 @@ class Scheduler:
                 # Its call's other waiting samples are now above the share: others first.
                 self.waiting.sort(key=self._admission_key)
                 i = 0
+        if store is not None:  # evicted blocks spilled and host hits loaded, before the forward
+            store.drain(out.swap_out, out.swap_in)
         return out
 
     def _note_computing(self, request: Request, n: int, computing: set[bytes]) -> None:
@@ -384,6 +392,7 @@ class Scheduler:
             request.admitted = True
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
+            self.prefix_cache_host_hits += cached.num_host_blocks * bm.block_size
             request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
         return n
@@ -540,8 +549,12 @@ class Scheduler:
         rid = request.request_id
         start = request.num_computed_tokens
         valid = bm.live_blocks(rid, start, -(-start // bm.block_size)) if start else []
-        cpu = self.cpu_pool
-        if cpu is not None and 0 < len(valid) <= cpu.num_free:
+        cpu, store = self.cpu_pool, bm.host_store
+        if (
+            cpu is not None
+            and valid
+            and (store.make_room(len(valid)) if store is not None else len(valid) <= cpu.num_free)
+        ):
             cpu_blocks = cpu.allocate(len(valid))
             out.swap_out.extend(zip(valid, cpu_blocks, strict=True))
             request.cpu_blocks = cpu_blocks

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from asyncllm._kernels import native
 from asyncllm.config import EngineConfig
 from asyncllm.core.block_manager import BlockManager, BlockPool
+from asyncllm.core.host_store import HostPrefixStore
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.input_processor import InputProcessor, PromptType
@@ -150,24 +151,19 @@ class LLMEngine:
             num_blocks * config.block_size,
             self.kv_cache.num_bytes / 2**20,
         )
+        self.offload, cpu_pool, store = host_pools(config, self.kv_cache)
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             groups=spec.layer_groups,
+            host_store=store,
         )
-        cpu_bytes = config.cpu_offload_bytes
-        if cpu_bytes is None:
-            cpu_bytes = self.kv_cache.num_bytes
-        num_cpu_blocks = cpu_bytes // spec.bytes_per_block
-        self.offload: CPUOffloadPool | None = None
-        if config.preemption_mode == "offload" and num_cpu_blocks > 0:
-            self.offload = CPUOffloadPool(self.kv_cache, num_cpu_blocks)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            cpu_pool=BlockPool(num_cpu_blocks) if self.offload else None,
+            cpu_pool=cpu_pool if config.preemption_mode == "offload" else None,
         )
         self.runner = ModelRunner(
             loaded.model,
@@ -315,8 +311,11 @@ class LLMEngine:
         return self.scheduler.abort_request(request_id, status) is not None
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block no request holds; returns how many were dropped."""
-        return self.block_manager.pool.evict_free_cached()
+        """Forget every cached block no request holds, in the device pool and the host
+        tier; returns how many were dropped."""
+        store = self.block_manager.host_store
+        dropped = store.clear() if store is not None else 0
+        return dropped + self.block_manager.pool.evict_free_cached()
 
     def has_unfinished(self) -> bool:
         """Requests waiting or running."""
@@ -387,7 +386,11 @@ class LLMEngine:
     def stats(self) -> dict[str, int | float | str]:
         """Counters: requests running and waiting; KV blocks free and total; preemptions,
         blocks swapped out and in, bytes they moved and tokens dropped for recompute; CPU pool
-        blocks free and total; prefix-cache queries and hits (tokens) and hit rate; steps and
+        blocks free and total; prefix-cache queries and hits (tokens) and hit rate, the hits
+        split by tier (``prefix_cache_device_hits``: shared from the device pool;
+        ``prefix_cache_host_hits``: swapped in from the host tier; queries minus hits were
+        computed), the host tier's blocks held and its capacity
+        (``num_host_cache_blocks``, ``num_total_host_cache_blocks``); steps and
         generated tokens; the weights' ``precision`` (e.g. "float32", "int4 g32", "gguf
         (...)") and ``weight_bytes`` (bytes of parameters and buffers, as loaded);
         ``dtype``: the activations' and KV cache's dtype (``EngineConfig.dtype`` resolved,
@@ -419,6 +422,10 @@ class LLMEngine:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": sched.prefix_cache_hits,
             "prefix_cache_hit_rate": sched.prefix_cache_hits / queries if queries else 0.0,
+            "prefix_cache_device_hits": sched.prefix_cache_hits - sched.prefix_cache_host_hits,
+            "prefix_cache_host_hits": sched.prefix_cache_host_hits,
+            "num_host_cache_blocks": len(bm.host_store) if bm.host_store else 0,
+            "num_total_host_cache_blocks": bm.host_store.max_blocks if bm.host_store else 0,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "precision": self.loaded.precision,
@@ -431,3 +438,34 @@ class LLMEngine:
             else "",
             "kv_layout": f"{bm.groups.describe()}, {bm.num_total_blocks} blocks of {bm.block_size}",
         }
+
+
+def host_pools(
+    config: EngineConfig, kv_cache: KVCache
+) -> tuple[CPUOffloadPool | None, BlockPool | None, HostPrefixStore | None]:
+    """The host memory beside the device KV cache: the CPU offload pool's tensors, its
+    block bookkeeping, and the host tier of the prefix cache in it (each None when off).
+
+    Sizes (``EngineConfig``): ``cpu_offload_bytes`` (None: the device cache's bytes) under
+    "offload"; the store takes up to ``host_prefix_cache_bytes`` of that pool (None: all of
+    it); under "recompute" a pool of ``host_prefix_cache_bytes`` serves the store alone.
+    """
+    per_block = kv_cache.spec.bytes_per_block
+    offload = config.preemption_mode == "offload"
+    cpu_bytes = config.cpu_offload_bytes
+    if cpu_bytes is None:
+        cpu_bytes = kv_cache.num_bytes
+    store_bytes = config.host_prefix_cache_bytes
+    if not config.enable_prefix_caching:
+        store_bytes = 0
+    elif store_bytes is None:
+        store_bytes = cpu_bytes if offload else 0
+    if not offload:
+        cpu_bytes = store_bytes
+    num_cpu_blocks = cpu_bytes // per_block
+    if num_cpu_blocks <= 0:
+        return None, None, None
+    pool = BlockPool(num_cpu_blocks)
+    store_blocks = min(store_bytes // per_block, num_cpu_blocks)
+    store = HostPrefixStore(pool, store_blocks) if store_blocks > 0 else None
+    return CPUOffloadPool(kv_cache, num_cpu_blocks), pool, store
