@@ -72,9 +72,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=8)
     args = ap.parse_args()
     seq = 600  # tokens a sequence holds: ~545 prompt tokens + new tokens, whole blocks
-    base = EngineConfig(model=args.model, max_model_len=2048, compile=False,
+    base = EngineConfig(model=args.model, max_model_len=1024, compile=False,
                         max_num_seqs=args.max_num_seqs)  # fmt: skip
-    first = LLMEngine.from_config(msgspec.structs.replace(base, kv_cache_bytes=1 << 20))
+    first = LLMEngine.from_config(base)
     per_token = first.kv_cache.spec.bytes_per_token
     thread = first.compute_thread
     waves = prompts(first, args.agents, args.users)

@@ -53,13 +53,16 @@ class PrefixHit:
             of the host tier in its ``slot``: :meth:`BlockManager.allocate` gives it a new
             block and plans the swap in.
         live_from: per group, the first entry that is a block of the cache.
+        num_disk_blocks: after :meth:`BlockManager.allocate`, the blocks (positions) of
+            the host hits that the disk tier had read into the host store.
     """
 
-    __slots__ = ("live_from", "tables")
+    __slots__ = ("live_from", "num_disk_blocks", "tables")
 
     def __init__(self, tables: list[list[int]], live_from: list[int]) -> None:
         self.tables = tables
         self.live_from = live_from
+        self.num_disk_blocks = 0
 
     def __len__(self) -> int:
         return len(self.tables[0]) if self.tables else 0
@@ -139,6 +142,33 @@ class BlockManager:
         self._hashes: dict[str, list[bytes]] = {}
         # Per request, how many of its leading blocks are registered in the pool.
         self._registered: dict[str, int] = {}
+        #: ``(block, group, hash)`` of the blocks registered since the engine last took
+        #: them (for the disk tier's write-through); None: not collected.
+        self.new_cached: list[tuple[int, int, bytes]] | None = None
+
+    @property
+    def reads_disk(self) -> bool:
+        """Whether a disk tier stands behind the host tier."""
+        return self.host_store is not None and self.host_store.disk is not None
+
+    def fetch_from_disk(
+        self, request_id: str, tokens: TokenSource, num_tokens: int, salt: str | None
+    ) -> bool:
+        """Start reading, into the host tier, the request's next prompt blocks that only
+        the disk tier holds (:meth:`HostPrefixStore.prefetch`); True while any is being read
+        (the request waits for them rather than computing them)."""
+        store = self.host_store
+        if store is None or store.disk is None:
+            return False
+        hashes = self.block_hashes(request_id, tokens, salt, num_tokens - 1)
+        k = len(longest_hit(self.pool, self.groups, hashes, self.block_size, store))
+        keys = [
+            (g, h)
+            for h in hashes[k:]
+            for g in range(self.num_groups)
+            if self.pool.lookup(h, g) is None
+        ]
+        return store.prefetch(keys)
 
     @property
     def num_free_blocks(self) -> int:
@@ -285,7 +315,7 @@ class BlockManager:
             tables = [list(t) for t in hit.tables]
             live = list(hit.live_from)
             if host:
-                self._load_host_hits(tables, host)
+                hit.num_disk_blocks = self._load_host_hits(tables, host)
         for g in self.sliding:
             if skip[g]:
                 tables[g].extend([PLACEHOLDER] * skip[g])
@@ -300,19 +330,24 @@ class BlockManager:
         self._live[request_id] = live
         return True
 
-    def _load_host_hits(self, tables: list[list[int]], host: list[tuple[int, int, int]]) -> None:
+    def _load_host_hits(self, tables: list[list[int]], host: list[tuple[int, int, int]]) -> int:
         """Give each host hit ``(group, entry, slot)`` a new block (cached under its hash
-        at once: the swap in runs before any forward reads it) and plan its swap in."""
+        at once: the swap in runs before any forward reads it) and plan its swap in; returns
+        the positions among them that the disk tier had supplied."""
         store = self.host_store
         if store is None:
             raise BlockPoolError("a host hit without a host store")
         for _, _, slot in host:
             store.pin(slot)  # the allocation below may spill into the store: keep these
+        from_disk = set()
         for (g, i, slot), block in zip(host, self.pool.allocate(len(host)), strict=True):
-            group, block_hash = store.load(slot, block)
+            (group, block_hash), disk = store.load(slot, block)
             if group != g or not self.pool.set_hash(block, block_hash, g):
                 raise BlockPoolError(f"host slot {slot}: not a free hash of group {g}")
             tables[g][i] = block
+            if disk:
+                from_disk.add(i)
+        return len(from_disk)
 
     def _shared_write_blocks(
         self, request_id: str, tables: list[list[int]], write_from: int | None
@@ -360,7 +395,8 @@ class BlockManager:
         hashes = self.block_hashes(request_id, tokens, salt, num_computed)
         for g, table in enumerate(tables):
             for i in range(max(done, live[g]), full):
-                self.pool.set_hash(table[i], hashes[i], g)
+                if self.pool.set_hash(table[i], hashes[i], g) and self.new_cached is not None:
+                    self.new_cached.append((table[i], g, hashes[i]))
         self._registered[request_id] = full
 
     def free_behind_window(self, request_id: str, num_computed: int) -> None:

@@ -22,17 +22,41 @@ before the forward pass (``swap_out`` first), so an evicted block is read before
 writes it. A slot written or read in the current step is pinned: it is neither reused nor
 released until the next step is planned.
 
+A third tier (:class:`DiskTier`, files in ``EngineConfig.prefix_cache_dir``) feeds this one:
+a prompt whose next blocks miss both the pool and the store but exist as files has them
+read into store slots by the disk tier's thread (:meth:`HostPrefixStore.prefetch`); the
+request waits a step or two for them (never for a file that failed to load) and then hits
+the store.
+
 Pure Python, integers and bytes only.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 from asyncllm.core.block_pool import BlockPool, BlockPoolError
 
 Key = tuple[int, bytes]
 """``(layer group, chained block hash)``."""
+
+
+class DiskTier(Protocol):
+    """What the store needs from a disk tier (:mod:`asyncllm.worker.disk_tier`)."""
+
+    def has(self, key: Key) -> bool:
+        """Whether a file for ``key`` exists (its content is checked only when read)."""
+        ...
+
+    def request_load(self, key: Key, slot: int) -> None:
+        """Read ``key``'s file into host ``slot`` in the background."""
+        ...
+
+    def completed(self) -> list[tuple[Key, int, bool]]:
+        """The loads finished since the last call: ``(key, slot, loaded)``; a slot whose
+        file was missing, torn, corrupt or foreign comes back with ``loaded`` False."""
+        ...
 
 
 class HostPrefixStore:
@@ -48,6 +72,9 @@ class HostPrefixStore:
         num_stored: blocks copied into the store so far.
         num_dropped: evicted blocks the store had no slot for (lost, as without it).
         num_loaded: blocks copied back to the device pool (host hits).
+        disk: the disk tier behind the store (None: none).
+        num_disk_loaded: blocks read from the disk tier into the store.
+        num_disk_failed: disk reads that failed (the key is not asked for again).
 
     Raises:
         ValueError: ``max_blocks`` < 1.
@@ -66,10 +93,16 @@ class HostPrefixStore:
         self.num_stored = 0
         self.num_dropped = 0
         self.num_loaded = 0
+        self.disk: DiskTier | None = None
+        self._pending: dict[Key, int] = {}  # disk reads in flight, into these slots
+        self._from_disk: set[int] = set()  # slots read from disk, not yet loaded
+        self._failed: set[Key] = set()
+        self.num_disk_loaded = 0
+        self.num_disk_failed = 0
 
     def __len__(self) -> int:
-        """Slots the store holds."""
-        return len(self._slots)
+        """Slots the store holds (disk reads in flight included)."""
+        return len(self._slots) + len(self._pending)
 
     def lookup(self, block_hash: bytes, group: int = 0) -> int | None:
         """The slot holding ``(group, block_hash)``, or None (changes nothing)."""
@@ -92,6 +125,8 @@ class HostPrefixStore:
         if key in self._slots:
             self._slots.move_to_end(key)
             return
+        if key in self._pending:
+            return  # being read from disk already
         slot = self._take_slot()
         if slot is None:
             self.num_dropped += 1
@@ -103,12 +138,13 @@ class HostPrefixStore:
         self.num_stored += 1
 
     def _take_slot(self) -> int | None:
-        if len(self._slots) < self.max_blocks and self.pool.num_free > 0:
+        if len(self) < self.max_blocks and self.pool.num_free > 0:
             return self.pool.allocate(1)[0]
         for key, slot in self._slots.items():
             if slot not in self._pinned:
                 del self._slots[key]
                 del self._keys[slot]
+                self._from_disk.discard(slot)
                 return slot
         return None
 
@@ -116,15 +152,40 @@ class HostPrefixStore:
         """Keep ``slot`` (a hit about to be loaded) from being reused in this step."""
         self._pinned.add(slot)
 
-    def load(self, slot: int, device_block: int) -> Key:
+    def load(self, slot: int, device_block: int) -> tuple[Key, bool]:
         """Plan the copy of a held slot into ``device_block`` (a host hit); the slot stays
-        stored (most recently used) and pinned for the step. Returns its key."""
+        stored (most recently used) and pinned for the step. Returns its key, and whether
+        this is the first load of a block read from the disk tier (a disk hit)."""
         key = self._keys[slot]
         self._slots.move_to_end(key)
         self._pinned.add(slot)
         self.loads.append((slot, device_block))
         self.num_loaded += 1
-        return key
+        from_disk = slot in self._from_disk
+        self._from_disk.discard(slot)
+        return key, from_disk
+
+    def prefetch(self, keys: list[Key]) -> bool:
+        """Have the disk tier read into slots those of ``keys`` (a prompt's next blocks, in
+        order) that the store lacks and the disk holds, up to the first that neither holds.
+        True while any of them is being read (the request should wait)."""
+        disk = self.disk
+        waiting = False
+        for key in keys:
+            if key in self._slots:
+                continue
+            if key in self._pending:
+                waiting = True
+                continue
+            if key in self._failed or disk is None or not disk.has(key):
+                break
+            slot = self._take_slot()
+            if slot is None:
+                break
+            self._pending[key] = slot
+            disk.request_load(key, slot)
+            waiting = True
+        return waiting
 
     def make_room(self, n: int) -> bool:
         """Give least recently used unpinned slots back to the pool until it has ``n``
@@ -136,14 +197,33 @@ class HostPrefixStore:
         victims = [s for s in self._slots.values() if s not in self._pinned][:short]
         if len(victims) < short:
             return False
-        for slot in victims:
-            del self._slots[self._keys.pop(slot)]
-        self.pool.free(victims)
+        self._drop(victims)
         return True
 
+    def _drop(self, slots: list[int]) -> None:
+        for slot in slots:
+            del self._slots[self._keys.pop(slot)]
+            self._from_disk.discard(slot)
+        self.pool.free(slots)
+
     def new_step(self) -> None:
-        """The previous step's copies are done: unpin every slot."""
+        """The previous step's copies are done: unpin every slot; take in the disk reads
+        that finished (a failed one gives its slot back)."""
         self._pinned.clear()
+        if self.disk is None or not self._pending:
+            return
+        for key, slot, ok in self.disk.completed():
+            del self._pending[key]
+            if ok and key not in self._slots:
+                self._slots[key] = slot
+                self._keys[slot] = key
+                self._from_disk.add(slot)
+                self.num_disk_loaded += 1
+                continue
+            if not ok:
+                self._failed.add(key)
+                self.num_disk_failed += 1
+            self.pool.free([slot])
 
     def drain(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Move this step's planned copies into the plan's swap lists."""
@@ -155,18 +235,20 @@ class HostPrefixStore:
     def clear(self) -> int:
         """Forget every unpinned slot (giving it back to the pool); returns how many."""
         dropped = [s for s in self._slots.values() if s not in self._pinned]
-        for slot in dropped:
-            del self._slots[self._keys.pop(slot)]
-        self.pool.free(dropped)
+        self._drop(dropped)
         return len(dropped)
 
     def check_invariants(self) -> None:
         """Raise BlockPoolError unless the slot map is a bijection within ``max_blocks``
         and every held slot is a block the pool counts as taken exactly once."""
-        if len(self._slots) > self.max_blocks or len(self._keys) != len(self._slots):
+        if len(self) > self.max_blocks or len(self._keys) != len(self._slots):
             raise BlockPoolError(f"store holds {len(self._slots)} slots, {len(self._keys)} keys")
         for key, slot in self._slots.items():
             if self._keys.get(slot) != key:
                 raise BlockPoolError(f"slot {slot}: key not mapped back to it")
+        held = [*self._slots.values(), *self._pending.values()]
+        if len(set(held)) != len(held) or not self._from_disk <= set(self._keys):
+            raise BlockPoolError("a slot held twice, or a disk mark on a slot not held")
+        for slot in held:
             if self.pool.ref_count(slot) != 1:
                 raise BlockPoolError(f"slot {slot}: ref count {self.pool.ref_count(slot)}")

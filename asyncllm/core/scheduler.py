@@ -214,6 +214,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0  # of which served from cached blocks
         self.prefix_cache_host_hits = 0  # of which loaded from the host tier
+        self.prefix_cache_disk_hits = 0  # of which the disk tier had supplied
 
     @property
     def num_unfinished(self) -> int:
@@ -290,7 +291,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy)."""
         out = SchedulerOutput()
-        store = self.block_manager.host_store
+        bm = self.block_manager
+        store = bm.host_store
         if store is not None:
             store.new_step()
         budget = self.max_num_batched_tokens
@@ -319,7 +321,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
-            if computing and self._waits_for_computing(request, computing):
+            if (computing or bm.reads_disk) and self._waits_for_computing(request, computing):
                 i += 1
                 continue
             n = self._admit(request, budget, out)
@@ -351,11 +353,14 @@ class Scheduler:
         computing.update(hashes[start // bm.block_size : (start + n) // bm.block_size])
 
     def _waits_for_computing(self, request: Request, computing: set[bytes]) -> bool:
-        """Whether a fresh waiting request's next uncached block is in ``computing``."""
+        """Whether a fresh waiting request's next uncached block is in ``computing``, or
+        is being read from the disk tier."""
         bm = self.block_manager
         rid = request.request_id
         if request.cpu_blocks is not None or bm.block_table(rid):
             return False  # swapped out or forked: it has its blocks
+        if bm.fetch_from_disk(rid, request, request.num_tokens, request.cache_salt):
+            return True
         cached = bm.find_cached_prefix(rid, request, request.num_tokens, request.cache_salt)
         hashes = bm.block_hashes(rid, request, request.cache_salt, request.num_tokens - 1)
         return len(cached) < len(hashes) and hashes[len(cached)] in computing
@@ -393,6 +398,7 @@ class Scheduler:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
             self.prefix_cache_host_hits += cached.num_host_blocks * bm.block_size
+            self.prefix_cache_disk_hits += cached.num_disk_blocks * bm.block_size
             request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
         return n
