@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -168,31 +169,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.cpu_offload_bytes is not None:
             positive("cpu_offload_bytes", self.cpu_offload_bytes, 0)
-        if self.host_prefix_cache_bytes is not None:
-            positive("host_prefix_cache_bytes", self.host_prefix_cache_bytes, 0)
-            if self.host_prefix_cache_bytes > 0 and self.cpu_offload_bytes == 0:
-                raise ValueError(
-                    "EngineConfig.host_prefix_cache_bytes lives in the CPU offload pool: "
-                    "cpu_offload_bytes=0 leaves it none (set host_prefix_cache_bytes=0 or "
-                    "give cpu_offload_bytes)"
-                )
-        positive("prefix_cache_dir_bytes", self.prefix_cache_dir_bytes)
-        if self.prefix_cache_dir is not None:
-            if not isinstance(self.prefix_cache_dir, str) or not self.prefix_cache_dir:
-                raise ValueError(
-                    "EngineConfig.prefix_cache_dir must be a directory path or None, "
-                    f"got {self.prefix_cache_dir!r}"
-                )
-            if (
-                not self.enable_prefix_caching
-                or self.host_prefix_cache_bytes == 0
-                or self.cpu_offload_bytes == 0
-            ):
-                raise ValueError(
-                    "EngineConfig.prefix_cache_dir reads blocks through the host tier: it "
-                    "needs enable_prefix_caching and host_prefix_cache_bytes and "
-                    "cpu_offload_bytes other than 0"
-                )
+        self._check_prefix_tiers(positive)
         positive("block_size", self.block_size)
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -219,3 +196,31 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"EngineConfig.shutdown_mode must be 'abort' or 'drain', got {self.shutdown_mode!r}"
             )
+
+    def _check_prefix_tiers(self, positive: Callable[[str, object, int], None]) -> None:
+        """The host and disk tiers' fields (see the class docstring)."""
+        if self.host_prefix_cache_bytes is not None:
+            positive("host_prefix_cache_bytes", self.host_prefix_cache_bytes, 0)
+            if self.host_prefix_cache_bytes > 0 and self.cpu_offload_bytes == 0:
+                raise ValueError(
+                    "EngineConfig.host_prefix_cache_bytes lives in the CPU offload pool: "
+                    "cpu_offload_bytes=0 leaves it none (set host_prefix_cache_bytes=0 or "
+                    "give cpu_offload_bytes)"
+                )
+        positive("prefix_cache_dir_bytes", self.prefix_cache_dir_bytes, 1)
+        if self.prefix_cache_dir is not None:
+            if not isinstance(self.prefix_cache_dir, str) or not self.prefix_cache_dir:
+                raise ValueError(
+                    "EngineConfig.prefix_cache_dir must be a directory path or None, "
+                    f"got {self.prefix_cache_dir!r}"
+                )
+            if (
+                not self.enable_prefix_caching
+                or self.host_prefix_cache_bytes == 0
+                or self.cpu_offload_bytes == 0
+            ):
+                raise ValueError(
+                    "EngineConfig.prefix_cache_dir reads blocks through the host tier: it "
+                    "needs enable_prefix_caching and host_prefix_cache_bytes and "
+                    "cpu_offload_bytes other than 0"
+                )
