@@ -6,6 +6,7 @@ host memory with the outputs of a recompute."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -21,7 +22,7 @@ from tests.test_hybrid_kv import BLOCK_BYTES as HYBRID_BLOCK_BYTES
 from tests.test_hybrid_kv import SMALL, _greedy, _prompt
 from tests.test_hybrid_kv import gemma3_dir as gemma3_dir  # the module's fixtures
 from tests.test_hybrid_kv import reference as reference
-from tests.test_kv_groups import _SimulatedCache, _Tokens
+from tests.test_kv_groups import _drive, _SimulatedCache, _Tokens
 
 BS = 4
 #: One block of the tiny Llama in float32: 2 layers x K and V x 2 KV heads x 16 x 4 bytes x 4.
@@ -54,7 +55,7 @@ def test_store_spills_loads_and_replaces_least_recently_used():
     store.spill(14, 0, _h(3))  # replaces the least recently used key, _h(2), in slot 1
     assert store.lookup(_h(2)) is None and store.lookup(_h(3)) == 1
     assert store.lookup(_h(1)) == 0 and store.lookup(_h(1), group=1) is None
-    assert store.load(0, 20) == (0, _h(1)) and store.loads == [(0, 20)]
+    assert store.load(0, 20) == ((0, _h(1)), False) and store.loads == [(0, 20)]
     store.spill(15, 0, _h(4))  # both slots pinned (written, read) this step: dropped
     assert store.num_dropped == 2
     store.check_invariants()
@@ -145,34 +146,22 @@ def test_a_host_hit_that_does_not_fit_changes_nothing():
 # ---------------------------------------------------------------- the scheduler, simulated
 
 
-def _check_plan(plan: SchedulerOutput) -> None:
-    """The worker copies each list with one gather and one scatter: no destination twice."""
-    assert len({c for _, c in plan.swap_out}) == len(plan.swap_out)
-    assert len({d for _, d in plan.swap_in}) == len(plan.swap_in)
-
-
 def _drive_tiers(sched: Scheduler, store: HostPrefixStore, cache: _SimulatedCache) -> None:
-    bm = sched.block_manager
+    """:func:`_drive`, checking each plan (the worker copies each list with one gather and
+    one scatter: no destination twice) and, after each step, the store and the CPU pool:
+    every CPU block free, in the store, or swapped out."""
     cpu = store.pool
-    for _ in range(5000):
-        if not sched.num_unfinished:
-            break
-        plan = sched.schedule()
-        _check_plan(plan)
-        cache.run(plan)
-        sampled = {
-            c.request_id: (sum(c.token_ids) * 31 + c.start_pos) % 97
-            for c in plan.chunks
-            if c.sample
-        }
-        sched.update_from_output(plan, sampled)
-        bm.check_invariants()
+
+    def check(plan: SchedulerOutput) -> None:
+        assert len({c for _, c in plan.swap_out}) == len(plan.swap_out)
+        assert len({d for _, d in plan.swap_in}) == len(plan.swap_in)
         store.check_invariants()
         cpu.check_invariants()
         swapped = sum(len(r.cpu_blocks or ()) for r in sched.requests.values())
-        assert cpu.num_free + len(store) + swapped == cpu.num_blocks
-    assert not sched.num_unfinished
-    assert bm.num_free_blocks == bm.num_total_blocks
+        pending = len(plan.cpu_blocks_to_free)  # freed by the step's update
+        assert cpu.num_free + len(store) + swapped in (cpu.num_blocks, cpu.num_blocks - pending)
+
+    _drive(sched, cache, check=check)
 
 
 @settings(max_examples=40, deadline=None)
@@ -223,6 +212,82 @@ def test_a_prefix_evicted_between_rounds_is_loaded_from_the_host_tier():
     # The system prompt's first block was freed last (tails first): still in the pool.
     assert sched.prefix_cache_hits == 16 and sched.prefix_cache_host_hits == 12
     assert store.num_loaded == 3
+
+
+class _FakeDisk:
+    """The disk tier in memory: files by key, reads done by the next ``completed()``
+    (into the simulated cache's CPU slots); keys in ``corrupt`` fail to load."""
+
+    def __init__(self) -> None:
+        self.files: dict[tuple[int, bytes], list[object]] = {}
+        self.corrupt: set[tuple[int, bytes]] = set()
+        self.cache: _SimulatedCache | None = None
+        self._reads: list[tuple[tuple[int, bytes], int]] = []
+
+    def has(self, key):
+        return key in self.files
+
+    def request_load(self, key, slot):
+        self._reads.append((key, slot))
+
+    def completed(self):
+        done = []
+        for key, slot in self._reads:
+            ok = key not in self.corrupt
+            if ok:
+                self.cache.cpu[slot] = list(self.files[key])
+            done.append((key, slot, ok))
+        self._reads = []
+        return done
+
+
+def _restart(disk: _FakeDisk, num_blocks: int = 40) -> tuple[Scheduler, HostPrefixStore, Any]:
+    store = HostPrefixStore(BlockPool(16), 16)
+    store.disk = disk
+    bm = BlockManager(num_blocks, BS, host_store=store)
+    bm.new_cached = []
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=16, cpu_pool=store.pool)
+    disk.cache = _SimulatedCache(bm)
+    return sched, store, disk.cache
+
+
+def _run_with_disk(sched, store, cache, disk, prompts) -> None:
+    bm = sched.block_manager
+
+    def write_through(plan: SchedulerOutput) -> None:
+        for block, g, h in bm.new_cached:
+            disk.files.setdefault((g, h), list(cache.device[block]))
+        bm.new_cached.clear()
+
+    for n, prompt in enumerate(prompts):
+        sched.add_request(Request(f"r{n}", prompt, max_tokens=4, max_model_len=1000))
+    _drive(sched, cache, check=write_through)
+    store.check_invariants()
+
+
+def test_a_restarted_scheduler_reads_the_system_prompt_from_disk():
+    """A first scheduler writes every cached block through; a second one (restarted, empty
+    pool and store) waits a step for the system prompt's files, then hits them, and every
+    position its layers read holds the right K/V; a corrupt file is recomputed, and a
+    different salt never asks the disk."""
+    disk = _FakeDisk()
+    system = list(range(1, 17))  # 4 full blocks before the user's token
+    _run_with_disk(*_restart(disk), disk, [[*system, 90]])
+    assert len(disk.files) == 5  # 21 tokens computed: 5 full blocks
+    sched, store, cache = _restart(disk)
+    sched.add_request(Request("a", [*system, 91], max_tokens=4, max_model_len=1000))
+    assert not sched.schedule().chunks  # waiting for its 4 files
+    _drive(sched, cache)
+    assert sched.prefix_cache_disk_hits == sched.prefix_cache_hits == 16
+    assert store.num_disk_loaded == 4
+    disk.corrupt.add(next(k for k in disk.files if k[1] == hash_block(None, system[:4])))
+    sched, store, cache = _restart(disk)
+    _run_with_disk(sched, store, cache, disk, [[*system, 92]])
+    assert sched.prefix_cache_hits == 0 and store.num_disk_failed == 1
+    sched, store, cache = _restart(disk)
+    req = Request("s", [*system, 91], max_tokens=4, max_model_len=1000, cache_salt="other")
+    sched.add_request(req)
+    assert sched.schedule().chunks and not disk._reads
 
 
 # ---------------------------------------------------------------- engines
