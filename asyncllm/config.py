@@ -64,7 +64,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             step for them), so a restarted engine, or another process on the same machine,
             starts with its prefixes warm. Files are written whole (temporary name, then
             rename) and checked (header and SHA-256) when read: a torn, corrupt or foreign
-            one is deleted and counted, never loaded. Needs the host tier.
+            one is deleted and counted, never loaded. Needs the host tier; only with
+            ``enable_prefix_caching``.
         prefix_cache_dir_bytes: the most bytes of files ``prefix_cache_dir`` holds; past it
             the least recently used ones are deleted.
         num_threads: torch intra-op threads on CPU; None: one per core the process may run
@@ -214,13 +215,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                     "EngineConfig.prefix_cache_dir must be a directory path or None, "
                     f"got {self.prefix_cache_dir!r}"
                 )
-            if (
-                not self.enable_prefix_caching
-                or self.host_prefix_cache_bytes == 0
-                or self.cpu_offload_bytes == 0
-            ):
+            if self.host_prefix_cache_bytes == 0 or self.cpu_offload_bytes == 0:
                 raise ValueError(
                     "EngineConfig.prefix_cache_dir reads blocks through the host tier: it "
-                    "needs enable_prefix_caching and host_prefix_cache_bytes and "
-                    "cpu_offload_bytes other than 0"
+                    "needs host_prefix_cache_bytes and cpu_offload_bytes other than 0"
                 )
