@@ -118,6 +118,24 @@ async def test_a_new_engine_serves_the_system_prompt_from_disk(
     assert c == a[:1] and s3["prefix_cache_hits"] == 0
 
 
+async def test_another_layout_or_model_never_reads_the_files(
+    tiny_llama_dir, bos_llama_dir, make_engine, tmp_path
+):
+    """Files of one model and KV layout are another's misses: the same weights in bfloat16
+    or with blocks of 8, or with another tokenizer (``bos_llama_dir``), name other files."""
+    first = make_engine(tiny_llama_dir, **KW, prefix_cache_dir=str(tmp_path))
+    await _generate(first, [[*SYSTEM, 5]])
+    written = set(_valid_files(tmp_path))
+    for model, kw in ((tiny_llama_dir, dict(KW, dtype="bfloat16")),
+                      (tiny_llama_dir, dict(KW, block_size=8)),
+                      (bos_llama_dir, KW)):  # fmt: skip
+        engine = make_engine(model, **kw, prefix_cache_dir=str(tmp_path))
+        _, stats = await _generate(engine, [[*SYSTEM, 5]])
+        assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_dir_invalid"] == 0
+        assert set(_valid_files(tmp_path)) > written  # its own files beside the first's
+        written = set(_valid_files(tmp_path))
+
+
 async def test_a_corrupt_file_is_recomputed_and_counted(tiny_llama_dir, make_engine, tmp_path):
     first = make_engine(tiny_llama_dir, **KW, prefix_cache_dir=str(tmp_path))
     a, _ = await _generate(first, [[*SYSTEM, 5]])
