@@ -222,12 +222,12 @@ class LLMEngine:
         compiled = getattr(getattr(self, "runner", None), "compiled", None)
         if compiled is not None:
             compiled.close()
-        disk = getattr(self, "disk", None)
-        if disk is not None:
-            disk.close()
         if self._compute_thread is not None:
             self._compute_thread.shutdown(wait=True)
             self._compute_thread = None
+        disk = getattr(self, "disk", None)
+        if disk is not None:  # after the last step: no save starts its thread again
+            disk.close()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
