@@ -44,6 +44,30 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             the device KV cache; 0: no pool (always recompute). Pinned memory on CUDA.
         enable_prefix_caching: share the KV blocks of prompt prefixes that were computed
             before (full blocks only, matched by a chained SHA-256 of their tokens).
+        host_prefix_cache_bytes: the host tier of the prefix cache
+            (:mod:`asyncllm.core.host_store`): a cached block the device pool evicts is
+            copied to host memory and swapped back in when a later prompt needs it, instead
+            of being recomputed. It lives in the CPU offload pool (``cpu_offload_bytes``),
+            shared with preemption swap, which always takes precedence (the store gives up
+            its least recently used blocks). None: up to the whole pool (none under
+            ``preemption_mode="recompute"``); 0: off; N: at most N bytes of it (under
+            "recompute" a pool of N bytes for the store alone). Only with
+            ``enable_prefix_caching``. On CPU the pool is ordinary memory committed as
+            blocks are written: resident memory grows by up to its size as prefixes are
+            evicted. Stats count hits per tier (``prefix_cache_host_hits``).
+        prefix_cache_dir: a directory for the third, persistent tier of the prefix cache
+            (:mod:`asyncllm.worker.disk_tier`); None (default): off. Every newly cached
+            full block is also written there, by a background thread, in a file keyed by
+            the model's weights, precision, dtype, KV layout, block size, tokenizer and the
+            block's chained hash (cache salt included); a prompt that misses the device pool
+            and the host tier reads its blocks from there into the host tier (it waits a
+            step for them), so a restarted engine, or another process on the same machine,
+            starts with its prefixes warm. Files are written whole (temporary name, then
+            rename) and checked (header and SHA-256) when read: a torn, corrupt or foreign
+            one is deleted and counted, never loaded. Needs the host tier; only with
+            ``enable_prefix_caching``.
+        prefix_cache_dir_bytes: the most bytes of files ``prefix_cache_dir`` holds; past it
+            the least recently used ones are deleted.
         num_threads: torch intra-op threads on CPU; None: one per core the process may run
             on (see docs/tuning.md for the measurement behind it, and when 1 is safer).
         attention_backend: "auto" (the Triton kernels of docs/kernels.md on CUDA; on CPU the
@@ -111,6 +135,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
+    host_prefix_cache_bytes: int | None = None
+    prefix_cache_dir: str | None = None
+    prefix_cache_dir_bytes: int = 4 << 30
     preemption_mode: Literal["offload", "recompute"] = "offload"
     cpu_offload_bytes: int | None = None
     num_threads: int | None = None
@@ -158,6 +185,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.cpu_offload_bytes is not None:
             positive("cpu_offload_bytes", self.cpu_offload_bytes, 0)
+        self._check_prefix_tiers(positive)
         positive("block_size", self.block_size)
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -202,3 +230,26 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"EngineConfig.speculative_tokens ({self.speculative_tokens}) must be below "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens})"
             )
+
+    def _check_prefix_tiers(self, positive: Callable[[str, object, int], None]) -> None:
+        """The host and disk tiers' fields (see the class docstring)."""
+        if self.host_prefix_cache_bytes is not None:
+            positive("host_prefix_cache_bytes", self.host_prefix_cache_bytes, 0)
+            if self.host_prefix_cache_bytes > 0 and self.cpu_offload_bytes == 0:
+                raise ValueError(
+                    "EngineConfig.host_prefix_cache_bytes lives in the CPU offload pool: "
+                    "cpu_offload_bytes=0 leaves it none (set host_prefix_cache_bytes=0 or "
+                    "give cpu_offload_bytes)"
+                )
+        positive("prefix_cache_dir_bytes", self.prefix_cache_dir_bytes, 1)
+        if self.prefix_cache_dir is not None:
+            if not isinstance(self.prefix_cache_dir, str) or not self.prefix_cache_dir:
+                raise ValueError(
+                    "EngineConfig.prefix_cache_dir must be a directory path or None, "
+                    f"got {self.prefix_cache_dir!r}"
+                )
+            if self.host_prefix_cache_bytes == 0 or self.cpu_offload_bytes == 0:
+                raise ValueError(
+                    "EngineConfig.prefix_cache_dir reads blocks through the host tier: it "
+                    "needs host_prefix_cache_bytes and cpu_offload_bytes other than 0"
+                )

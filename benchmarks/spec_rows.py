@@ -20,7 +20,7 @@ import statistics
 import time
 
 from asyncllm.config import EngineConfig
-from asyncllm.core.scheduler import ScheduledChunk, SchedulerOutput
+from asyncllm.core.plan import ScheduledChunk, SchedulerOutput
 from asyncllm.engine.llm_engine import LLMEngine
 from asyncllm.sampling_params import SamplingParams
 

@@ -223,15 +223,20 @@ def chunked_engine(
 
 
 def check_pool_whole(engine: AsyncEngine) -> None:
-    """No request left, every device and CPU block free, reference counts consistent."""
+    """No request left, every device block free, every CPU block free or held by the host
+    tier of the prefix cache, reference counts consistent."""
     core = engine._engine
     core.block_manager.check_invariants()
     assert not core.has_unfinished(), core.scheduler.requests
     assert core.block_manager.num_free_blocks == core.block_manager.num_total_blocks
-    cpu_pool = core.scheduler.cpu_pool
+    store = core.block_manager.host_store
+    cpu_pool = store.pool if store is not None else core.scheduler.cpu_pool
+    if store is not None:
+        store.check_invariants()
+        assert core.scheduler.cpu_pool in (None, store.pool)
     if cpu_pool is not None:
         cpu_pool.check_invariants()
-        assert cpu_pool.num_free == cpu_pool.num_blocks
+        assert cpu_pool.num_free == cpu_pool.num_blocks - (len(store) if store else 0)
 
 
 def core_request_ids(engine: AsyncEngine, request_id: str) -> list[str]:

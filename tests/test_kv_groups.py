@@ -4,6 +4,8 @@ every read is checked against a simulated cache."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,8 +18,9 @@ from asyncllm.core.block_manager import (
     longest_hit,
 )
 from asyncllm.core.kv_groups import KVGroups
+from asyncllm.core.plan import SchedulerOutput
 from asyncllm.core.request import Request
-from asyncllm.core.scheduler import Scheduler, SchedulerOutput
+from asyncllm.core.scheduler import Scheduler
 
 #: Gemma 3 270M: 18 layers, every sixth one (5, 11, 17) full, the others a window of 512.
 GEMMA3_WINDOWS = [0 if i % 6 == 5 else 512 for i in range(18)]
@@ -262,14 +265,22 @@ class _SimulatedCache:
                         assert got == (g, tuple(seq[: k + 1])), (chunk.request_id, g, p, k)
 
 
-def _drive(sched: Scheduler, cache: _SimulatedCache, max_steps: int = 5000) -> int:
-    """Run to the end; return the most blocks any request's sliding groups held."""
+def _drive(
+    sched: Scheduler,
+    cache: _SimulatedCache,
+    max_steps: int = 5000,
+    check: Callable[[SchedulerOutput], None] | None = None,
+) -> int:
+    """Run to the end (``check`` sees each plan before it runs, and again after its
+    update); return the most blocks any request's sliding groups held."""
     bm = sched.block_manager
     most = 0
     for _ in range(max_steps):
         if not sched.num_unfinished:
             break
         plan = sched.schedule()
+        if check is not None:
+            check(plan)
         cache.run(plan)
         for c in plan.chunks:
             most = max(most, sum(bm.num_held_blocks(c.request_id, g) for g in bm.sliding))
@@ -282,6 +293,8 @@ def _drive(sched: Scheduler, cache: _SimulatedCache, max_steps: int = 5000) -> i
         bm.check_invariants()
         if sched.cpu_pool is not None:
             sched.cpu_pool.check_invariants()
+        if check is not None:
+            check(plan)
     assert not sched.num_unfinished
     assert bm.num_free_blocks == bm.num_total_blocks
     return most

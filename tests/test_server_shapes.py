@@ -123,7 +123,7 @@ def _value(field: str) -> tuple[str, Any]:
         "preemption_mode": ("recompute", "recompute"), "attention_backend": ("torch", "torch"),
         "compile": ("true", True), "shutdown_mode": ("drain", "drain"),
         "quantization": ("int8", "int8"), "quantization_group_size": ("64", 64),
-        "enable_prefix_caching": ("", False),
+        "enable_prefix_caching": ("", False), "prefix_cache_dir": ("kv-dir", "kv-dir"),
     }  # fmt: skip
     return special.get(field, ("7", 7))
 

@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from asyncllm import SamplingParams
+from asyncllm.core.plan import RequestUpdate
 from asyncllm.core.request import Request
-from asyncllm.core.scheduler import RequestUpdate
 from asyncllm.engine.output_processor import RequestState, TokenTextCache, process_step
 from asyncllm.engine.step_output import RequestStart, StepOutput
 

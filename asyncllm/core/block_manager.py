@@ -9,7 +9,9 @@ tokens. Token ``i`` of a request lives in block ``block_table[i // block_size]``
 Automatic prefix caching (as in vLLM; hashes and the pool in
 :mod:`asyncllm.core.block_pool`): a request's prompt is matched block by block against the
 hashes of blocks already computed; hits are shared by reference count instead of being
-computed again.
+computed again. With a host tier (:mod:`asyncllm.core.host_store`) a block the pool evicts
+is kept in host memory, and a lookup that misses the pool but hits the host tier gets a new
+block that the worker fills by a swap in before the step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from asyncllm.core.block_pool import BlockPool, BlockPoolError, hash_block, prompt_block_hashes
+from asyncllm.core.host_store import HostPrefixStore
 from asyncllm.core.kv_groups import KVGroups
 
 __all__ = [
@@ -46,23 +49,42 @@ class PrefixHit:
     Attributes:
         tables: per group, ``len(hit)`` block ids; a sliding group's entries before its
             ``live_from`` are placeholders (the window of the first token to compute does
-            not reach them) and are not shared.
+            not reach them) and are not shared. An entry ``-1 - slot`` (negative) is a hit
+            of the host tier in its ``slot``: :meth:`BlockManager.allocate` gives it a new
+            block and plans the swap in.
         live_from: per group, the first entry that is a block of the cache.
+        num_disk_blocks: after :meth:`BlockManager.allocate`, the blocks (positions) of
+            the host hits that the disk tier had read into the host store.
     """
 
-    __slots__ = ("live_from", "tables")
+    __slots__ = ("live_from", "num_disk_blocks", "tables")
 
     def __init__(self, tables: list[list[int]], live_from: list[int]) -> None:
         self.tables = tables
         self.live_from = live_from
+        self.num_disk_blocks = 0
 
     def __len__(self) -> int:
         return len(self.tables[0]) if self.tables else 0
 
     def live_blocks(self) -> Iterator[int]:
-        """The blocks of the cache the hit shares (placeholders left out)."""
+        """The device pool's blocks the hit shares (placeholders and host hits left out)."""
         for table, lo in zip(self.tables, self.live_from, strict=True):
-            yield from table[lo:]
+            yield from (b for b in table[lo:] if b >= 0)
+
+    def host_entries(self) -> list[tuple[int, int, int]]:
+        """``(group, entry, slot)`` of the hits served by the host tier."""
+        return [
+            (g, i, -1 - table[i])
+            for g, (table, lo) in enumerate(zip(self.tables, self.live_from, strict=True))
+            for i in range(lo, len(table))
+            if table[i] < 0
+        ]
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the prefix (positions) that at least one group loads from the host."""
+        return len({i for _, i, _ in self.host_entries()})
 
 
 #: What a sliding group's table holds for a block it freed (a valid block id, so that a
@@ -84,6 +106,8 @@ class BlockManager:
         block_size: tokens per block.
         enable_caching: match and register full blocks by hash (prefix caching).
         groups: the layer groups; None: one full-attention group.
+        host_store: the host tier that keeps the blocks the pool evicts (None: they are
+            lost); only with ``enable_caching``.
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` below 1.
@@ -96,6 +120,7 @@ class BlockManager:
         *,
         enable_caching: bool = True,
         groups: KVGroups | None = None,
+        host_store: HostPrefixStore | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -106,6 +131,9 @@ class BlockManager:
         #: The sliding groups (their blocks behind the window are freed).
         self.sliding = tuple(g for g, w in enumerate(self.groups.windows) if w > 0)
         self.pool = BlockPool(num_blocks, self.num_groups)
+        self.host_store = host_store if enable_caching else None
+        if self.host_store is not None:
+            self.pool.on_evict = self.host_store.spill
         # Per request, per group: its block table, and the first entry that is not a
         # placeholder (always 0 in a full group).
         self._tables: dict[str, list[list[int]]] = {}
@@ -114,6 +142,33 @@ class BlockManager:
         self._hashes: dict[str, list[bytes]] = {}
         # Per request, how many of its leading blocks are registered in the pool.
         self._registered: dict[str, int] = {}
+        #: ``(block, group, hash)`` of the blocks registered since the engine last took
+        #: them (for the disk tier's write-through); None: not collected.
+        self.new_cached: list[tuple[int, int, bytes]] | None = None
+
+    @property
+    def reads_disk(self) -> bool:
+        """Whether a disk tier stands behind the host tier."""
+        return self.host_store is not None and self.host_store.disk is not None
+
+    def fetch_from_disk(
+        self, request_id: str, tokens: TokenSource, num_tokens: int, salt: str | None
+    ) -> bool:
+        """Start reading, into the host tier, the request's next prompt blocks that only
+        the disk tier holds (:meth:`HostPrefixStore.prefetch`); True while any is being read
+        (the request waits for them rather than computing them)."""
+        store = self.host_store
+        if store is None or store.disk is None:
+            return False
+        hashes = self.block_hashes(request_id, tokens, salt, num_tokens - 1)
+        k = len(longest_hit(self.pool, self.groups, hashes, self.block_size, store))
+        keys = [
+            (g, h)
+            for h in hashes[k:]
+            for g in range(self.num_groups)
+            if self.pool.lookup(h, g) is None
+        ]
+        return store.prefetch(keys)
 
     @property
     def num_free_blocks(self) -> int:
@@ -151,7 +206,7 @@ class BlockManager:
         if not self.enable_caching:
             return PrefixHit([[] for _ in range(self.num_groups)], [0] * self.num_groups)
         hashes = self.block_hashes(request_id, tokens, salt, num_tokens - 1)
-        return longest_hit(self.pool, self.groups, hashes, self.block_size)
+        return longest_hit(self.pool, self.groups, hashes, self.block_size, self.host_store)
 
     def _first_live(self, group: int, start: int) -> int:
         return self.groups.first_live_block(group, start, self.block_size)
@@ -249,7 +304,8 @@ class BlockManager:
         reclaimed = (
             0 if hit is None else sum(1 for b in hit.live_blocks() if self.pool.ref_count(b) == 0)
         )
-        if total + reclaimed > self.pool.num_free:
+        host = [] if hit is None else hit.host_entries()
+        if total + reclaimed + len(host) > self.pool.num_free:
             return False
         if hit is None:
             tables: list[list[int]] = [[] for _ in range(G)]
@@ -258,6 +314,8 @@ class BlockManager:
             self.pool.share(hit.live_blocks())
             tables = [list(t) for t in hit.tables]
             live = list(hit.live_from)
+            if host:
+                hit.num_disk_blocks = self._load_host_hits(tables, host)
         for g in self.sliding:
             if skip[g]:
                 tables[g].extend([PLACEHOLDER] * skip[g])
@@ -271,6 +329,25 @@ class BlockManager:
         self._tables[request_id] = tables
         self._live[request_id] = live
         return True
+
+    def _load_host_hits(self, tables: list[list[int]], host: list[tuple[int, int, int]]) -> int:
+        """Give each host hit ``(group, entry, slot)`` a new block (cached under its hash
+        at once: the swap in runs before any forward reads it) and plan its swap in; returns
+        the positions among them that the disk tier had supplied."""
+        store = self.host_store
+        if store is None:
+            raise BlockPoolError("a host hit without a host store")
+        for _, _, slot in host:
+            store.pin(slot)  # the allocation below may spill into the store: keep these
+        from_disk = set()
+        for (g, i, slot), block in zip(host, self.pool.allocate(len(host)), strict=True):
+            (group, block_hash), disk = store.load(slot, block)
+            if group != g or not self.pool.set_hash(block, block_hash, g):
+                raise BlockPoolError(f"host slot {slot}: not a free hash of group {g}")
+            tables[g][i] = block
+            if disk:
+                from_disk.add(i)
+        return len(from_disk)
 
     def _shared_write_blocks(
         self, request_id: str, tables: list[list[int]], write_from: int | None
@@ -318,7 +395,8 @@ class BlockManager:
         hashes = self.block_hashes(request_id, tokens, salt, num_computed)
         for g, table in enumerate(tables):
             for i in range(max(done, live[g]), full):
-                self.pool.set_hash(table[i], hashes[i], g)
+                if self.pool.set_hash(table[i], hashes[i], g) and self.new_cached is not None:
+                    self.new_cached.append((table[i], g, hashes[i]))
         self._registered[request_id] = full
 
     def free_behind_window(self, request_id: str, num_computed: int) -> None:
@@ -409,24 +487,37 @@ class BlockManager:
 
 
 def longest_hit(
-    pool: BlockPool, groups: KVGroups, hashes: Sequence[bytes], block_size: int
+    pool: BlockPool,
+    groups: KVGroups,
+    hashes: Sequence[bytes],
+    block_size: int,
+    store: HostPrefixStore | None = None,
 ) -> PrefixHit:
-    """The longest prefix of ``hashes`` (chained block hashes) that ``pool`` serves for every
-    group (see :meth:`BlockManager.find_cached_prefix`)."""
+    """The longest prefix of ``hashes`` (chained block hashes) that ``pool``, or else the
+    host tier ``store`` (entries ``-1 - slot``), serves for every group (see
+    :meth:`BlockManager.find_cached_prefix`)."""
     G = groups.num_groups
     k = len(hashes)
+
+    def lookup(h: bytes, g: int) -> int | None:
+        b = pool.lookup(h, g)
+        if b is None and store is not None:
+            slot = store.lookup(h, g)
+            return None if slot is None else -1 - slot
+        return b
+
     found: list[list[int | None]] = []
     for g, w in enumerate(groups.windows):
         look: list[int | None] = []
         if w <= 0:  # a full group: its hits must be contiguous from the first block
             for h in hashes[:k]:
-                b = pool.lookup(h, g)
+                b = lookup(h, g)
                 if b is None:
                     break
                 look.append(b)
             k = len(look)
         else:
-            look = [pool.lookup(h, g) for h in hashes[:k]]
+            look = [lookup(h, g) for h in hashes[:k]]
         found.append(look)
     # Per sliding group, the last miss at or before each entry (-1: none).
     last_miss: dict[int, list[int]] = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class BlockPoolError(RuntimeError):
@@ -91,6 +91,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
         self.num_evictions = 0
+        #: Called as ``on_evict(block, group, hash)`` when :meth:`allocate` evicts a cached
+        #: block (the host tier keeps it: :mod:`asyncllm.core.host_store`); None: lost.
+        self.on_evict: Callable[[int, int, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -116,6 +119,8 @@ class BlockPool:
             h = self._hashes[b]
             if h is not None:  # evict: its old contents are about to be overwritten
                 del self._cached[self._groups[b]][h]
+                if self.on_evict is not None:
+                    self.on_evict(b, self._groups[b], h)
                 self._hashes[b] = None
                 self.num_evictions += 1
             self._ref_counts[b] = 1

@@ -28,7 +28,9 @@ arrival. A victim's KV blocks are either
   back to 0 and the prompt and generated tokens are prefilled again on readmission.
 
 Either way the request's output is unchanged. The copies of one step are listed in its plan
-(``swap_out`` before ``swap_in``) and done by the worker before the forward pass.
+(``swap_out`` before ``swap_in``) and done by the worker before the forward pass. The host
+tier of the prefix cache (:mod:`asyncllm.core.host_store`) shares the CPU pool: its copies
+join the same lists, and it gives up slots whenever a swap out needs them.
 
 Layer groups (models with sliding-window layers, :mod:`asyncllm.core.kv_groups`): a request
 holds one block table per group, and every count of blocks here is over all of them. After
@@ -65,113 +67,26 @@ be, so it finishes under any sustained load of higher priority.
 Speculative decoding (:mod:`asyncllm.core.speculation`): a decode may also compute its
 n-gram proposals, verified by the worker; the verified tokens come back in one update each.
 
-Pure Python: the plan crosses to the worker as a :class:`SchedulerOutput` of plain lists.
+Pure Python: the plan crosses to the worker as a :class:`~asyncllm.core.plan.SchedulerOutput`
+of plain lists (:mod:`asyncllm.core.plan`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 from asyncllm.core.block_manager import BlockManager, BlockPool
 from asyncllm.core.parallel import SampleGroups
+from asyncllm.core.plan import RequestUpdate, ScheduledChunk, SchedulerOutput
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.speculation import Speculation
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """The tokens one request computes in one step.
-
-    Attributes:
-        request_id: the request.
-        token_ids: token ids whose K/V this step computes (positions ``start_pos`` onward).
-        start_pos: position of ``token_ids[0]``; tokens before it are already in the cache.
-        block_tables: the request's physical blocks, one table per layer group
-            (:mod:`asyncllm.core.kv_groups`; one for a model without sliding windows), each
-            covering at least ``start_pos + len(token_ids)`` tokens (a sliding group's
-            entries behind its window are placeholders no kernel reads).
-        sample: whether the last token's logits are sampled (the chunk reaches the end of the
-            request's tokens).
-        num_output_tokens: tokens the request had generated before this step.
-        params: the request's opaque worker parameters (sampling parameters).
-        prompt_token_ids: the request's prompt (a read-only reference to its list, not a
-            copy), for penalties and prompt logprobs.
-        output_token_ids: the request's generated tokens so far (read-only reference).
-        stop_token_ids: the tokens that stop the request (masked while ``min_tokens`` is
-            not reached).
-        spec_token_ids: speculative decoding's proposals, the last ``k`` of ``token_ids``
-            (:mod:`asyncllm.core.speculation`): all ``1 + k`` rows are sampled and verified;
-            () for a plain chunk.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_tables: list[list[int]]
-    sample: bool
-    num_output_tokens: int
-    params: Any
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    spec_token_ids: tuple[int, ...] = ()
-
-    @property
-    def block_table(self) -> list[int]:
-        """The first group's table (the only one of a model without sliding windows)."""
-        return self.block_tables[0]
-
 
 PROTECT_AFTER_PREEMPTIONS = 3
 """Preemptions after which a request is protected from further preemption."""
 
 PROTECT_AFTER_WAIT_S = 30.0
 """Seconds since arrival after which a request is protected (and admitted first)."""
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's plan.
-
-    Attributes:
-        chunks: the tokens each scheduled request computes.
-        swap_out: (device block, CPU block) pairs to copy to the CPU pool first.
-        swap_in: (CPU block, device block) pairs to copy back, after ``swap_out``.
-        cpu_blocks_to_free: CPU blocks released once this step's copies are done.
-        copies: (source, destination) device blocks to copy after the swaps
-            (copy-on-write of shared, partly filled blocks).
-        preempted: ids of the requests preempted while planning (swapped out or dropped),
-            for the front end's per-request counts.
-    """
-
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    cpu_blocks_to_free: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """Tokens computed this step (<= max_num_batched_tokens)."""
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to compute and nothing to copy."""
-        return not (self.chunks or self.swap_out or self.swap_in or self.copies)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestUpdate:
-    """What one step produced for one request: a new token and maybe its end."""
-
-    request_id: str
-    token_id: int
-    finish_reason: str | None
 
 
 class Scheduler:
@@ -221,6 +136,8 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which served from cached blocks
         #: Speculative decoding (None: off; the engine sets it).
         self.spec: Speculation | None = None
+        self.prefix_cache_host_hits = 0  # of which loaded from the host tier
+        self.prefix_cache_disk_hits = 0  # of which the disk tier had supplied
 
     @property
     def num_unfinished(self) -> int:
@@ -297,6 +214,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy)."""
         out = SchedulerOutput()
+        bm = self.block_manager
+        store = bm.host_store
+        if store is not None:
+            store.new_step()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
         self.groups.refresh(self.running, self.waiting)
@@ -332,7 +253,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
-            if computing and self._waits_for_computing(request, computing):
+            if (computing or bm.reads_disk) and self._waits_for_computing(request, computing):
                 i += 1
                 continue
             n = self._admit(request, budget, out)
@@ -350,6 +271,8 @@ class Scheduler:
                 # Its call's other waiting samples are now above the share: others first.
                 self.waiting.sort(key=self._admission_key)
                 i = 0
+        if store is not None:  # evicted blocks spilled and host hits loaded, before the forward
+            store.drain(out.swap_out, out.swap_in)
         return out
 
     def _note_computing(self, request: Request, n: int, computing: set[bytes]) -> None:
@@ -362,11 +285,14 @@ class Scheduler:
         computing.update(hashes[start // bm.block_size : (start + n) // bm.block_size])
 
     def _waits_for_computing(self, request: Request, computing: set[bytes]) -> bool:
-        """Whether a fresh waiting request's next uncached block is in ``computing``."""
+        """Whether a fresh waiting request's next uncached block is in ``computing``, or
+        is being read from the disk tier."""
         bm = self.block_manager
         rid = request.request_id
         if request.cpu_blocks is not None or bm.block_table(rid):
             return False  # swapped out or forked: it has its blocks
+        if bm.fetch_from_disk(rid, request, request.num_tokens, request.cache_salt):
+            return True
         cached = bm.find_cached_prefix(rid, request, request.num_tokens, request.cache_salt)
         hashes = bm.block_hashes(rid, request, request.cache_salt, request.num_tokens - 1)
         return len(cached) < len(hashes) and hashes[len(cached)] in computing
@@ -403,6 +329,8 @@ class Scheduler:
             request.admitted = True
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
+            self.prefix_cache_host_hits += cached.num_host_blocks * bm.block_size
+            self.prefix_cache_disk_hits += cached.num_disk_blocks * bm.block_size
             request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
         return n
@@ -566,8 +494,12 @@ class Scheduler:
         rid = request.request_id
         start = request.num_computed_tokens
         valid = bm.live_blocks(rid, start, -(-start // bm.block_size)) if start else []
-        cpu = self.cpu_pool
-        if cpu is not None and 0 < len(valid) <= cpu.num_free:
+        cpu, store = self.cpu_pool, bm.host_store
+        if (
+            cpu is not None
+            and valid
+            and (store.make_room(len(valid)) if store is not None else len(valid) <= cpu.num_free)
+        ):
             cpu_blocks = cpu.allocate(len(valid))
             out.swap_out.extend(zip(valid, cpu_blocks, strict=True))
             request.cpu_blocks = cpu_blocks

@@ -31,10 +31,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from asyncllm.core.ngram import NgramIndex
+from asyncllm.core.plan import RequestUpdate, ScheduledChunk, SchedulerOutput
 from asyncllm.core.request import Request
 
 if TYPE_CHECKING:
-    from asyncllm.core.scheduler import RequestUpdate, ScheduledChunk, Scheduler, SchedulerOutput
+    from asyncllm.core.scheduler import Scheduler
 
 __all__ = ["RequestSpeculation", "SpecConfig", "Speculation"]
 
@@ -166,8 +167,6 @@ class Speculation:
         """Append a verified chunk's ``tokens`` (stopping at the first stop condition), roll
         ``num_computed_tokens`` back to the accepted prefix, register its full blocks in the
         prefix cache and free sliding groups' blocks behind the window."""
-        from asyncllm.core.scheduler import RequestUpdate
-
         proposed = len(chunk.spec_token_ids)
         accepted = len(tokens) - 1
         self.num_spec_steps += 1

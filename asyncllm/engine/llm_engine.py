@@ -20,12 +20,15 @@ from asyncllm import envs
 from asyncllm._kernels import native
 from asyncllm.config import EngineConfig
 from asyncllm.core.block_manager import BlockManager, BlockPool
+from asyncllm.core.host_store import HostPrefixStore
+from asyncllm.core.plan import SchedulerOutput
 from asyncllm.core.request import Request, RequestStatus
-from asyncllm.core.scheduler import Scheduler, SchedulerOutput
+from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.speculation import RequestSpeculation, SpecConfig, Speculation
 from asyncllm.engine.input_processor import InputProcessor, PromptType
 from asyncllm.engine.parallel_sampling import shares_prompt
 from asyncllm.engine.step_output import IDLE_STEP, RequestStart, StepOutput
+from asyncllm.models.fingerprint import fingerprints
 from asyncllm.models.loader import LoadedModel, load_model, stored_dtype
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_output import GrammarCompiler, GrammarMatchers
@@ -37,6 +40,7 @@ from asyncllm.worker.device import (
     set_cpu_threads,
     trim_host_memory,
 )
+from asyncllm.worker.disk_tier import DiskPrefixCache, namespace_digest
 from asyncllm.worker.kv_cache import KVCache, size_kv_cache
 from asyncllm.worker.model_runner import ModelRunner, select_attention_backend
 from asyncllm.worker.offload import CPUOffloadPool
@@ -155,24 +159,31 @@ class LLMEngine:
             num_blocks * config.block_size,
             self.kv_cache.num_bytes / 2**20,
         )
+        self.offload, cpu_pool, store = host_pools(config, self.kv_cache)
+        #: The disk tier of the prefix cache (``EngineConfig.prefix_cache_dir``), or None.
+        self.disk: DiskPrefixCache | None = None
+        if config.prefix_cache_dir is not None and self.offload is not None and store is not None:
+            self.disk = DiskPrefixCache(
+                config.prefix_cache_dir,
+                kv_namespace(loaded, spec),
+                self.offload.key_blocks + self.offload.value_blocks,
+                config.prefix_cache_dir_bytes,
+            )
+            store.disk = self.disk
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             groups=spec.layer_groups,
+            host_store=store,
         )
-        cpu_bytes = config.cpu_offload_bytes
-        if cpu_bytes is None:
-            cpu_bytes = self.kv_cache.num_bytes
-        num_cpu_blocks = cpu_bytes // spec.bytes_per_block
-        self.offload: CPUOffloadPool | None = None
-        if config.preemption_mode == "offload" and num_cpu_blocks > 0:
-            self.offload = CPUOffloadPool(self.kv_cache, num_cpu_blocks)
+        if self.disk is not None:
+            self.block_manager.new_cached = []  # written through to the disk tier
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            cpu_pool=BlockPool(num_cpu_blocks) if self.offload else None,
+            cpu_pool=cpu_pool if config.preemption_mode == "offload" else None,
         )
         if config.speculative_tokens > 0:
             self.scheduler.spec = Speculation(
@@ -221,13 +232,17 @@ class LLMEngine:
 
     def stop_compute_thread(self) -> None:
         """Join the compute thread (and a step still running on it); stop a compile still
-        running in a child process."""
+        running in a child process; finish the disk tier's queued writes and join its
+        thread (a later step starts it again)."""
         compiled = getattr(getattr(self, "runner", None), "compiled", None)
         if compiled is not None:
             compiled.close()
         if self._compute_thread is not None:
             self._compute_thread.shutdown(wait=True)
             self._compute_thread = None
+        disk = getattr(self, "disk", None)
+        if disk is not None:  # after the last step: no save starts its thread again
+            disk.close()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -341,8 +356,11 @@ class LLMEngine:
         return self.scheduler.abort_request(request_id, status) is not None
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block no request holds; returns how many were dropped."""
-        return self.block_manager.pool.evict_free_cached()
+        """Forget every cached block no request holds, in the device pool and the host
+        tier; returns how many were dropped."""
+        store = self.block_manager.host_store
+        dropped = store.clear() if store is not None else 0
+        return dropped + self.block_manager.pool.evict_free_cached()
 
     def has_unfinished(self) -> bool:
         """Requests waiting or running."""
@@ -387,6 +405,11 @@ class LLMEngine:
         if clock is not None and mask is not None:
             clock.lap("grammar_accept")
         updates = self.scheduler.update_from_output(plan, out.sampled, finished, out.spec_tokens)
+        new_cached = self.block_manager.new_cached
+        if self.disk is not None and new_cached:  # computed by this step's forward
+            kv = self.kv_cache
+            self.disk.save(kv.key_slots + kv.value_slots, [(b, (g, h)) for b, g, h in new_cached])
+            new_cached.clear()
         if mask is not None:
             matchers.free(u.request_id for u in updates if u.finish_reason is not None)
         self.num_steps += 1
@@ -413,7 +436,14 @@ class LLMEngine:
     def stats(self) -> dict[str, int | float | str]:
         """Counters: requests running and waiting; KV blocks free and total; preemptions,
         blocks swapped out and in, bytes they moved and tokens dropped for recompute; CPU pool
-        blocks free and total; prefix-cache queries and hits (tokens) and hit rate; steps and
+        blocks free and total; prefix-cache queries and hits (tokens) and hit rate, the hits
+        split by tier (``prefix_cache_device_hits``: shared from the device pool;
+        ``prefix_cache_host_hits``: swapped in from the host tier, of which
+        ``prefix_cache_disk_hits`` the disk tier had read; queries minus hits were
+        computed), the disk tier's files written and files found invalid (torn, corrupt or
+        foreign: deleted, never loaded; ``prefix_cache_dir_writes``,
+        ``prefix_cache_dir_invalid``), the host tier's blocks held and its capacity
+        (``num_host_cache_blocks``, ``num_total_host_cache_blocks``); steps and
         generated tokens; the weights' ``precision`` (e.g. "float32", "int4 g32", "gguf
         (...)") and ``weight_bytes`` (bytes of parameters and buffers, as loaded);
         ``dtype``: the activations' and KV cache's dtype (``EngineConfig.dtype`` resolved,
@@ -430,6 +460,7 @@ class LLMEngine:
         compiled = self.runner.compiled
         bm = self.block_manager
         sched = self.scheduler
+        store = bm.host_store
         queries = sched.prefix_cache_queries
         return {
             "num_running": len(self.scheduler.running),
@@ -448,6 +479,13 @@ class LLMEngine:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": sched.prefix_cache_hits,
             "prefix_cache_hit_rate": sched.prefix_cache_hits / queries if queries else 0.0,
+            "prefix_cache_device_hits": sched.prefix_cache_hits - sched.prefix_cache_host_hits,
+            "prefix_cache_host_hits": sched.prefix_cache_host_hits,
+            "prefix_cache_disk_hits": sched.prefix_cache_disk_hits,
+            "prefix_cache_dir_writes": self.disk.num_written if self.disk else 0,
+            "prefix_cache_dir_invalid": self.disk.num_invalid if self.disk else 0,
+            "num_host_cache_blocks": len(store) if store is not None else 0,
+            "num_total_host_cache_blocks": store.max_blocks if store is not None else 0,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "precision": self.loaded.precision,
@@ -462,3 +500,53 @@ class LLMEngine:
             "env": " ".join(f"{k}={v}" for k, v in envs.non_default().items()),
             **(sched.spec or _NO_SPECULATION).stats(),
         }
+
+
+def host_pools(
+    config: EngineConfig, kv_cache: KVCache
+) -> tuple[CPUOffloadPool | None, BlockPool | None, HostPrefixStore | None]:
+    """The host memory beside the device KV cache: the CPU offload pool's tensors, its
+    block bookkeeping, and the host tier of the prefix cache in it (each None when off).
+
+    Sizes (``EngineConfig``): ``cpu_offload_bytes`` (None: the device cache's bytes) under
+    "offload"; the store takes up to ``host_prefix_cache_bytes`` of that pool (None: all of
+    it); under "recompute" a pool of ``host_prefix_cache_bytes`` (None: with a
+    ``prefix_cache_dir``, ``cpu_offload_bytes``) serves the store alone.
+    """
+    per_block = kv_cache.spec.bytes_per_block
+    offload = config.preemption_mode == "offload"
+    cpu_bytes = config.cpu_offload_bytes
+    if cpu_bytes is None:
+        cpu_bytes = kv_cache.num_bytes
+    store_bytes = config.host_prefix_cache_bytes
+    if not config.enable_prefix_caching:
+        store_bytes = 0
+    elif store_bytes is None:  # the disk tier reads through the host tier: it needs one
+        store_bytes = cpu_bytes if offload or config.prefix_cache_dir else 0
+    if not offload:
+        cpu_bytes = store_bytes
+    num_cpu_blocks = cpu_bytes // per_block
+    if num_cpu_blocks <= 0:
+        return None, None, None
+    pool = BlockPool(num_cpu_blocks)
+    store_blocks = min(store_bytes // per_block, num_cpu_blocks)
+    store = HostPrefixStore(pool, store_blocks) if store_blocks > 0 else None
+    return CPUOffloadPool(kv_cache, num_cpu_blocks), pool, store
+
+
+def kv_namespace(loaded: LoadedModel, spec: Any) -> str:
+    """What the disk tier keys its files by besides the block (:func:`~asyncllm.worker.
+    disk_tier.namespace_digest`): the fingerprint of the model directory's weight, config
+    and tokenizer files (:func:`~asyncllm.models.fingerprint.fingerprints`), the precision,
+    and the KV layout (:class:`~asyncllm.worker.kv_cache.KVCacheSpec`: layers, heads, head
+    size, dtype, block size, layer groups)."""
+    files = sorted(
+        p for p in loaded.model_dir.iterdir()
+        if p.is_file() and p.suffix in (".safetensors", ".bin", ".json", ".model", ".gguf")
+    )  # fmt: skip
+    return namespace_digest(
+        weights=fingerprints(files),
+        precision=loaded.precision,
+        kv=repr(spec),
+        tokenizer_vocab=len(loaded.tokenizer),
+    )

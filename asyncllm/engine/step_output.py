@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from asyncllm.core.scheduler import RequestUpdate
+from asyncllm.core.plan import RequestUpdate
 from asyncllm.worker.runner_output import RunnerOutput, TokenLogprobs
 
 __all__ = ["RequestStart", "StepOutput"]

@@ -320,6 +320,8 @@ class EngineClient:
             "num_swapped_in_blocks": 0, "swap_bytes": 0, "num_recomputed_tokens": 0,
             "num_free_cpu_blocks": 0, "num_total_cpu_blocks": 0, "prefix_cache_queries": 0,
             "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0, "num_steps": 0,
+            "prefix_cache_device_hits": 0, "prefix_cache_host_hits": 0,
+            "num_host_cache_blocks": 0, "num_total_host_cache_blocks": 0,
             "num_generated_tokens": 0, "compile": {},
         }  # fmt: skip
 

@@ -31,7 +31,8 @@ reason, in that order; a request that failed before its first output, refused by
 engine, is not counted),
 and from the engine ``asyncllm:prefix_cache_queries_total`` and
 ``asyncllm:prefix_cache_hits_total`` (prompt tokens looked up / served from the prefix cache),
-``asyncllm:num_preemptions_total``, ``asyncllm:spec_decode_num_draft_tokens_total`` and
+``asyncllm:prefix_cache_host_hits_total`` (of those hits, the tokens swapped in from the host
+tier), ``asyncllm:num_preemptions_total``, ``asyncllm:spec_decode_num_draft_tokens_total`` and
 ``asyncllm:spec_decode_num_accepted_tokens_total`` (speculative decoding's proposals and
 those accepted; zero while ``EngineConfig.speculative_tokens`` is 0).
 
@@ -92,6 +93,9 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str | Callable[[Mapping[str, Any]], 
      "prefix_cache_queries"),
     ("counter", "prefix_cache_hits", "Prompt tokens served from the prefix cache.",
      "prefix_cache_hits"),
+    ("counter", "prefix_cache_host_hits",
+     "Prompt tokens of prefix cache hits swapped in from the host tier.",
+     "prefix_cache_host_hits"),
     ("gauge", "prefix_cache_hit_rate", "Prefix cache hits / queries since start.",
      "prefix_cache_hit_rate"),
     ("counter", "num_preemptions", "Preemptions of running requests.", "num_preemptions"),

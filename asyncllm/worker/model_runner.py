@@ -24,7 +24,7 @@ from asyncllm.attention.backend_registry import (
     step_metadata,
 )
 from asyncllm.attention.triton_paged import interpreter_enabled
-from asyncllm.core.scheduler import SchedulerOutput
+from asyncllm.core.plan import SchedulerOutput
 from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
 from asyncllm.worker.cpu_linear import pack_linears
 from asyncllm.worker.kv_cache import KVCache

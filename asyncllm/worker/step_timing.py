@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from asyncllm.core.scheduler import SchedulerOutput
+    from asyncllm.core.plan import SchedulerOutput
 
 #: The phases a step may record, in the order they run (a phase that did not run is absent):
 #: ``schedule`` (``Scheduler.schedule``), ``kv_copy`` (swaps and copy-on-write block copies),
