@@ -139,11 +139,13 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             kv_cache_bytes=config.kv_cache_bytes,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         logger.info(
-            "KV cache: %s; %d bytes per token, %d blocks of %d tokens = %d tokens, %.1f MiB",
+            "KV cache: %s, %s; %d bytes per token, %d blocks of %d tokens = %d tokens, %.1f MiB",
             spec.layer_groups.describe(),
+            spec.kv_dtype_name,
             spec.bytes_per_token,
             num_blocks,
             config.block_size,
@@ -396,8 +398,10 @@ class LLMEngine:
         took, or has taken so far; 0.0 when off); ``cpu_kernels``: per C++ kernel family,
         what runs on CPU (the instruction-set variant installed, "off" or "torch":
         :func:`asyncllm._kernels.native.status`), "" on other devices; ``kv_layout``: the
-        KV pool's shape, e.g. "6 groups of 3 layers (1 full, 5 window 512), 9000 blocks of
-        16" (:mod:`asyncllm.core.kv_groups`)."""
+        KV pool's shape and element type, e.g. "6 groups of 3 layers (1 full, 5 window 512),
+        9000 blocks of 16, int8" (:mod:`asyncllm.core.kv_groups`); ``kv_cache_dtype``: the
+        cache's element type ("int8" with ``EngineConfig.kv_cache_dtype="int8"``, else the
+        model's dtype) and ``kv_bytes_per_token``: its bytes per token, scales included."""
         compiled = self.runner.compiled
         bm = self.block_manager
         sched = self.scheduler
@@ -429,5 +433,8 @@ class LLMEngine:
             "cpu_kernels": " ".join(f"{k}={v}" for k, v in native.status().items())
             if self.device.type == "cpu"
             else "",
-            "kv_layout": f"{bm.groups.describe()}, {bm.num_total_blocks} blocks of {bm.block_size}",
+            "kv_layout": f"{bm.groups.describe()}, {bm.num_total_blocks} blocks of "
+            f"{bm.block_size}, {self.kv_cache.spec.kv_dtype_name}",
+            "kv_cache_dtype": self.kv_cache.spec.kv_dtype_name,
+            "kv_bytes_per_token": self.kv_cache.spec.bytes_per_token,
         }
