@@ -165,7 +165,7 @@ def kv_cache_spec(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
     if kv_cache_dtype != "auto" and head_dim % 4:
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} needs head_dim % 4 == 0, got {head_dim}"
+            f"kv_cache_dtype={kv_cache_dtype!r} needs a head_dim divisible by 4, got {head_dim}"
         )
     groups = KVGroups.of_windows(expected_windows(config), max_model_len)
     return KVCacheSpec(
