@@ -6,16 +6,26 @@ size)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from asyncllm import EngineConfig, SamplingParams
-from asyncllm.attention import cpu_paged, kv_int8, torch_paged
+from asyncllm.attention import cpu_paged, kv_int8, torch_paged, triton_paged
 from asyncllm.worker.kv_cache import KVCache, KVCacheSpec, copy_blocks_between, size_kv_cache
 from asyncllm.worker.offload import CPUOffloadPool
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+#: Triton was imported with ``TRITON_INTERPRET=1`` (see tests/test_triton_kernels.py): the
+#: Triton cases run here; otherwise in a child pytest.
+INTERPRETED = not isinstance(tl.zeros, JITFunction)
 
 needs_kernel = pytest.mark.skipif(
     not cpu_paged.available(), reason=f"CPU attention kernel unavailable: {cpu_paged.failure()}"
@@ -255,3 +265,58 @@ async def test_prefix_cache_hits_over_int8_blocks(tiny_qwen2_dir, make_engine):
     off, _ = await _greedy(make_engine(tiny_qwen2_dir, enable_prefix_caching=False, **kw), prompts)
     assert on == off
     assert stats["prefix_cache_hits"] >= 2 * 24
+
+
+class TestTritonInt8UnderInterpreter:
+    """The Triton write and attention kernels over an int8 cache, against the torch path;
+    collected only when Triton runs interpreted (``test_triton_int8_kernels``)."""
+
+    __test__ = INTERPRETED
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_write_and_attention_match_torch(self, dtype):
+        """The write quantizes to the torch path's codes and scales bit for bit; decodes
+        (one split and two) and chunks after cached context, with a sliding window or
+        soft-capping, match float attention over the dequantized cache."""
+        bs, hkv, group, dim = 8, 2, 2, 32
+        seqs = [(13, 1), (0, 1), (0, 19), (bs + 5, 9), (7, 1)]  # (cached, new)
+        query_lens, seq_lens = [n for _, n in seqs], [c + n for c, n in seqs]
+        g = torch.Generator().manual_seed(1)
+        _, kc, vc, tables = _int8_step(query_lens, seq_lens, bs, hkv, hkv * group, dim, dtype)
+        rows = sum(query_lens)
+        key = (torch.randn(rows, hkv, dim, generator=g) * 3).to(dtype)
+        value = torch.randn(rows, hkv, dim, generator=g).to(dtype)
+        where = [(tables[b], p) for b, (c, n) in enumerate(seqs) for p in range(c, c + n)]
+        slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in where])
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        torch_paged.write_kv_cache(key, value, kc_ref, vc_ref, slots)
+        triton_paged.write_kv_cache(key, value, kc, vc, slots)
+        assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+        q = torch.randn(rows, hkv * group, dim, generator=g).to(dtype)
+        plan = triton_paged.TritonPagedPlan.build(query_lens, seq_lens, tables, bs)
+        ref_plan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, bs)
+        kf, vf = kv_int8.dequantize(kc), kv_int8.dequantize(vc)
+        tol = 2e-5 if dtype == torch.float32 else 1.6e-2
+        for window, softcap in ((0, 0.0), (5, 0.0), (0, 3.0)):
+            ref = torch_paged.paged_attention(q.float(), kf, vf, ref_plan, 0.2, window, softcap)
+            for splits in (1, 2):
+                out = triton_paged.paged_attention(
+                    q, kc, vc, plan, 0.2, window, softcap, num_splits=splits
+                )
+                torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_triton_int8_kernels():
+    """Runs :class:`TestTritonInt8UnderInterpreter` in a child pytest with
+    ``TRITON_INTERPRET=1``."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", f"{__file__}::TestTritonInt8UnderInterpreter", "-q"]
+    cmd += ["-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "2 passed" in summary and "skipped" not in summary, summary
+
+
+test_triton_int8_kernels.__test__ = not INTERPRETED
