@@ -344,8 +344,8 @@ def _check_dtypes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         raise RuntimeError(f"the CPU attention kernel is unavailable: {failure()}")
     if not reads_caches(mod, query.dtype, key_cache.dtype, value_cache.dtype):
         raise ValueError(
-            f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype}: the query "
-            f"one of {KERNEL_DTYPES}, the caches its dtype or int8"
+            f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} must share "
+            f"one of {KERNEL_DTYPES} (or the caches be int8)"
         )
     return mod
 

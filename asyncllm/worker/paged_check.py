@@ -68,8 +68,14 @@ _TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 _LOW_PRECISION_TOLERANCE = 5e-2
 _NOISE_FACTOR = 2.0
 _LOW_PRECISION_CEILING = 0.25
-#: Added to the bound when the paged path reads an int8 KV cache (its K/V rounded to 1/254
-#: of each row's largest value). PLACEHOLDER: measured below.
+#: Added to the bound (capped at :data:`_LOW_PRECISION_CEILING`) when the paged path reads
+#: an int8 KV cache, whose K/V are rounded to 1/254 of each row's largest value
+#: (:mod:`asyncllm.attention.kv_int8`). Measured with an int8 cache: the 19 tiny families of
+#: tests/test_architectures.py 0.001-0.015 in float32, 0.005-0.021 in bfloat16; the default
+#: model 0.0096 (float32), 0.027 (bfloat16; 0.020 with its bfloat16 cache); Gemma 3 270M
+#: 0.081 (float32, the torch path and the C++ kernel alike; 2e-6 without int8) and 0.112
+#: (bfloat16; 0.045 with its bfloat16 cache). The failures the check exists for stay above
+#: the ceiling (0.3 and more).
 _INT8_KV_TOLERANCE = 0.1
 
 
@@ -93,7 +99,7 @@ def logits_agree(
     if tol is None:
         tol = min(max(_LOW_PRECISION_TOLERANCE, _NOISE_FACTOR * noise), _LOW_PRECISION_CEILING)
     if kv_int8:
-        tol += _INT8_KV_TOLERANCE
+        tol = min(tol + _INT8_KV_TOLERANCE, _LOW_PRECISION_CEILING)
     return err <= tol * scale, err / scale
 
 
