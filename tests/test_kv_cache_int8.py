@@ -144,6 +144,42 @@ def test_cpu_write_and_decode_quantizes_as_torch(dtype):
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_armed_decode_op_writes_and_reads_int8(dtype):
+    """A compiled graph's ``asyncllm::paged_attention`` in a decode-only step runs the C++
+    kernel straight over int8 caches (armed): the caches and output of the Python
+    implementation, padded rows zero."""
+    import dataclasses
+
+    from asyncllm.attention import backend_registry
+
+    seq_lens, bs, hkv, group, dim = [1, 17, 40], 16, 2, 3, 64
+    q, kc, vc, tables = _int8_step([1] * 3, seq_lens, bs, hkv, hkv * group, dim, dtype, seed=4)
+    g = torch.Generator().manual_seed(6)
+    q = torch.cat([q, torch.randn(2, hkv * group, dim, generator=g).to(dtype)])  # padding
+    kv = [torch.randn(5, hkv, dim, generator=g).to(dtype) for _ in range(2)]
+    last = [t[(s - 1) // bs] * bs + (s - 1) % bs for t, s in zip(tables, seq_lens, strict=True)]
+
+    def step(native: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        kcs, vcs = [kc.clone(), kc.clone()], [vc.clone(), vc.clone()]
+        plan = cpu_paged.CpuPagedPlan.build([1] * 3, seq_lens, tables, bs)
+        backend = cpu_paged.CPU_BACKEND
+        if not native:
+            backend = dataclasses.replace(backend, arm_step=None)
+        meta = backend_registry.AttentionMetadata(kcs, vcs, torch.tensor(last), plan, backend)
+        with backend_registry.step_metadata(meta, 3):
+            assert cpu_paged.load().decode_armed() == native
+            out = torch.ops.asyncllm.paged_attention(q, *kv, 1, 0.1, 0, 0.0)
+        return out, kcs + vcs
+
+    in_cpp, caches = step(True)
+    python, want = step(False)
+    assert in_cpp.dtype == dtype and torch.equal(in_cpp, python) and not in_cpp[3:].any()
+    assert all(torch.equal(a, b) for a, b in zip(caches, want, strict=True))
+    assert not torch.equal(caches[1], kc)  # layer 1's new K rows were written, quantized
+
+
 def _spec(kv_cache_dtype: str, dtype=torch.bfloat16) -> KVCacheSpec:
     return KVCacheSpec(4, 2, 64, dtype, 16, kv_cache_dtype=kv_cache_dtype)
 
