@@ -47,6 +47,7 @@ def _prompts(engine: AsyncEngine, n: int) -> list[list[int]]:
             [{"role": "user", "content": f"Write a short story about a robot number {i}."}],
             add_generation_prompt=True,
             tokenize=True,
+            return_dict=False,
         )
         for i in range(n)
     ]
