@@ -10,6 +10,7 @@ import msgspec
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _QUANTIZATION = ("auto", None, "int8", "int4", "gguf")
+_KV_CACHE_DTYPES = ("auto", "int8")
 _GROUP_SIZES = (32, 64, 128)  # asyncllm.worker.quant_linear.GROUP_SIZES (no torch import here)
 
 
@@ -27,6 +28,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             (:func:`asyncllm.worker.device.resolve_dtype`; one log line says which and why).
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         block_size: tokens per KV cache block.
+        kv_cache_dtype: how the KV cache stores K and V: "auto" in ``dtype`` (the model's);
+            "int8" as int8 codes with a float32 scale per token and KV head (symmetric,
+            ``absmax / 127``; :mod:`asyncllm.attention.kv_int8`), dequantized inside the
+            attention kernels (C++ on CPU, Triton, the torch path): ``head_dim + 4`` bytes a
+            row instead of ``2 * head_dim`` (bfloat16), so the same ``kv_cache_bytes`` holds
+            about twice the tokens (1.9x at head_dim 64), at a small cost in fidelity
+            (docs/tuning.md). "fp8" is not offered. ValueError for any other value.
         kv_cache_bytes: bytes for the K and V caches of all layers. None: on CUDA 80% of the
             memory left free after loading the weights; on CPU 20% of the available memory;
             either capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
@@ -130,6 +138,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int | None = None
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -202,6 +211,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"EngineConfig.quantization must be one of {_QUANTIZATION}, "
                 f"got {self.quantization!r}{hint}"
+            )
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            hint = (
+                " (fp8 is not offered: int8 halves the bytes)"
+                if "fp8" in str(self.kv_cache_dtype)
+                else ""
+            )
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, "
+                f"got {self.kv_cache_dtype!r}{hint}"
             )
         if self.quantization_group_size not in _GROUP_SIZES:
             raise ValueError(

@@ -20,6 +20,29 @@ static inline T from_f(float x) { return static_cast<T>(x); }
 // Positions per tile: a tile's scores are computed (one vector of 16) before its softmax.
 constexpr int64_t TILE = 16;
 
+// An int8 KV cache (asyncllm/attention/kv_int8.py): a token's row of one KV head is D int8
+// codes followed by its float32 scale (4 bytes), the value code * scale. Caches of type C =
+// int8_t are read in that layout: row_extra<C>() more elements per row, each row's values
+// widened with its scale (K) or its scale folded into the softmax weight (V).
+template <typename C>
+constexpr bool is_q8 = std::is_same<C, int8_t>::value;
+template <typename C>
+constexpr int64_t row_extra() { return is_q8<C> ? 4 : 0; }
+static inline float to_f(int8_t x) { return static_cast<float>(x); }
+// The scale of the row at x (D codes): 1 for a float or bfloat16 cache.
+template <typename C>
+static inline float row_scale(const C* x, int64_t D) {
+  if constexpr (is_q8<C>) {
+    float s;
+    std::memcpy(&s, x + D, sizeof s);
+    return s;
+  } else {
+    (void)x;
+    (void)D;
+    return 1.f;
+  }
+}
+
 // Which of a tile's scores each of its rows sees, and what is done to them first: row g
 // sees positions lo[g] .. hi[g] - 1 of the tile (lo null: from 0; hi null: all n; the
 // causal mask's diagonal sets hi, a sliding window lo), the others get weight 0; with cap > 0
@@ -70,13 +93,21 @@ static inline void prefetch_rows(const T* x, int64_t stride, int64_t n, int64_t 
 }
 
 // n <= TILE rows of D elements (row stride `stride`) as float: the rows themselves for a
-// float cache, else widened once into buf [n, D] (not once per query head); *rs: row stride.
+// float cache, else widened once into buf [n, D] (not once per query head; int8 codes times
+// their row's scale); *rs: row stride.
 template <typename T>
 static inline const float* rows_f(const T* x, int64_t stride, int64_t n, int64_t D,
                                   float* __restrict buf, int64_t* rs) {
   if constexpr (std::is_same<T, float>::value) {
     *rs = stride;
     return x;
+  } else if constexpr (is_q8<T>) {
+    for (int64_t t = 0; t < n; ++t) {
+      const float sc = row_scale(x + t * stride, D);
+      for (int64_t d = 0; d < D; ++d) buf[t * D + d] = to_f(x[t * stride + d]) * sc;
+    }
+    *rs = D;
+    return buf;
   } else {
     for (int64_t t = 0; t < n; ++t)
       for (int64_t d = 0; d < D; ++d) buf[t * D + d] = to_f(x[t * stride + d]);
@@ -137,6 +168,27 @@ static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const int8_t* p) {  // int8 codes, not yet scaled
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+// n rows of D = 16 * NC elements widened to float into buf [n, D] (int8 codes times their
+// row's scale), the next rows at kn (or null) prefetched.
+template <int NC, typename T>
+static inline void widen_rows(const T* k, const T* kn, int64_t stride, int64_t n,
+                              float* __restrict buf) {
+  constexpr int64_t D = 16 * NC, LINE = 64 / sizeof(T);
+  for (int64_t t = 0; t < n; ++t) {
+    if (kn != nullptr)
+      for (int64_t e = 0; e < D; e += LINE) __builtin_prefetch(kn + t * stride + e);
+    const __m512 sc = _mm512_set1_ps(row_scale(k + t * stride, D));
+    for (int i = 0; i < NC; ++i) {
+      __m512 x = load16(k + t * stride + 16 * i);
+      if constexpr (is_q8<T>) x = _mm512_mul_ps(x, sc);
+      _mm512_storeu_ps(buf + t * D + 16 * i, x);
+    }
+  }
 }
 static inline __m512 unpack_add_pd(__m512 a, __m512 b) {
   const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
@@ -215,7 +267,8 @@ static inline void accumulate(const T* v, int64_t stride, int64_t n, const float
   }
   for (int64_t t = 0; t < n; ++t) {
     __m512 e[GN];
-    for (int g = 0; g < GN; ++g) e[g] = _mm512_set1_ps(p[g * TILE + t]);
+    const float vs = row_scale(v + t * stride, D);  // an int8 row's scale, in the weights
+    for (int g = 0; g < GN; ++g) e[g] = _mm512_set1_ps(p[g * TILE + t] * vs);
     for (int i = 0; i < NC; ++i) {
       const __m512 x = load16(v + t * stride + 16 * i);
       for (int g = 0; g < GN; ++g) a[g][i] = _mm512_fmadd_ps(e[g], x, a[g][i]);
@@ -256,18 +309,12 @@ static void tile_avx512(const float* __restrict qv, const T* k, const T* v, cons
   constexpr int64_t D = 16 * NC;
   const float* kr;
   int64_t ks;
-  constexpr int64_t LINE = 64 / sizeof(T);
   if constexpr (std::is_same<T, float>::value) {
     prefetch_rows(kn, stride, n, D);
     kr = k;
     ks = stride;
   } else {
-    for (int64_t t = 0; t < n; ++t) {
-      if (kn != nullptr)
-        for (int64_t e = 0; e < D; e += LINE) __builtin_prefetch(kn + t * stride + e);
-      for (int i = 0; i < NC; ++i)
-        _mm512_storeu_ps(buf + t * D + 16 * i, load16(k + t * stride + 16 * i));
-    }
+    widen_rows<NC>(k, kn, stride, n, buf);
     kr = buf;
     ks = D;
   }
@@ -303,14 +350,12 @@ static void tile_rows_avx512(const float* __restrict qv, const T* k, const T* v,
   constexpr int64_t D = 16 * NC;
   const float* kr;
   int64_t ks;
-  prefetch_rows(kn, stride, n, D);
   if constexpr (std::is_same<T, float>::value) {
+    prefetch_rows(kn, stride, n, D);
     kr = k;
     ks = stride;
   } else {
-    for (int64_t t = 0; t < n; ++t)
-      for (int i = 0; i < NC; ++i)
-        _mm512_storeu_ps(buf + t * D + 16 * i, load16(k + t * stride + 16 * i));
+    widen_rows<NC>(k, kn, stride, n, buf);
     kr = buf;
     ks = D;
   }
@@ -529,13 +574,14 @@ struct RowTiles {
 };
 
 // The KV tiles of KV heads h0 .. h1 - 1 over positions [j0 * bs, len) of one sequence (its
-// block table row bt; caches [N, bs, Hkv, D], tok = Hkv * D), block by block (a block's rows read
+// block table row bt; caches [N, bs, Hkv, hs], tok = Hkv * hs: hs = D, or D + 4 for an int8
+// cache's codes and scale), block by block (a block's rows read
 // whole and in order) with the next block's rows prefetched: f(h, k, v, kp, vp, n, p0) for
 // a tile of n <= TILE positions from p0 whose rows of head h start at k and v (kp, vp: the
 // next block's, or null).
 template <typename T, typename F>
 static inline void for_each_tile(const T* K, const T* V, const int64_t* bt, int64_t len,
-                                 int64_t bs, int64_t tok, int64_t D, int64_t h0, int64_t h1,
+                                 int64_t bs, int64_t tok, int64_t hs, int64_t h0, int64_t h1,
                                  int64_t j0, F&& f) {
   const int64_t blk = bs * tok;
   for (int64_t j = j0; j * bs < len; ++j) {
@@ -547,7 +593,7 @@ static inline void for_each_tile(const T* K, const T* V, const int64_t* bt, int6
     const T* vn = more ? V + bt[j + 1] * blk : nullptr;
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t t0 = 0; t0 < n; t0 += TILE) {
-        const int64_t off = t0 * tok + h * D;
+        const int64_t off = t0 * tok + h * hs;
         // The next block's rows t0.. of this head (as many as this tile has, or none).
         const T* kp = kn != nullptr && t0 < len - (j + 1) * bs ? kn + off : nullptr;
         const T* vp = vn != nullptr && t0 < len - (j + 1) * bs ? vn + off : nullptr;
@@ -612,13 +658,15 @@ constexpr int64_t PREFILL_GEMM_MIN = 64;
 // One layer's attention over the paged cache, its tensors as sizes and pointers: q [R, H, D]
 // (rows may be strided: qs0, qs1, qs2), caches [N, bs, Hkv, D] contiguous (tok = Hkv * D
 // elements a position), tables [B, M] int64, lens [B] int64, out [R, H, D] contiguous; q,
-// caches and out all of type T (float or bfloat16), all the arithmetic in float32. DC > 0
+// caches and out all of type T (float or bfloat16), or the caches int8 codes with scales
+// (C = int8_t: rows of hs = D + 4 elements), all the arithmetic in float32. DC > 0
 // fixes D at compile time (unrolled loops, and the AVX-512 tiles where DC is a multiple of 16
 // and the compiler targets AVX-512); 0 reads it.
-template <typename T, int64_t DC>
+template <typename T, int64_t DC, typename C = T>
 struct PagedLayer {
-  const int64_t B, H, D, bs, Hkv, G, M, qs0, qs1, qs2, tok;
-  const T *Q, *K, *V;
+  const int64_t B, H, D, bs, Hkv, G, M, qs0, qs1, qs2, hs, tok;
+  const T* Q;
+  const C *K, *V;
   const int64_t *BT, *L;
   T* O;
 
@@ -626,19 +674,19 @@ struct PagedLayer {
              const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out)
       : B(lens.size(0)), H(q.size(1)), D(DC > 0 ? DC : q.size(2)), bs(key_cache.size(1)),
         Hkv(key_cache.size(2)), G(H / Hkv), M(tables.size(1)), qs0(q.stride(0)),
-        qs1(q.stride(1)), qs2(q.stride(2)), tok(Hkv * D), Q(q.data_ptr<T>()),
-        K(key_cache.data_ptr<T>()), V(value_cache.data_ptr<T>()),
+        qs1(q.stride(1)), qs2(q.stride(2)), hs(D + row_extra<C>()), tok(Hkv * hs),
+        Q(q.data_ptr<T>()), K(key_cache.data_ptr<C>()), V(value_cache.data_ptr<C>()),
         BT(tables.data_ptr<int64_t>()), L(lens.data_ptr<int64_t>()), O(out.data_ptr<T>()) {}
 
 
-  // Whether attend_shared's items go through prefix_gemm: bfloat16 caches, D a multiple of
-  // 32, and oneDNN's bfloat16 brgemm at native speed here (AVX-512 BF16 or AMX).
-  static bool gemm_shared() { return gemm_runs<T, DC>(); }
+  // Whether attend_shared's items go through prefix_gemm: bfloat16 queries and caches, D a
+  // multiple of 32, and oneDNN's bfloat16 brgemm at native speed here (AVX-512 BF16 or AMX).
+  static bool gemm_shared() { return std::is_same<T, C>::value && gemm_runs<C, DC>(); }
 
   // attend_shared's work item through prefix_gemm, its rows' state into st.
   void shared_item_gemm(const SharedPrefix& grp, int64_t h, int64_t s0, int64_t s1, float sc,
                         const int64_t* slot, GemmScratch& w, RowState& st) const {
-    prefix_gemm<T, DC>(
+    prefix_gemm<C, DC>(
         K, V, bs, tok, BT + grp.seqs[0] * M, grp.blocks, h, (s1 - s0) * G, sc,
         [&](int64_t r) { return Q + grp.seqs[s0 + r / G] * qs0 + (h * G + r % G) * qs1; }, qs2,
         [&](int64_t r, float m, float l, const float* acc) {
@@ -691,9 +739,9 @@ struct PagedLayer {
         w.load<T>((it.s1 - it.s0) * G, D, qs2, sc, [&](int64_t r) {
           return Q + grp.seqs[it.s0 + r / G] * qs0 + (it.h * G + r % G) * qs1;
         });
-        for_each_tile(K, V, BT + grp.seqs[0] * M, grp.blocks * bs, bs, tok, D, it.h, it.h + 1, 0,
-                      [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
-                          int64_t) { w.tile<T, DC>(k, v, kp, vp, tok, n, Visible{}); });
+        for_each_tile(K, V, BT + grp.seqs[0] * M, grp.blocks * bs, bs, tok, hs, it.h, it.h + 1, 0,
+                      [&](int64_t, const C* k, const C* v, const C* kp, const C* vp, int64_t n,
+                          int64_t) { w.tile<C, DC>(k, v, kp, vp, tok, n, Visible{}); });
         for (int64_t r = 0; r < w.R; ++r) {
           const int64_t row = slot[grp.seqs[it.s0 + r / G]] * H + it.h * G + r % G;
           std::copy(w.acc.begin() + r * D, w.acc.begin() + (r + 1) * D, st.acc.begin() + row * D);
@@ -758,15 +806,15 @@ struct PagedLayer {
         }
         // The first visible position: blocks wholly before it are not read.
         const int64_t start = window > 0 ? std::max<int64_t>(0, L[b] - window) : 0;
-        for_each_tile(K, V, BT + b * M, L[b], bs, tok, D, h0, h1, std::max(skip[b], start / bs),
-                      [&](int64_t h, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
+        for_each_tile(K, V, BT + b * M, L[b], bs, tok, hs, h0, h1, std::max(skip[b], start / bs),
+                      [&](int64_t h, const C* k, const C* v, const C* kp, const C* vp, int64_t n,
                           int64_t p0) {
                         Visible vis{nullptr, nullptr, cap};
                         if (start > p0) {
                           std::fill(lo.begin(), lo.end(), std::min(n, start - p0));
                           vis.lo = lo.data();
                         }
-                        run_tile<T, DC>(qv + h * G * D, k, v, kp, vp, tok, n, vis, G, D,
+                        run_tile<C, DC>(qv + h * G * D, k, v, kp, vp, tok, n, vis, G, D,
                                         buf_.data(), s_.data(), c_.data(), acc + h * G * D,
                                         m + h * G, l + h * G);
                       });
@@ -841,7 +889,7 @@ struct PagedLayer {
         int64_t from = std::max(skip, first_pos / bs);
         const int64_t whole = (last + 1) / bs;
         if (gemm && (whole - skip) * bs >= PREFILL_GEMM_MIN) {
-          prefix_gemm<T, DC>(
+          prefix_gemm<C, DC>(
               K, V, bs, tok, BT + b * M + skip, whole - skip, h, w.R, sc,
               [&](int64_t r) { return Q + (first + r / G) * qs0 + (h * G + r % G) * qs1; }, qs2,
               [&](int64_t r, float m2, float l2, const float* acc2) {
@@ -856,8 +904,8 @@ struct PagedLayer {
           from = whole;
         }
         const int64_t len = last + nt;  // positions the item's last token sees
-        for_each_tile(K, V, BT + b * M, len, bs, tok, D, h, h + 1, from,
-                      [&](int64_t, const T* k, const T* v, const T* kp, const T* vp, int64_t n,
+        for_each_tile(K, V, BT + b * M, len, bs, tok, hs, h, h + 1, from,
+                      [&](int64_t, const C* k, const C* v, const C* kp, const C* vp, int64_t n,
                           int64_t p0) {
                         // Rows that see only part of the tile: the causal mask's diagonal
                         // (hi), a sliding window's start (lo).
@@ -878,7 +926,7 @@ struct PagedLayer {
                           }
                           vis.lo = lo.data();
                         }
-                        w.tile<T, DC>(k, v, kp, vp, tok, n, vis);
+                        w.tile<C, DC>(k, v, kp, vp, tok, n, vis);
                       });
         for (int64_t r = 0; r < w.R; ++r) {
           T* dst = O + ((first + r / G) * H + h * G + r % G) * D;
@@ -891,13 +939,14 @@ struct PagedLayer {
   }
 };
 
-template <typename T>
+template <typename T, typename C = T>
 static void dispatch(const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& tables,
                      const at::Tensor& lens, float sc, int64_t window, float cap,
                      at::Tensor& out) {
-#define ASYNCLLM_DECODE(DC) \
-  return PagedLayer<T, DC>(q, key_cache, value_cache, tables, lens, out).decode(sc, window, cap)
+#define ASYNCLLM_DECODE(DC)                                                           \
+  return PagedLayer<T, DC, C>(q, key_cache, value_cache, tables, lens, out).decode(sc, window, \
+                                                                                   cap)
   switch (q.size(2)) {
     case 64: ASYNCLLM_DECODE(64);
     case 80: ASYNCLLM_DECODE(80);
@@ -981,7 +1030,13 @@ void paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
                   const at::Tensor& lens, double scale, int64_t window, double softcap,
                   at::Tensor& out) {
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  if (key_cache.scalar_type() == at::kBFloat16)
+  const bool bf = q.scalar_type() == at::kBFloat16;
+  if (key_cache.scalar_type() == at::kChar)  // int8 codes and scales (kv_int8.py)
+    return bf ? dispatch<at::BFloat16, int8_t>(q, key_cache, value_cache, tables, lens, sc,
+                                               window, cap, out)
+              : dispatch<float, int8_t>(q, key_cache, value_cache, tables, lens, sc, window,
+                                        cap, out);
+  if (bf)
     return dispatch<at::BFloat16>(q, key_cache, value_cache, tables, lens, sc, window, cap, out);
   return dispatch<float>(q, key_cache, value_cache, tables, lens, sc, window, cap, out);
 }
@@ -996,13 +1051,16 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
                    const at::Tensor& qlens, double scale, int64_t window, double softcap,
                    at::Tensor& out, const c10::optional<at::Tensor>& skip, const c10::optional<at::Tensor>& init_out,
                    const c10::optional<at::Tensor>& init_lse) {
-  const auto T = key_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == T && value_cache.scalar_type() == T &&
-                  out.scalar_type() == T && (T == at::kFloat || T == at::kBFloat16),
-              "paged_prefill: q, caches and out must share float32 or bfloat16");
+  const auto T = q.scalar_type();
+  const bool q8 = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
+                  (q8 || key_cache.scalar_type() == T) && out.scalar_type() == T &&
+                  (T == at::kFloat || T == at::kBFloat16),
+              "paged_prefill: q and out float32 or bfloat16, the caches q's dtype or int8");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous() &&
-                  out.sizes() == q.sizes() && q.dim() == 3 && q.size(2) == key_cache.size(3) &&
-                  q.size(1) % key_cache.size(2) == 0,
+                  out.sizes() == q.sizes() && q.dim() == 3 &&
+                  q.size(2) + (q8 ? 4 : 0) == key_cache.size(3) &&
+                  key_cache.sizes() == value_cache.sizes() && q.size(1) % key_cache.size(2) == 0,
               "paged_prefill: shapes do not match");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
                   qstart.scalar_type() == at::kLong && qlens.scalar_type() == at::kLong &&
@@ -1013,6 +1071,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t* SK = nullptr;
   const float *IO = nullptr, *IL = nullptr;
   if (skip.has_value()) {
+    TORCH_CHECK(!q8, "paged_prefill: no shared-prefix state over an int8 cache");
     TORCH_CHECK(window <= 0 && softcap <= 0.0,
                 "paged_prefill: no shared-prefix state with a sliding window or soft-capping");
     TORCH_CHECK(init_out.has_value() && init_lse.has_value() &&
@@ -1035,11 +1094,14 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const bool bf = T == at::kBFloat16;
   const int64_t *QS = qstart.data_ptr<int64_t>(), *QL = qlens.data_ptr<int64_t>();
+#define ASYNCLLM_PREFILL_AS(QT_, CT_, DC)                                                     \
+  return PagedLayer<QT_, DC, CT_>(q, key_cache, value_cache, tables, lens, out)              \
+      .prefill(QS, QL, sc, window, cap, SK, IO, IL)
 #define ASYNCLLM_PREFILL(DC)                                                                  \
-  return bf ? PagedLayer<at::BFloat16, DC>(q, key_cache, value_cache, tables, lens, out)     \
-                  .prefill(QS, QL, sc, window, cap, SK, IO, IL)                              \
-            : PagedLayer<float, DC>(q, key_cache, value_cache, tables, lens, out)             \
-                  .prefill(QS, QL, sc, window, cap, SK, IO, IL)
+  if (q8 && bf) ASYNCLLM_PREFILL_AS(at::BFloat16, int8_t, DC);                                \
+  if (q8) ASYNCLLM_PREFILL_AS(float, int8_t, DC);                                             \
+  if (bf) ASYNCLLM_PREFILL_AS(at::BFloat16, at::BFloat16, DC);                                \
+  ASYNCLLM_PREFILL_AS(float, float, DC)
   switch (q.size(2)) {
     case 64: ASYNCLLM_PREFILL(64);
     case 80: ASYNCLLM_PREFILL(80);
@@ -1048,6 +1110,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
     default: ASYNCLLM_PREFILL(0);
   }
 #undef ASYNCLLM_PREFILL
+#undef ASYNCLLM_PREFILL_AS
 }
 
 // Rows 0..n-1 of x [R, Hkv, D] (any strides) to the flat slots S of cache [N, bs, Hkv, D]
@@ -1065,6 +1128,34 @@ static void write_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* S,
   }
 }
 
+// Rows 0..n-1 of x [R, Hkv, D] (any strides) quantized to the flat slots S of an int8 cache
+// [N, bs, Hkv, D + 4] (contiguous; a negative slot is skipped): per row and head, codes
+// round(x * 127 / absmax) (ties to even) and the float32 scale absmax * (1 / 127) after
+// them, as kv_int8.quantize computes.
+template <typename T>
+static void write_rows_q8(const at::Tensor& x, at::Tensor& cache, const int64_t* S, int64_t n) {
+  const int64_t Hkv = x.size(1), D = x.size(2), hs = D + 4;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
+  const T* X = x.data_ptr<T>();
+  int8_t* C = cache.data_ptr<int8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (S[i] < 0) continue;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const T* src = X + i * s0 + h * s1;
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_f(src[d * s2])));
+      const float scale = amax * (1.f / 127.f);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* row = C + (S[i] * Hkv + h) * hs;
+      for (int64_t d = 0; d < D; ++d) {
+        const float c = std::nearbyint(to_f(src[d * s2]) * inv);
+        row[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
+      }
+      std::memcpy(row + D, &scale, sizeof scale);
+    }
+  }
+}
+
 // One decode step of a layer: the new K/V rows (k, v [R, Hkv, D]) of the n = lens.size(0)
 // sequences written at their slots [n], then paged_decode of q rows 0..n-1 into out [R, H, D]
 // (contiguous; window, softcap as paged_decode); rows n..R-1 are padding: out rows zero,
@@ -1075,21 +1166,30 @@ void paged_write_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& lens, double scale, int64_t window, double softcap,
                         at::Tensor& out) {
   const int64_t n = lens.size(0), R = q.size(0);
-  const auto T = key_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == T && k.scalar_type() == T && v.scalar_type() == T &&
-                  value_cache.scalar_type() == T && out.scalar_type() == T &&
+  const auto T = q.scalar_type();
+  const bool q8 = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k.scalar_type() == T && v.scalar_type() == T &&
+                  value_cache.scalar_type() == key_cache.scalar_type() &&
+                  (q8 || key_cache.scalar_type() == T) && out.scalar_type() == T &&
                   (T == at::kFloat || T == at::kBFloat16),
-              "paged_write_decode: q, k, v, caches and out must share float32 or bfloat16");
+              "paged_write_decode: q, k, v and out float32 or bfloat16, the caches q's or int8");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous() &&
                   k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
                   k.size(0) >= n && R >= n && out.sizes() == q.sizes() &&
-                  k.size(1) == key_cache.size(2) && k.size(2) == key_cache.size(3),
+                  key_cache.sizes() == value_cache.sizes() && k.size(1) == key_cache.size(2) &&
+                  k.size(2) + (q8 ? 4 : 0) == key_cache.size(3),
               "paged_write_decode: shapes do not match");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() >= n,
               "paged_write_decode: slots must be int64 with a slot per sequence");
   const int64_t* S = slots.data_ptr<int64_t>();
   at::Tensor o = out.narrow(0, 0, n);
-  if (T == at::kBFloat16) {
+  if (q8 && T == at::kBFloat16) {
+    write_rows_q8<at::BFloat16>(k, key_cache, S, n);
+    write_rows_q8<at::BFloat16>(v, value_cache, S, n);
+  } else if (q8) {
+    write_rows_q8<float>(k, key_cache, S, n);
+    write_rows_q8<float>(v, value_cache, S, n);
+  } else if (T == at::kBFloat16) {
     write_rows<at::BFloat16>(k, key_cache, S, n);
     write_rows<at::BFloat16>(v, value_cache, S, n);
   } else {
@@ -1151,7 +1251,9 @@ static at::Tensor paged_attention_cpu_op(const at::Tensor& q, const at::Tensor& 
                                          int64_t window, double softcap) {
   const ArmedDecode* a = armed_decode.get();
   if (a != nullptr && layer >= 0 && layer < static_cast<int64_t>(a->key_caches.size()) &&
-      q.dim() == 3 && q.scalar_type() == a->key_caches[layer].scalar_type() &&
+      q.dim() == 3 &&
+      (q.scalar_type() == a->key_caches[layer].scalar_type() ||
+       a->key_caches[layer].scalar_type() == at::kChar) &&
       k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type()) {
     at::Tensor out = at::empty(q.sizes(), q.options());
     const size_t g = a->layer_groups.empty() ? 0 : static_cast<size_t>(a->layer_groups[layer]);
@@ -1178,6 +1280,8 @@ void register_ops() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Reads and writes int8 caches (kv_int8.py); builds before it lack the attribute.
+  m.attr("int8_kv") = true;
   m.def("register_ops", &register_ops, "Register this module's CPU kernels of the asyncllm ops (once).");
   m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");
   m.def("paged_write_decode", torch::wrap_pybind_function(paged_write_decode), "paged_write_decode");

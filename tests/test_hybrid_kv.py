@@ -97,7 +97,8 @@ async def test_long_generation_frees_sliding_blocks_and_matches_transformers(
     async with engine:
         got = [t async for out in engine.stream(prompt, _greedy(60)) for t in out.token_ids]
         stats = engine.stats()
-    assert stats["kv_layout"] == "3 groups of 2 layers (1 full, 2 window 6), 200 blocks of 4"
+    layout = "3 groups of 2 layers (1 full, 2 window 6), 200 blocks of 4, float32"
+    assert stats["kv_layout"] == layout
     assert got == reference(prompt, 60)
     assert held[0] == (16, 4, 2, 2)  # the first chunk: sliding blocks 0 and 1 freed already
     assert all(s1 <= 2 and s2 <= 2 for _, _, s1, s2 in held)

@@ -4,7 +4,10 @@ The Triton form of vLLM's ``reshape_and_cache`` (Kwon et al., "Efficient Memory 
 Large Language Model Serving with PagedAttention", SOSP 2023): one program per new token copies
 its ``[num_kv_heads, head_dim]`` key and value rows to flat slot ``slot_mapping[t]`` of the
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` caches. Tokens with a negative slot are
-skipped (masked loads and stores, no branch).
+skipped (masked loads and stores, no branch). An int8 cache (:mod:`asyncllm.attention.kv_int8`)
+gets each row quantized on the way: its codes ``round(x * 127 / absmax)`` (ties to even, by
+adding and subtracting 1.5 * 2**23 in float32; ``127 / absmax`` IEEE-rounded, ``div_rn``) and
+its float32 scale ``absmax * (1/127)`` after them, as the torch path writes.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm._kernels.paged_common import scale_view
+
 
 @triton.jit
 def _kv_cache_write_kernel(
@@ -20,6 +25,8 @@ def _kv_cache_write_kernel(
     value_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,
+    value_scale_ptr,
     slot_mapping_ptr,
     stride_kt,
     stride_kh,
@@ -36,6 +43,7 @@ def _kv_cache_write_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -48,10 +56,33 @@ def _kv_cache_write_kernel(
     t64 = t.to(tl.int64)
     k = tl.load(key_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kct
-    v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vct
-    tl.store(k_dst + h[:, None] * stride_kch + d[None, :], k, mask=mask)
-    tl.store(v_dst + h[:, None] * stride_vch + d[None, :], v, mask=mask)
+    k_row = block * stride_kcb + offset * stride_kct + h * stride_kch  # [BLOCK_H]
+    v_row = block * stride_vcb + offset * stride_vct + h * stride_vch
+    if QUANT:
+        k_codes, k_scale = _quantize_rows(k)
+        v_codes, v_scale = _quantize_rows(v)
+        tl.store(key_cache_ptr + k_row[:, None] + d[None, :], k_codes, mask=mask)
+        tl.store(value_cache_ptr + v_row[:, None] + d[None, :], v_codes, mask=mask)
+        h_mask = keep & (h < NUM_KV_HEADS)
+        tl.store(key_scale_ptr + (k_row + HEAD_DIM) // 4, k_scale, mask=h_mask)
+        tl.store(value_scale_ptr + (v_row + HEAD_DIM) // 4, v_scale, mask=h_mask)
+    else:
+        tl.store(key_cache_ptr + k_row[:, None] + d[None, :], k, mask=mask)
+        tl.store(value_cache_ptr + v_row[:, None] + d[None, :], v, mask=mask)
+
+
+@triton.jit
+def _quantize_rows(x):
+    """Rows ``[BLOCK_H, BLOCK_D]`` (masked elements 0) -> (int8 codes, float32 scales
+    ``[BLOCK_H]``): kv_int8's per-row symmetric quantization."""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    scale = amax * (1.0 / 127.0)
+    inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax), 0.0)
+    y = x * inv[:, None]
+    y = (y + 12582912.0) - 12582912.0  # to the nearest integer, ties to even (|y| <= 127)
+    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    return y.to(tl.int8), scale
 
 
 def kv_cache_write(
@@ -68,9 +99,11 @@ def kv_cache_write(
     contiguous dimension.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]`` in the caches' dtype.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` in the caches' dtype (any float
+            dtype for an int8 cache).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the last
-            dimension contiguous; written in place.
+            dimension contiguous; written in place. int8: ``head_dim + 4`` (codes and scale,
+            :mod:`asyncllm.attention.kv_int8`).
         slot_mapping: ``[num_tokens]`` int32 or int64 flat slots
             (``block * block_size + offset``; negative: do not store).
 
@@ -83,9 +116,12 @@ def kv_cache_write(
             f"key {tuple(key.shape)}, value {tuple(value.shape)}, key_cache "
             f"{tuple(key_cache.shape)}, value_cache {tuple(value_cache.shape)} do not match"
         )
-    if key_cache.shape[2:] != (num_kv_heads, head_dim):
+    quant = key_cache.dtype == torch.int8
+    if key_cache.shape[2:] != (num_kv_heads, head_dim + (4 if quant else 0)):
         raise ValueError(f"key rows {tuple(key.shape)} do not fit cache {tuple(key_cache.shape)}")
-    if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
+    if quant and (value_cache.dtype != torch.int8 or head_dim % 4):
+        raise ValueError(f"int8 caches need int8 values and head_dim % 4 == 0, got {head_dim}")
+    if not quant and (key.dtype != key_cache.dtype or value.dtype != value_cache.dtype):
         raise ValueError(f"K/V dtype {key.dtype} differs from the cache's {key_cache.dtype}")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)")
@@ -102,6 +138,8 @@ def kv_cache_write(
         value,
         key_cache,
         value_cache,
+        scale_view(key_cache),
+        scale_view(value_cache),
         slot_mapping,
         key.stride(0),
         key.stride(1),
@@ -118,4 +156,5 @@ def kv_cache_write(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1],
+        QUANT=quant,
     )

@@ -30,7 +30,8 @@ from asyncllm._kernels.paged_common import (
     check_paged_inputs,
     check_window_softcap,
     dot_options,
-    load_kv_tile,
+    load_kv,
+    scale_view,
     tanh_f32,
 )
 
@@ -42,6 +43,8 @@ def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     tile_seqs_ptr,
     tile_starts_ptr,
@@ -72,6 +75,7 @@ def _paged_prefill_kernel(
     SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # qk_scale: scale * log2(e), or scale / softcap with SOFTCAP (then softcap_log2 = softcap *
     # log2(e)).
@@ -109,12 +113,14 @@ def _paged_prefill_kernel(
     for n in range(begin, end, BLOCK_N):
         pos = n + tl.arange(0, BLOCK_N)
         p_mask = pos < end
-        k = load_kv_tile(
-            k_cache_ptr, table_ptr, pos, p_mask, kv_head, d, d_mask,
-            stride_kb, stride_kt, stride_kh, BLOCK_SIZE,
+        k = load_kv(
+            k_cache_ptr, k_scale_ptr, table_ptr, pos, p_mask, kv_head, d, d_mask,
+            stride_kb, stride_kt, stride_kh, BLOCK_SIZE, HEAD_DIM, QUANT,
         )  # fmt: skip
         if UPCAST:
             k = k.to(tl.float32)
+        elif QUANT:  # dequantized to the query's dtype, as the torch path does
+            k = k.to(q.dtype)
         if SOFTCAP:
             s = tanh_f32(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale)
             s = s * softcap_log2
@@ -128,12 +134,14 @@ def _paged_prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(
-            v_cache_ptr, table_ptr, pos, p_mask, kv_head, d, d_mask,
-            stride_vb, stride_vt, stride_vh, BLOCK_SIZE,
+        v = load_kv(
+            v_cache_ptr, v_scale_ptr, table_ptr, pos, p_mask, kv_head, d, d_mask,
+            stride_vb, stride_vt, stride_vh, BLOCK_SIZE, HEAD_DIM, QUANT,
         )  # fmt: skip
         if UPCAST:
             v = v.to(tl.float32)
+        elif QUANT:  # dequantized to the query's dtype, as the torch path does
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -188,7 +196,8 @@ def paged_prefill(
         query: ``[num_tokens, num_heads, head_dim]`` float16, bfloat16 or float32, head_dim
             contiguous.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the query's
-            dtype.
+            dtype, or int8 ``[..., head_dim + 4]`` (codes and scale,
+            :mod:`asyncllm.attention.kv_int8`; dequantized to the query's dtype per tile).
         out: like ``query`` (any strides with head_dim contiguous); written in place.
         tile_seqs: ``[num_tiles]`` int32 sequence of each query tile.
         tile_starts: ``[num_tiles]`` int32 first chunk offset of each tile (a multiple of
@@ -230,6 +239,8 @@ def paged_prefill(
         query,
         key_cache,
         value_cache,
+        scale_view(key_cache),
+        scale_view(value_cache),
         out,
         tile_seqs,
         tile_starts,
@@ -260,5 +271,6 @@ def paged_prefill(
         SOFTCAP=softcap > 0.0,
         UPCAST=upcast,
         PRECISION=precision,
+        QUANT=key_cache.dtype == torch.int8,
         **extra,
     )

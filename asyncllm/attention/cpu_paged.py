@@ -35,7 +35,9 @@ flash attention (bfloat16 GEMMs) is faster there. ``benchmarks/prefill_attention
 472 / 410, 8 prompts of 40 with 56 decodes 2789 / 998; but one 512-token prompt
 2336 / 3899 (on torch); in float32 the kernel wins all of them (docs/tuning.md).
 
-Caches and queries are float32 or bfloat16 (the engine's dtype); all the arithmetic is in
+Queries are float32 or bfloat16 (the engine's dtype), caches the same or int8 codes with a
+scale per row (:mod:`asyncllm.attention.kv_int8`: K rows widened times their scale, V scales
+folded into the softmax weights; no cascade over them); all the arithmetic is in
 float32 either way (a bfloat16 element widens exactly to float32 with a shift), and the
 output is rounded to the query's dtype, as the torch path's ``scaled_dot_product_attention``
 does. A bfloat16 cache is half the bytes to read. Each K and V row is widened once for the
@@ -54,7 +56,7 @@ the torch path (one warning).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +64,13 @@ import torch
 
 from asyncllm._kernels import native
 from asyncllm._kernels.native import cpu_flags
-from asyncllm.attention.backend_registry import AttentionBackend, AttentionMetadata
+from asyncllm.attention.backend_registry import AttentionBackend
+from asyncllm.attention.cpu_decode import (
+    KERNEL_DTYPES,
+    arm_decode,
+    reads_caches,
+    write_and_decode,
+)
 from asyncllm.attention.torch_paged import (
     PagedAttentionPlan,
     padded_tables,
@@ -71,9 +79,6 @@ from asyncllm.attention.torch_paged import (
 )
 
 ENV_SWITCH = native.SWITCHES["attention"]
-
-#: The cache dtypes the kernel reads (float16 goes through the torch path).
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def enabled() -> bool:
@@ -331,17 +336,17 @@ def _check_dtypes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
     Raises:
         RuntimeError: the kernel is not available.
-        ValueError: the query and caches differ in dtype, or it is not one of
-            :data:`KERNEL_DTYPES`.
+        ValueError: the query is not one of :data:`KERNEL_DTYPES`, or the caches are neither
+            its dtype nor int8 (:func:`reads_caches`).
     """
-    if not (query.dtype == key_cache.dtype == value_cache.dtype in KERNEL_DTYPES):
-        raise ValueError(
-            f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} must share "
-            f"one of {KERNEL_DTYPES}"
-        )
     mod = load()
     if mod is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {failure()}")
+    if not reads_caches(mod, query.dtype, key_cache.dtype, value_cache.dtype):
+        raise ValueError(
+            f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} must share "
+            f"one of {KERNEL_DTYPES} (or the caches be int8)"
+        )
     return mod
 
 
@@ -362,8 +367,7 @@ def decode_attention(
 
     Raises:
         RuntimeError: the kernel is not available.
-        ValueError: the query and caches differ in dtype, or it is not one of
-            :data:`KERNEL_DTYPES`.
+        ValueError: as :func:`_check_dtypes`.
     """
     mod = _check_dtypes(query, key_cache, value_cache)
     out = torch.empty(query.shape, dtype=query.dtype)
@@ -398,7 +402,8 @@ def chunk_attention(
 
     Args:
         query: ``[T, H, D]`` (rows may be strided).
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous.
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous (int8:
+            ``D + 4``, :mod:`~asyncllm.attention.kv_int8`).
         block_tables: ``[B, M]`` int64.
         seq_lens, query_start, query_lens: ``[B]`` int64 (tokens, rows, rows).
         scale: softmax scale.
@@ -430,8 +435,7 @@ def chunk_attention(
 def _kernel_reads(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """The caches and query suit the kernels (else the torch path runs)."""
     return (
-        key_cache.dtype in KERNEL_DTYPES
-        and query.dtype == key_cache.dtype == value_cache.dtype
+        reads_caches(load(), query.dtype, key_cache.dtype, value_cache.dtype)
         and key_cache.device.type == "cpu"
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
@@ -453,7 +457,7 @@ def paged_attention_cpu(
     decodes too), but for long bfloat16 chunks (:data:`TORCH_MIN_PAIRS`); everything else
     through the torch path. Shared prefixes (cascade attention) only without a ``window``
     or ``softcap``."""
-    if not _kernel_reads(query, key_cache, value_cache) or load() is None:
+    if not _kernel_reads(query, key_cache, value_cache):
         return paged_attention(query, key_cache, value_cache, plan.base, scale, window, softcap)
     if plan.chunks is not None:
         chunks = plan.chunks if query.dtype == torch.float32 else plan.short_chunks
@@ -466,7 +470,7 @@ def paged_attention_cpu(
             if chunks is None:  # every sequence went to the torch path
                 return out
             out = out.contiguous()
-        cascade = query.dtype == torch.bfloat16 and window <= 0 and softcap <= 0
+        cascade = key_cache.dtype == torch.bfloat16 and window <= 0 and softcap <= 0
         return chunk_attention(
             query, key_cache, value_cache, chunks.tables, chunks.seq_lens, chunks.query_start,
             chunks.query_lens, scale, out, chunks.shared if cascade else None, window, softcap,
@@ -477,87 +481,6 @@ def paged_attention_cpu(
     return decode_attention(
         query, key_cache, value_cache, d.block_tables, plan.dec_lens, scale, window, softcap
     )
-
-
-def write_and_decode(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    plan: CpuPagedPlan,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor | None:
-    """A decode-only step's whole attention layer in one kernel call: the new K/V written at
-    ``slot_mapping`` and every sequence's one query attended (``window``, ``softcap`` as
-    :func:`decode_attention`), ``query [R, H, D]``,
-    ``key/value [R, Hkv, D]`` -> ``[R, H, D]``, rows past the plan's sequences (padding of
-    a compiled step) zero and not written. None where the step has prefills or the kernel
-    cannot run it (the caller writes and attends separately then)."""
-    if not query.dtype == key.dtype == key_cache.dtype == value_cache.dtype:
-        return None
-    mod, tables = _decode_kernel(plan, key_cache)
-    if mod is None:
-        return None
-    out = torch.empty(query.shape, dtype=query.dtype)
-    mod.paged_write_decode(
-        query, key, value, key_cache, value_cache, slot_mapping, tables, plan.dec_lens,
-        float(scale), int(window), float(softcap), out,
-    )  # fmt: skip
-    return out
-
-
-def _decode_kernel(plan: CpuPagedPlan, key_cache: torch.Tensor) -> tuple[Any, Any]:
-    """(the extension, the block tables) where the decode kernel can write and attend the
-    whole step (decode-only, one table row per sequence, a CPU cache it reads), else
-    ``(None, None)``."""
-    d = plan.base.decodes
-    if (
-        plan.base.prefills
-        or d is None
-        or not d.identity
-        or plan.dec_lens is None
-        or key_cache.dtype not in KERNEL_DTYPES
-        or key_cache.device.type != "cpu"
-    ):
-        return None, None
-    mod = load()
-    return (None, None) if mod is None else (mod, d.block_tables)
-
-
-def arm_decode(meta: AttentionMetadata) -> Callable[[], None] | None:
-    """Hand a decode-only step's caches, slots, block tables and lengths to the kernel's
-    C++ implementation of ``asyncllm::paged_attention`` on this thread, so that a compiled
-    graph's attention calls run :func:`write_and_decode`'s kernel without Python around it.
-    With layer groups each layer gets its group's slots and block tables.
-
-    Returns:
-        The function that disarms it (call it after the step), or None where the step or
-        the caches do not suit the kernel (then the op runs its Python implementation).
-    """
-    mod, tables = _decode_kernel(meta.plan, meta.key_caches[0]) if meta.key_caches else (None, None)
-    if mod is None:
-        return None
-    if not meta.layer_groups:
-        mod.arm_decode(
-            meta.key_caches, meta.value_caches, meta.slot_mapping, tables, meta.plan.dec_lens
-        )
-        return mod.disarm_decode  # type: ignore[no-any-return]
-    arm_groups = getattr(mod, "arm_decode_groups", None)  # not in builds before layer groups
-    if arm_groups is None:
-        return None
-    arm_groups(
-        meta.key_caches,
-        meta.value_caches,
-        list(meta.slot_mappings),
-        [_decode_kernel(p, meta.key_caches[0])[1] for p in meta.plans],
-        meta.plan.dec_lens,
-        list(meta.layer_groups),
-    )
-    return mod.disarm_decode  # type: ignore[no-any-return]
 
 
 CPU_BACKEND = AttentionBackend(
@@ -573,6 +496,7 @@ CPU_BACKEND = AttentionBackend(
 
 __all__ = [
     "CPU_BACKEND",
+    "KERNEL_DTYPES",
     "MIN_SHARED_PAIRS",
     "TORCH_MIN_PAIRS",
     "ChunkLayout",
@@ -586,6 +510,7 @@ __all__ = [
     "failure",
     "load",
     "paged_attention_cpu",
+    "reads_caches",
     "write_and_decode",
     "write_kv_cache",
 ]

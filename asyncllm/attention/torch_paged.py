@@ -15,6 +15,10 @@ Per layer, a sliding window of ``w`` positions keeps only the context positions 
 for the query at position ``p`` (transformers' ``sliding_window_overlay``: Mistral, Gemma 2/3,
 Qwen2's sliding layers), and attention logit soft-capping replaces each scaled score ``s`` by
 ``c * tanh(s / c)`` before the mask (Gemma 2; transformers' ``eager_attention_forward``).
+
+An int8 cache (:mod:`asyncllm.attention.kv_int8`: ``head_dim + 4`` int8 elements a row, codes
+and scale) is quantized on write and its gathered rows dequantized to the query's dtype
+before the attention.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
+
+from asyncllm.attention.kv_int8 import dequantize, is_quantized, quantize
 
 
 def write_kv_cache(
@@ -37,13 +43,17 @@ def write_kv_cache(
     """Store new K/V rows at their slots; rows whose slot is negative are skipped.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype (any float
+            dtype for an int8 cache: quantized here, :func:`~asyncllm.attention.kv_int8.quantize`).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (int8:
+            ``head_dim + 4``).
         slot_mapping: ``[num_tokens]`` int64 flat slots (-1: do not store).
     """
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if is_quantized(key_cache):
+        key, value = quantize(key), quantize(value)
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
     flat_k.index_copy_(0, slot_mapping, key)
@@ -198,9 +208,12 @@ class PagedAttentionPlan:
         return PagedAttentionPlan(self.num_tokens, decodes, prefills)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """``[..., n_blocks]`` block ids -> ``[..., num_kv_heads, n_blocks * block_size, head_dim]``."""
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[..., n_blocks]`` block ids -> ``[..., num_kv_heads, n_blocks * block_size, head_dim]``
+    (an int8 cache's rows dequantized to ``dtype``)."""
     g = cache[blocks]  # [..., n_blocks, block_size, Hkv, D]
+    if is_quantized(cache):
+        g = dequantize(g, dtype)
     g = g.flatten(-4, -3)  # [..., L, Hkv, D]
     return g.transpose(-3, -2)
 
@@ -243,7 +256,8 @@ def paged_attention(
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the
+            query's dtype, or int8 ``[..., head_dim + 4]`` (dequantized to the query's dtype).
         plan: the step's :class:`PagedAttentionPlan`.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         window: a sliding window of this many positions (0: none), see the module's text.
@@ -261,10 +275,14 @@ def paged_attention(
         # once per query head; index_select copies whole blocks.
         q = query if d.identity else query[d.rows]  # [Bd, H, D]
         bd, n_blk = d.block_tables.shape
-        _, bs, hkv, dim = key_cache.shape
-        shape = (bd, n_blk * bs, hkv, dim)
-        k = key_cache.index_select(0, d.flat_blocks).view(shape).transpose(1, 2)
-        v = value_cache.index_select(0, d.flat_blocks).view(shape).transpose(1, 2)
+        _, bs, hkv, row = key_cache.shape
+        shape = (bd, n_blk * bs, hkv, row)
+        k = key_cache.index_select(0, d.flat_blocks).view(shape)
+        v = value_cache.index_select(0, d.flat_blocks).view(shape)
+        if is_quantized(key_cache):
+            k, v = dequantize(k, query.dtype), dequantize(v, query.dtype)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        dim = q.shape[-1]
         heads = q.shape[1]
         o = _attention(
             q.reshape(bd, hkv, heads // hkv, dim), k, v, d.mask_for(window), scale, softcap
@@ -274,8 +292,8 @@ def paged_attention(
         out[d.rows] = o
     for p in plan.prefills:
         q = query[p.start : p.end].transpose(0, 1)  # [H, q_len, D]
-        k = _gather(key_cache, p.blocks)[:, : p.ctx_len]
-        v = _gather(value_cache, p.blocks)[:, : p.ctx_len]
+        k = _gather(key_cache, p.blocks, query.dtype)[:, : p.ctx_len]
+        v = _gather(value_cache, p.blocks, query.dtype)[:, : p.ctx_len]
         # 4-D inputs: CPU SDPA takes its flash kernel only for [B, H, L, D] (3-D ones go
         # to the unfused math path, ~3x slower on a 512-token chunk).
         mask = p.mask_for(window)

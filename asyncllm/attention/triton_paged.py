@@ -166,9 +166,10 @@ def write_kv_cache(
     """Store new K/V rows at their slots with the Triton kernel; negative slots are skipped.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype, head_dim
-            contiguous.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype (any float
+            dtype for int8 caches, quantized on the way), head_dim contiguous.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, or int8
+            ``[..., head_dim + 4]`` (:mod:`asyncllm.attention.kv_int8`).
         slot_mapping: ``[num_tokens]`` int64 (or int32) flat slots (-1: do not store).
 
     Raises:
@@ -204,7 +205,8 @@ def paged_attention(
         query: ``[num_tokens, num_heads, head_dim]`` float16, bfloat16 or float32, head_dim
             contiguous.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the
-            query's dtype.
+            query's dtype, or int8 ``[..., head_dim + 4]`` (codes and scales,
+            :mod:`asyncllm.attention.kv_int8`; dequantized in the kernels).
         plan: the step's :class:`TritonPagedPlan`.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         window: sliding window in tokens (the model's ``sliding_window`` on its sliding

@@ -83,6 +83,11 @@ PATHS: tuple[FidelityPath, ...] = (
                  {"dtype": "bfloat16", "quantization": "gguf"}),
     FidelityPath("gguf-float32", "the GGUF file's own blocks, float32",
                  {"dtype": "float32", "quantization": "gguf"}),
+    FidelityPath("kv-int8", "defaults, int8 KV cache", {"kv_cache_dtype": "int8"}),
+    FidelityPath("float32-kv-int8", "float32, no quantization, int8 KV cache",
+                 {"dtype": "float32", "quantization": None, "kv_cache_dtype": "int8"}),
+    FidelityPath("bfloat16-kv-int8", "bfloat16, no quantization, int8 KV cache",
+                 {"dtype": "bfloat16", "quantization": None, "kv_cache_dtype": "int8"}),
 )  # fmt: skip
 
 

@@ -148,11 +148,13 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             kv_cache_bytes=config.kv_cache_bytes,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         logger.info(
-            "KV cache: %s; %d bytes per token, %d blocks of %d tokens = %d tokens, %.1f MiB",
+            "KV cache: %s, %s; %d bytes per token, %d blocks of %d tokens = %d tokens, %.1f MiB",
             spec.layer_groups.describe(),
+            spec.kv_dtype_name,
             spec.bytes_per_token,
             num_blocks,
             config.block_size,
@@ -452,11 +454,14 @@ class LLMEngine:
         took, or has taken so far; 0.0 when off); ``cpu_kernels``: per C++ kernel family,
         what runs on CPU (the instruction-set variant installed, "off" or "torch":
         :func:`asyncllm._kernels.native.status`), "" on other devices; ``kv_layout``: the
-        KV pool's shape, e.g. "6 groups of 3 layers (1 full, 5 window 512), 9000 blocks of
-        16" (:mod:`asyncllm.core.kv_groups`); ``env``: the asyncllm environment variables set
-        to other than their default (:func:`asyncllm.envs.non_default`), "" when none;
-        speculative decoding's ``spec_*`` counters
-        (:meth:`~asyncllm.core.speculation.Speculation.stats`; zeros when it is off)."""
+        KV pool's shape and element type, e.g. "6 groups of 3 layers (1 full, 5 window 512),
+        9000 blocks of 16, int8" (:mod:`asyncllm.core.kv_groups`); ``kv_cache_dtype``: the
+        cache's element type ("int8" with ``EngineConfig.kv_cache_dtype="int8"``, else the
+        model's dtype) and ``kv_bytes_per_token``: its bytes per token, scales included;
+        ``env``: the asyncllm environment variables set to other than their default
+        (:func:`asyncllm.envs.non_default`), "" when none; speculative decoding's ``spec_*``
+        counters (:meth:`~asyncllm.core.speculation.Speculation.stats`; zeros when it is
+        off)."""
         compiled = self.runner.compiled
         bm = self.block_manager
         sched = self.scheduler
@@ -496,7 +501,10 @@ class LLMEngine:
             "cpu_kernels": " ".join(f"{k}={v}" for k, v in native.status().items())
             if self.device.type == "cpu"
             else "",
-            "kv_layout": f"{bm.groups.describe()}, {bm.num_total_blocks} blocks of {bm.block_size}",
+            "kv_layout": f"{bm.groups.describe()}, {bm.num_total_blocks} blocks of "
+            f"{bm.block_size}, {self.kv_cache.spec.kv_dtype_name}",
+            "kv_cache_dtype": self.kv_cache.spec.kv_dtype_name,
+            "kv_bytes_per_token": self.kv_cache.spec.bytes_per_token,
             "env": " ".join(f"{k}={v}" for k, v in envs.non_default().items()),
             **(sched.spec or _NO_SPECULATION).stats(),
         }

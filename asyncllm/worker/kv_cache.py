@@ -5,6 +5,11 @@ its layers in groups of ``g``, one block table per group, and ``g`` K and ``g`` 
 (*slots*) that the groups share: a block holds ``g`` layers' K/V, layer ``s`` of the group
 whose table holds it in slot ``s``. ``KVCache.key_caches[layer]`` is its slot's tensor, so
 the layers of one slot see the same tensor (each through its own group's block table).
+
+With ``kv_cache_dtype="int8"`` the tensors are int8, each token-head row ``head_dim`` codes
+and its float32 scale (:mod:`asyncllm.attention.kv_int8`): every per-block datum lives in
+the slot tensors (:meth:`KVCache.block_tensors`), so a block copy between two pools of the
+same spec (:func:`copy_blocks_between`) carries the scales with the codes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 import torch
 
+from asyncllm.attention.kv_int8 import QUANTIZED_KV_DTYPES, row_dim
 from asyncllm.core.kv_groups import KVGroups
 
 CPU_MEMORY_FRACTION = 0.2
@@ -34,9 +40,11 @@ class KVCacheSpec:
         num_layers: attention layers.
         num_kv_heads: key/value heads per layer.
         head_dim: features per head.
-        dtype: the cache's element type.
+        dtype: the model's dtype (the cache's element type unless quantized).
         block_size: tokens per block.
         groups: the layer groups (None: one group of all layers, full attention).
+        kv_cache_dtype: "auto" (K/V in ``dtype``) or "int8" (codes and a float32 scale
+            per token and head: :mod:`asyncllm.attention.kv_int8`).
     """
 
     num_layers: int
@@ -45,6 +53,28 @@ class KVCacheSpec:
     dtype: torch.dtype
     block_size: int
     groups: KVGroups | None = None
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def quantized(self) -> bool:
+        """K/V stored as int8 codes with scales (``kv_cache_dtype="int8"``)."""
+        return self.kv_cache_dtype in QUANTIZED_KV_DTYPES
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The element type of the cache tensors (int8 when quantized, else ``dtype``)."""
+        return QUANTIZED_KV_DTYPES.get(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """One block of one slot tensor: ``(block_size, num_kv_heads, row)``; ``row`` is
+        ``head_dim``, or ``head_dim + 4`` int8 elements when quantized."""
+        return (self.block_size, self.num_kv_heads, row_dim(self.head_dim, self.quantized))
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The cache's element type as reported: "int8" or e.g. "bfloat16"."""
+        return str(self.storage_dtype).removeprefix("torch.")
 
     @property
     def layer_groups(self) -> KVGroups:
@@ -58,10 +88,12 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of one token in one block table: ``2 (K and V) x slots x kv_heads x
-        head_dim x dtype bytes`` (slots: all layers, or a group's with layer groups)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_slots * self.num_kv_heads * self.head_dim * elem
+        """Bytes of one token in one block table: ``2 (K and V) x slots x kv_heads x row x
+        element bytes`` (slots: all layers, or a group's with layer groups; row: head_dim,
+        or head_dim + 4 int8 bytes with its scale when quantized)."""
+        elem = torch.empty((), dtype=self.storage_dtype).element_size()
+        _, heads, row = self.block_shape
+        return 2 * self.num_slots * heads * row * elem
 
     @property
     def bytes_per_block(self) -> int:
@@ -110,15 +142,31 @@ def expected_windows(config: Any) -> list[int]:
 
 
 def kv_cache_spec(
-    config: object, dtype: torch.dtype, block_size: int, max_model_len: int | None = None
+    config: object,
+    dtype: torch.dtype,
+    block_size: int,
+    max_model_len: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> KVCacheSpec:
     """The per-token K/V shape of a transformers decoder config (``head_dim`` when the
     config has one, else ``hidden_size // num_attention_heads``; ``num_key_value_heads``
     for grouped-query attention, else one K/V head per query head), with layer groups
     where its layers have sliding windows shorter than ``max_model_len``
-    (:func:`expected_windows`, :meth:`KVGroups.of_windows`)."""
+    (:func:`expected_windows`, :meth:`KVGroups.of_windows`), stored as ``kv_cache_dtype``
+    ("auto" or "int8").
+
+    Raises:
+        ValueError: an unknown ``kv_cache_dtype``, or "int8" with a head size that is not
+            a multiple of 4 (the scale after the codes must stay 4-byte aligned).
+    """
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in QUANTIZED_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {kv_cache_dtype!r}")
     heads = config.num_attention_heads  # type: ignore[attr-defined]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
+    if kv_cache_dtype != "auto" and head_dim % 4:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs a head_dim divisible by 4, got {head_dim}"
+        )
     groups = KVGroups.of_windows(expected_windows(config), max_model_len)
     return KVCacheSpec(
         num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
@@ -127,6 +175,7 @@ def kv_cache_spec(
         dtype=dtype,
         block_size=block_size,
         groups=groups if groups.is_hybrid else None,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -140,6 +189,7 @@ def size_kv_cache(
     max_num_seqs: int,
     kv_cache_bytes: int | None,
     max_num_batched_tokens: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[KVCacheSpec, int]:
     """The KV cache's shape and its number of blocks.
 
@@ -156,14 +206,17 @@ def size_kv_cache(
             one such sequence holds at once: :meth:`KVGroups.blocks_per_sequence`).
         max_num_batched_tokens: the longest chunk a step computes (a sliding group holds
             its window plus a chunk); None: ``max_model_len``.
+        kv_cache_dtype: "auto" or "int8" (:func:`kv_cache_spec`); the number of blocks
+            follows its real bytes per token (scales included).
 
     Returns:
         (the spec, the number of blocks the budget holds).
 
     Raises:
-        ValueError: a budget that cannot hold one sequence of ``max_model_len`` tokens.
+        ValueError: a budget that cannot hold one sequence of ``max_model_len`` tokens, or
+            a ``kv_cache_dtype`` :func:`kv_cache_spec` refuses.
     """
-    spec = kv_cache_spec(model_config, dtype, block_size, max_model_len)
+    spec = kv_cache_spec(model_config, dtype, block_size, max_model_len, kv_cache_dtype)
     # Whole blocks per sequence: a block size that does not divide max_model_len still
     # leaves room for one sequence of max_model_len tokens per max_num_seqs.
     chunk = max_num_batched_tokens or max_model_len
@@ -217,9 +270,47 @@ def zeros_on_demand(
     return flat.view(dtype).view(shape)
 
 
+def copy_blocks_between(
+    src: list[torch.Tensor],
+    dst: list[torch.Tensor],
+    src_ids: list[int],
+    dst_ids: list[int],
+) -> None:
+    """Copy blocks ``src_ids[i]`` of every tensor of ``src`` to blocks ``dst_ids[i]`` of the
+    matching tensor of ``dst`` (``[num_blocks, *block_shape]`` each, e.g.
+    :meth:`KVCache.block_tensors` of a device pool and of a host pool of the same spec;
+    either side may be the other's device): one gather and one scatter per tensor for all
+    blocks, never a copy per block from Python. The destination may be ``src`` itself
+    (copy-on-write); the sources are gathered before any is written.
+
+    Raises:
+        ValueError: the lists differ in length, or a pair's block shapes or dtypes differ.
+    """
+    if len(src) != len(dst) or len(src_ids) != len(dst_ids):
+        raise ValueError(
+            f"{len(src)} source and {len(dst)} destination tensors, {len(src_ids)} source "
+            f"and {len(dst_ids)} destination blocks"
+        )
+    if not src_ids:
+        return
+    for s, d in zip(src, dst, strict=True):
+        if s.shape[1:] != d.shape[1:] or s.dtype != d.dtype:
+            raise ValueError(
+                f"blocks {tuple(s.shape[1:])} {s.dtype} cannot go to {tuple(d.shape[1:])} {d.dtype}"
+            )
+    s_ids = torch.tensor(src_ids, dtype=torch.long, device=src[0].device)
+    d_ids = torch.tensor(dst_ids, dtype=torch.long, device=dst[0].device)
+    for s, d in zip(src, dst, strict=True):
+        moved = s.index_select(0, s_ids)
+        if moved.device != d.device:
+            moved = moved.to(d.device, non_blocking=d.device.type == "cuda")
+        d.index_copy_(0, d_ids, moved)
+
+
 class KVCache:
-    """One K and one V tensor per slot, ``[num_blocks, block_size, num_kv_heads, head_dim]``
-    (a slot per layer without layer groups; see the module's text).
+    """One K and one V tensor per slot, ``[num_blocks, block_size, num_kv_heads, row]``
+    (row: ``head_dim``, or ``head_dim + 4`` int8 codes and scale with an int8 cache; a slot
+    per layer without layer groups; see the module's text).
 
     Allocated once, zero-filled so that never-written slots read as finite numbers; on CPU
     committed page by page as blocks are first written (:func:`zeros_on_demand`).
@@ -239,11 +330,10 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.key_slots = [zeros_on_demand(shape, spec.dtype, device) for _ in range(spec.num_slots)]
-        self.value_slots = [
-            zeros_on_demand(shape, spec.dtype, device) for _ in range(spec.num_slots)
-        ]
+        shape = (num_blocks, *spec.block_shape)
+        dtype = spec.storage_dtype
+        self.key_slots = [zeros_on_demand(shape, dtype, device) for _ in range(spec.num_slots)]
+        self.value_slots = [zeros_on_demand(shape, dtype, device) for _ in range(spec.num_slots)]
         groups = spec.layer_groups
         where = groups.layer_slots()
         self.key_caches = [self.key_slots[s] for _, s in where]
@@ -257,13 +347,14 @@ class KVCache:
         """Bytes held by all K and V tensors."""
         return self.num_blocks * self.spec.bytes_per_block
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds per-block state, ``[num_blocks, *spec.block_shape]``:
+        each slot's K, then each slot's V (an int8 cache's scales are inside them). What a
+        block copy must copy (:func:`copy_blocks_between`)."""
+        return self.key_slots + self.value_slots
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every slot's K and V (copy-on-write); one
         gather and one scatter per tensor for all pairs."""
-        if not pairs:
-            return
-        device = self.key_slots[0].device
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
-        for cache in self.key_slots + self.value_slots:
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+        tensors = self.block_tensors()
+        copy_blocks_between(tensors, tensors, [s for s, _ in pairs], [d for _, d in pairs])
