@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -261,6 +262,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                     "give cpu_offload_bytes)"
                 )
         positive("prefix_cache_dir_bytes", self.prefix_cache_dir_bytes, 1)
+        if isinstance(self.prefix_cache_dir, os.PathLike):  # a pathlib.Path is a path too
+            self.prefix_cache_dir = os.fspath(self.prefix_cache_dir)
         if self.prefix_cache_dir is not None:
             if not isinstance(self.prefix_cache_dir, str) or not self.prefix_cache_dir:
                 raise ValueError(

@@ -223,3 +223,46 @@ def test_config_needs_the_host_tier_for_a_directory(tmp_path):
         EngineConfig(prefix_cache_dir="")
     with pytest.raises(ValueError, match="prefix_cache_dir_bytes"):
         EngineConfig(prefix_cache_dir_bytes=0)
+
+
+def test_odd_entries_in_the_directory_are_passed_over(tmp_path):
+    """A dangling ``*.kv`` link, a directory named like a file and a file deleted between
+    the listing and its stat (another process's trim) neither stop the thread nor count."""
+    (tmp_path / "dangling.kv").symlink_to(tmp_path / "gone")
+    (tmp_path / "dir.kv").mkdir()
+    disk, _ = _disk(tmp_path)
+    key = (0, b"\x01" * 16)
+    assert not _load(disk, key, 0)  # the thread ran its listing and answers loads
+    assert disk._lru == {}
+    disk.close()
+
+
+def test_two_users_of_a_directory_share_one_bound(tmp_path):
+    """The bound is on the directory: an engine's trim counts the other's files (listed
+    again at most every second)."""
+    import time
+
+    from asyncllm.worker import disk_tier
+
+    a, cache_a = _disk(tmp_path, "a")
+    b, cache_b = _disk(tmp_path, "b")
+    for i in range(6):
+        a.save([cache_a], [(0, (0, bytes([i]) * 16))])
+        b.save([cache_b], [(0, (0, bytes([100 + i]) * 16))])
+    a.close()
+    b.close()
+    files = _valid_files(tmp_path)
+    assert len(files) == 12
+    bound = 5 * files[0].stat().st_size
+    a.max_bytes = bound
+    time.sleep(disk_tier._RESCAN_S + 0.1)
+    a.save([cache_a], [(0, (0, b"\xaa" * 16))])
+    a.close()
+    assert sum(f.stat().st_size for f in _valid_files(tmp_path)) <= bound
+
+
+def test_a_path_object_is_a_directory(tmp_path):
+    from asyncllm.config import EngineConfig
+
+    assert EngineConfig(prefix_cache_dir=tmp_path).prefix_cache_dir == str(tmp_path)
+

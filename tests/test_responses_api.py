@@ -132,6 +132,8 @@ def test_incomplete_and_store_false(hermes):
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"truncation": "auto"}, "truncation"),
+        ({"text": {"format": "json_schema"}}, "text"),
+        ({"text": {"format": [1]}}, "text"),
         ({"background": True}, None),  # unknown: "Unrecognized request argument"
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],

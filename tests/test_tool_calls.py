@@ -98,6 +98,19 @@ CASES = [
     (tc.QWEN3_CODER, QWEN_BAD, QWEN_BAD, [], True),
     (tc.QWEN3_CODER, "<tool_call>\n<function=f>", "<tool_call>\n<function=f>", [], True),
     (tc.QWEN3_CODER, "No call <tool", "No call <tool", [], False),
+    # values JSON has no form for, literals Python will not hash: content and an error
+    (tc.PYTHONIC, "[f(a={[1]: 2})]", "[f(a={[1]: 2})]", [], True),
+    (tc.PYTHONIC, "[f(a={1, 2})]", "[f(a={1, 2})]", [], True),
+    (tc.PYTHONIC, "[f(a=1e999)]", "[f(a=1e999)]", [], True),
+    (tc.MISTRAL, '[TOOL_CALLS]f[ARGS]{"a": NaN}', '[TOOL_CALLS]f[ARGS]{"a": NaN}', [], True),
+    (tc.HERMES, '<tool_call>{"name": "f", "arguments": {"a": Infinity}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"a": Infinity}}</tool_call>', [], True),
+    # text after the calls, and whitespace before them, whatever the split
+    (tc.PYTHONIC, '[get_weather(city="Paris")] Done.', " Done.",
+     [("get_weather", {"city": "Paris"})], False),
+    (tc.PYTHONIC, '[f(a="x]")]\n', "", [("f", {"a": "x]"})], False),
+    (tc.MISTRAL, " [TOOL_CALLS]get_time[ARGS]{}", " ", [("get_time", {})], False),
+    (tc.QWEN3_CODER, QWEN_TWO + "\n\nDone.", "Looking.\n\n\nDone.", TWO, False),
 ]  # fmt: skip
 
 
@@ -295,6 +308,37 @@ def test_detect_format_refuses_templates_without_tools():
 )  # fmt: skip
 def test_detect_format_of_each_template(template, fmt):
     assert tc.detect_format(template) == fmt
+
+
+DEEP = [
+    "[TOOL_CALLS]f[ARGS]" + '{"a":' * 3000 + "1" + "}" * 3000,
+    '<tool_call>{"name": "f", "arguments": ' + '{"a":' * 3000 + "1" + "}" * 3001 + "</tool_call>",
+    '{"name": "f", "parameters": ' + "[" * 3000 + "]" * 3000 + "}",
+    "[f(a=" + "-" * 3000 + "1)]",
+    "[f(a=" + "[" * 3000 + "]" * 3000 + ")]",
+    "<tool_call><function=f><parameter=a>" + "[" * 3000 + "]" * 3000 + "</parameter></function>"
+    "</tool_call>",
+]
+
+
+@pytest.mark.parametrize("fmt", tc.FORMATS)
+@pytest.mark.parametrize("text", DEEP, ids=range(len(DEEP)))
+def test_deep_nesting_never_raises(fmt, text):
+    """Nesting past Python's recursion limit is a malformed call (or content), not an
+    exception: the model's text must never fail the request."""
+    content, calls, _ = tc.parse_tool_calls(
+        text, fmt, {"f": {"properties": {"a": {"type": "array"}}}}
+    )
+    assert calls or content
+    _streamed(fmt, text, [len(text) // 3, len(text) // 2])  # the streamed path too
+
+
+def test_a_schema_validation_let_through_does_not_break_parsing():
+    """``properties`` that is not an object passes the tools check (it is the schema's
+    business); the call's values then stay text."""
+    text = "<tool_call><function=f><parameter=n>\n1\n</parameter></function></tool_call>"
+    _, (call,), error = tc.parse_tool_calls(text, tc.QWEN3_CODER, {"f": {"properties": [1]}})
+    assert error is None and json.loads(call.arguments) == {"n": "1"}
 
 
 def test_qwen3_coder_values_take_their_schema_types():

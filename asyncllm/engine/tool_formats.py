@@ -77,6 +77,7 @@ class _WholeCallParser:
         self._buf = ""
         self._deltas: list[ToolCallDelta] = []
         self._finished = False
+        self._held = ""  # whitespace after a call, held until other text follows
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Take the next piece of generated text; returns (content released, calls
@@ -99,12 +100,14 @@ class _WholeCallParser:
     def _read(self, *, final: bool) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
 
-    def _deliver(self, name: str, args: dict[str, Any], calls: list[ToolCall]) -> None:
+    def _deliver(self, name: str, arguments: str, calls: list[ToolCall]) -> None:
+        """Deliver a call (``arguments``: its JSON text, :func:`_arguments`)."""
+        self._held = ""  # whitespace between calls is not content
         if not self.parallel and self.calls:
             return
-        call = ToolCall(id=new_call_id(), name=name, arguments=json.dumps(args, ensure_ascii=False))
+        call = ToolCall(id=new_call_id(), name=name, arguments=arguments)
         self._deltas.append(
-            ToolCallDelta(index=len(self.calls), id=call.id, name=name, arguments=call.arguments)
+            ToolCallDelta(index=len(self.calls), id=call.id, name=name, arguments=arguments)
         )
         self.calls.append(call)
         calls.append(call)
@@ -113,12 +116,40 @@ class _WholeCallParser:
         if self.error is None:
             self.error = f"tool call {len(self.calls) + 1}: {message}"
 
-    def _content(self, text: str) -> str:
-        """``text`` as content: dropped after the first call with ``parallel`` off, and
-        whitespace around calls is not content."""
-        if (not self.parallel and self.calls) or (self.calls and not text.strip()):
+    def _content(self, text: str, final: bool) -> str:
+        """``text`` as content: dropped after the first call with ``parallel`` off; after a
+        call, whitespace alone is not content, so it is held until other text follows (the
+        same content however the text was split)."""
+        if not self.parallel and self.calls:
+            return ""
+        if not self.calls:
+            return text
+        text, self._held = self._held + text, ""
+        if not text.strip():
+            self._held = "" if final else text
             return ""
         return text
+
+
+def _arguments(args: object) -> str | None:
+    """A call's arguments as a JSON object's text, or None when they are not one (not a
+    dict, or values JSON has no form for: NaN, infinities, sets, bytes...)."""
+    if not isinstance(args, dict):
+        return None
+    try:
+        return json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+def _decode(text: str) -> tuple[Any, int] | None:
+    """``raw_decode`` of the JSON value at the start of ``text`` (lenient strings, see
+    :mod:`asyncllm.engine.tool_parser`), or None when it is incomplete, malformed or nested
+    past Python's recursion limit."""
+    try:
+        return json.JSONDecoder(strict=False).raw_decode(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 class MistralParser(_WholeCallParser):
@@ -135,20 +166,21 @@ class MistralParser(_WholeCallParser):
             at = self._buf.find(MISTRAL_MARKER)
             if at < 0:
                 cut = len(self._buf) - (0 if final else held_prefix(self._buf, MISTRAL_MARKER))
-                content, self._buf = self._buf[:cut], self._buf[cut:]
-                return self._content(content), []
-            content, self._buf, self._in_calls = self._buf[:at], self._buf[at:], True
+                text, self._buf = self._buf[:cut], self._buf[cut:]
+                return self._content(text, final), []
+            content = self._content(self._buf[:at], final)
+            self._buf, self._in_calls = self._buf[at:], True
         calls: list[ToolCall] = []
         while (step := self._next_call()) is not None:
-            name, args, used = step
+            name, arguments, used = step
             self._buf = self._buf[used:]
-            self._deliver(name, args, calls)
+            self._deliver(name, arguments, calls)
         if final:
             rest, self._buf = self._buf, ""
             if rest[self._skip(rest) :]:
                 self._note(f"not a call: {rest.strip()[:40]!r}")
-                content += rest
-        return self._content(content), calls
+                content += self._content(rest, final)
+        return content, calls
 
     @staticmethod
     def _skip(text: str) -> int:
@@ -164,35 +196,36 @@ class MistralParser(_WholeCallParser):
                 break
         return i
 
-    def _next_call(self) -> tuple[str, dict[str, Any], int] | None:
-        """The next complete call at the start of the buffer: (name, arguments, characters
-        used, separators before it included), or None while it is incomplete or not one."""
+    def _next_call(self) -> tuple[str, str, int] | None:
+        """The next complete call at the start of the buffer: (name, arguments' JSON text,
+        characters used, separators before it included), or None while it is incomplete or
+        not one."""
         i = self._skip(self._buf)
         rest = self._buf[i:]
-        decoder = json.JSONDecoder(strict=False)
         if rest.startswith("{"):  # {"name": ..., "arguments": {...}}
-            try:
-                obj, end = decoder.raw_decode(rest)
-            except ValueError:
+            got = _decode(rest)
+            if got is None or not isinstance(got[0], dict):
                 return None
-            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+            obj, end = got
+            arguments = _arguments(obj.get("arguments", obj.get("parameters", {})))
+            if arguments is None or not isinstance(obj.get("name"), str):
                 return None
-            args = obj.get("arguments", obj.get("parameters", {}))
-            return (obj["name"], args, i + end) if isinstance(args, dict) else None
+            return obj["name"], arguments, i + end
         name = _NAME.match(rest)  # name[ARGS]{...}
         if name is None or not rest.startswith(MISTRAL_ARGS, name.end()):
             return None
         start = name.end() + len(MISTRAL_ARGS)
-        try:
-            args, end = decoder.raw_decode(rest[start:])
-        except ValueError:
+        got = _decode(rest[start:])
+        arguments = None if got is None else _arguments(got[0])
+        if got is None or arguments is None:
             return None
-        return (name.group(), args, i + start + end) if isinstance(args, dict) else None
+        return name.group(), arguments, i + start + got[1]
 
 
 class PythonicParser(_WholeCallParser):
     """A pythonic list of calls (see the module docstring): content unless the message
-    starts with ``[``; the calls are delivered when the list closes."""
+    starts with ``[``; the calls are delivered when the list closes (at the first ``]``
+    where the text so far is a whole list), and what follows is content."""
 
     def __init__(self, *, parallel: bool = True, schemas: Mapping[str, Any] | None = None):
         super().__init__(parallel=parallel, schemas=schemas)
@@ -213,33 +246,35 @@ class PythonicParser(_WholeCallParser):
                 self._mode = "content"
         if self._mode == "content":
             text, self._buf = self._buf, ""
-            return self._content(text), []
-        calls: list[ToolCall] = []
-        text = self._buf.strip()
+            return self._content(text, final), []
+        text = self._buf.lstrip()
         if text.startswith(PYTHON_START):
-            text = text[len(PYTHON_START) :].lstrip()
-        if not (final or text.endswith("]")):
-            return "", []
-        parsed = _pythonic_calls(text)
-        if isinstance(parsed, str):
-            if final:
-                self._note(parsed)
-                self._mode, text, self._buf = "content", self._buf, ""
-                return text, []
-            return "", []  # a "]" inside the list: wait for the rest
-        self._buf = ""
-        for name, args in parsed:
-            self._deliver(name, args, calls)
-        self._mode = "content"  # what follows the list is content
-        return "", calls
+            text = text[len(PYTHON_START) :]
+        end = text.find("]")
+        while end >= 0:
+            parsed = _pythonic_calls(text[: end + 1])
+            if not isinstance(parsed, str):
+                calls: list[ToolCall] = []
+                for name, arguments in parsed:
+                    self._deliver(name, arguments, calls)
+                self._mode, self._buf = "content", ""  # what follows the list is content
+                return self._content(text[end + 1 :], final), calls
+            end = text.find("]", end + 1)
+        if final:
+            why = _pythonic_calls(text)
+            self._note(why if isinstance(why, str) else "text after the list of calls")
+            self._mode, text, self._buf = "content", self._buf, ""
+            return text, []
+        return "", []
 
 
-def _pythonic_calls(text: str) -> list[tuple[str, dict[str, Any]]] | str:
-    """The calls of a pythonic list, or what is wrong with it."""
+def _pythonic_calls(text: str) -> list[tuple[str, str]] | str:
+    """The calls of a pythonic list (name, arguments' JSON text), or what is wrong with it.
+    Only literals are read (``ast.literal_eval``); nothing is evaluated."""
     try:
         tree = ast.parse(text, mode="eval").body
-    except SyntaxError as e:
-        return f"not a Python list of calls ({e.msg})"
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        return f"not a Python list of calls ({getattr(e, 'msg', type(e).__name__)})"
     if not isinstance(tree, ast.List):
         return "not a Python list of calls"
     calls = []
@@ -248,13 +283,12 @@ def _pythonic_calls(text: str) -> list[tuple[str, dict[str, Any]]] | str:
             return "each call must be name(keyword=value, ...)"
         try:
             args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
-        except ValueError:
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return f"{node.func.id}: an argument is not a Python literal"
-        try:
-            json.dumps(args)
-        except (TypeError, ValueError):
+        arguments = _arguments(args)
+        if arguments is None:
             return f"{node.func.id}: an argument has no JSON form"
-        calls.append((node.func.id, args))
+        calls.append((node.func.id, arguments))
     return calls
 
 
@@ -272,20 +306,17 @@ class Qwen3CoderParser(_WholeCallParser):
             if not self._in_call:
                 at = self._buf.find(XML_START)
                 if at < 0:
-                    keep = 0 if final else held_prefix(self._buf, XML_START)
-                    cut = len(self._buf) - keep
-                    if self.calls and not self._buf[:cut].strip() and not final:
-                        break  # whitespace after a call: held until something else follows
-                    content.append(self._content(self._buf[:cut]))
+                    cut = len(self._buf) - (0 if final else held_prefix(self._buf, XML_START))
+                    content.append(self._content(self._buf[:cut], final))
                     self._buf = self._buf[cut:]
                     break
-                content.append(self._content(self._buf[:at]))
+                content.append(self._content(self._buf[:at], final))
                 self._buf, self._in_call = self._buf[at:], True
             end = self._buf.find(XML_END)
             if end < 0:
                 if final:
                     self._note(f"no closing {XML_END}")
-                    content.append(self._content(self._buf))
+                    content.append(self._content(self._buf, final))
                     self._buf = ""
                 break
             raw = self._buf[: end + len(XML_END)]
@@ -293,17 +324,20 @@ class Qwen3CoderParser(_WholeCallParser):
             parsed = self._call(raw[len(XML_START) : end])
             if isinstance(parsed, str):
                 self._note(parsed)
-                content.append(self._content(raw))
+                content.append(self._content(raw, final))
             else:
                 self._deliver(*parsed, calls)
         return "".join(content), calls
 
-    def _call(self, body: str) -> tuple[str, dict[str, Any]] | str:
+    def _call(self, body: str) -> tuple[str, str] | str:
         m = _FUNCTION.match(body)
         if m is None:
             return "not <function=NAME>...</function>"
         name, inner = m.group(1).strip(), m.group(2)
-        props = (self.schemas.get(name) or {}).get("properties") or {}
+        schema = self.schemas.get(name)
+        props = schema.get("properties") if isinstance(schema, Mapping) else None
+        if not isinstance(props, Mapping):
+            props = {}
         args: dict[str, Any] = {}
         pos = 0
         while (p := _PARAMETER.match(inner, pos)) is not None:
@@ -312,7 +346,8 @@ class Qwen3CoderParser(_WholeCallParser):
             pos = p.end()
         if inner[pos:].strip():
             return f"{name}: not <parameter=KEY>value</parameter>: {inner[pos:].strip()[:40]!r}"
-        return name, args
+        arguments = _arguments(args)
+        return (name, arguments) if arguments is not None else f"{name}: a value has no JSON form"
 
 
 def _typed(value: str, schema: Any) -> Any:
@@ -323,7 +358,7 @@ def _typed(value: str, schema: Any) -> Any:
         return value
     try:
         got = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):
         return value
     types: dict[str, type | tuple[type, ...]] = {
         "integer": int, "number": (int, float), "boolean": bool, "object": dict,

@@ -58,17 +58,20 @@ def _as_call(
         return None
     key = next((k for k in args_keys if k in obj), None)
     args = obj[key] if key is not None else {}
-    streamed = stream.arguments(key) if stream is not None and key is not None else None
-    if streamed is not None and isinstance(args, dict):
-        return ToolCall(id=stream.id, name=obj["name"], arguments=streamed)  # type: ignore[union-attr]
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
-    arguments = json.dumps(args, ensure_ascii=False)
+    try:  # NaN and infinities have no JSON form (json.loads reads them)
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
+    streamed = stream.arguments(key) if stream is not None and key is not None else None
+    if streamed is not None and isinstance(obj[key], dict):
+        return ToolCall(id=stream.id, name=obj["name"], arguments=streamed)  # type: ignore[union-attr]
     return ToolCall(
         id=stream.id if stream else new_call_id(), name=obj["name"], arguments=arguments
     )
@@ -318,7 +321,7 @@ class ToolCallParser:
             rest = text[end:].strip()
             if rest and (closed or not HERMES_END.startswith(rest)):
                 raise ValueError(f"Extra data after the JSON: {rest[:20]!r}")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             self._note(f"tool call {number}: invalid JSON ({e})")
             return None
         call = _as_call(obj, self._keys, self._stream)
@@ -359,7 +362,7 @@ class ToolCallParser:
                 break
             try:
                 obj, end = decoder.raw_decode(rest)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 self._stream_feed(rest)
                 if final:  # incomplete until now; at the end, malformed
                     self._note(f"tool call {len(self.calls) + 1}: invalid JSON ({e})")

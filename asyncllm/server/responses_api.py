@@ -182,6 +182,8 @@ def _chat_tool_choice(choice: Any) -> Any:
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise p.APIError("text.format must be an object with a type", param="text")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":

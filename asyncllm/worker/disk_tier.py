@@ -36,6 +36,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +48,8 @@ from asyncllm.core.host_store import Key
 logger = logging.getLogger("asyncllm")
 
 MAGIC = b"ASYNCKV1"
+#: Seconds between listings of the directory when trimming (other processes write there).
+_RESCAN_S = 1.0
 _SUFFIX = ".kv"
 
 
@@ -91,6 +94,7 @@ class DiskPrefixCache:
         self._seq = 0
         self._done: collections.deque[tuple[Key, int, bool]] = collections.deque()
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._scanned_at = 0.0  # time.monotonic() of the last listing
         self.num_written = self.num_read = self.num_invalid = self.num_deleted = 0
         self._thread: threading.Thread | None = None
         self._start()
@@ -172,15 +176,27 @@ class DiskPrefixCache:
                     self._done.append((job[1], job[2], False))
 
     def _scan(self) -> None:
-        """This directory's files, least recently used first (another namespace's too:
-        the bound is on the directory's bytes)."""
+        """This directory's files, least recently used first (another namespace's and
+        another process's too: the bound is on the directory's bytes). An entry that is
+        not a plain file, or that goes away while it is read (another process's trim), is
+        passed over; a directory that cannot be listed leaves the list empty."""
         self._lru.clear()
+        self._scanned_at = time.monotonic()
         found = []
-        with os.scandir(self.directory) as it:
-            for entry in it:
-                if entry.name.endswith(_SUFFIX):
-                    st = entry.stat()
+        try:
+            with os.scandir(self.directory) as it:
+                for entry in it:
+                    if not entry.name.endswith(_SUFFIX):
+                        continue
+                    try:
+                        if not entry.is_file(follow_symlinks=False):
+                            continue
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
                     found.append((st.st_mtime, entry.name, st.st_size))
+        except OSError:
+            logger.exception("prefix cache directory %s: cannot list it", self.directory)
         for _, name, size in sorted(found):
             self._lru[name] = size
 
@@ -259,6 +275,8 @@ class DiskPrefixCache:
             os.remove(path)
 
     def _trim(self) -> None:
+        if time.monotonic() - self._scanned_at > _RESCAN_S:
+            self._scan()  # other processes' files count against the bound too
         total = sum(self._lru.values())
         while total > self.max_bytes and self._lru:
             name, size = self._lru.popitem(last=False)
