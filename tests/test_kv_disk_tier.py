@@ -265,4 +265,3 @@ def test_a_path_object_is_a_directory(tmp_path):
     from asyncllm.config import EngineConfig
 
     assert EngineConfig(prefix_cache_dir=tmp_path).prefix_cache_dir == str(tmp_path)
-
