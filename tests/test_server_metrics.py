@@ -169,3 +169,14 @@ def test_request_finish_reason() -> None:
     assert request_finish_reason(["length", "abort"]) == "abort"
     assert request_finish_reason(["timeout", "length"]) == "timeout"
     assert request_finish_reason(["error", "abort"]) == "error"
+
+
+def test_a_ray_serve_front_has_every_counter_before_its_first_refresh():
+    """The Serve ingress builds the app (and its metrics collector, which reads every
+    counter once) before any replica's stats arrive: its stand-in stats must name them all,
+    and a real engine's stats must too."""
+    from asyncllm.integrations.ray_serve import NO_STATS
+    from asyncllm.server.metrics import _ENGINE_METRICS
+
+    read = {source for *_, source in _ENGINE_METRICS if isinstance(source, str)}
+    assert read <= set(NO_STATS)

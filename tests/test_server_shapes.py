@@ -124,6 +124,8 @@ def _value(field: str) -> tuple[str, Any]:
         "compile": ("true", True), "shutdown_mode": ("drain", "drain"),
         "quantization": ("int8", "int8"), "quantization_group_size": ("64", 64),
         "enable_prefix_caching": ("", False), "prefix_cache_dir": ("kv-dir", "kv-dir"),
+        "kv_cache_dtype": ("int8", "int8"),
+        "speculative_tokens": ("3", 3),  # below max_num_batched_tokens (7)
     }  # fmt: skip
     return special.get(field, ("7", 7))
 

@@ -192,6 +192,11 @@ class Speculation:
         if bm.sliding:
             bm.free_behind_window(rid, done)
 
+    @staticmethod
+    def off_stats() -> dict[str, int | float]:
+        """:meth:`stats` while speculative decoding is off: every counter 0."""
+        return Speculation(SpecConfig(1, 1, 1, 1)).stats()
+
     def stats(self) -> dict[str, int | float]:
         """``spec_num_draft_tokens``, ``spec_num_accepted_tokens``, ``spec_num_steps`` (as
         the attributes), ``spec_acceptance_rate`` (accepted / draft tokens) and

@@ -54,9 +54,6 @@ logger = logging.getLogger("asyncllm")
 
 _T = TypeVar("_T")
 
-#: The counters ``stats()`` reports while speculative decoding is off (all zero).
-_NO_SPECULATION = Speculation(SpecConfig(1, 1, 1, 1))
-
 
 class ComputeThread(ThreadPoolExecutor):
     """A single-thread executor for all of an engine's torch work (see
@@ -506,7 +503,7 @@ class LLMEngine:
             "kv_cache_dtype": self.kv_cache.spec.kv_dtype_name,
             "kv_bytes_per_token": self.kv_cache.spec.bytes_per_token,
             "env": " ".join(f"{k}={v}" for k, v in envs.non_default().items()),
-            **(sched.spec or _NO_SPECULATION).stats(),
+            **(sched.spec.stats() if sched.spec else Speculation.off_stats()),
         }
 
 

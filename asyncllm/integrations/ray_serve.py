@@ -50,6 +50,7 @@ import ray
 from ray import serve
 
 from asyncllm.config import EngineConfig
+from asyncllm.core.speculation import Speculation
 from asyncllm.engine.async_engine import AsyncEngine
 from asyncllm.errors import EngineDeadError, QueueFull
 from asyncllm.integrations.ray_router import (
@@ -244,6 +245,20 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+#: What ``EngineClient.stats()`` answers before the first :meth:`EngineClient.refresh_stats`:
+#: every counter the server's metrics read, at zero.
+NO_STATS: dict[str, Any] = {
+    "num_running": 0, "num_waiting": 0, "num_free_blocks": 0, "num_total_blocks": 0,
+    "kv_cache_usage": 0.0, "num_preemptions": 0, "num_swapped_out_blocks": 0,
+    "num_swapped_in_blocks": 0, "swap_bytes": 0, "num_recomputed_tokens": 0,
+    "num_free_cpu_blocks": 0, "num_total_cpu_blocks": 0, "prefix_cache_queries": 0,
+    "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0, "num_steps": 0,
+    "prefix_cache_device_hits": 0, "prefix_cache_host_hits": 0,
+    "num_host_cache_blocks": 0, "num_total_host_cache_blocks": 0,
+    "num_generated_tokens": 0, "compile": {}, **Speculation.off_stats(),
+}  # fmt: skip
+
+
 class EngineClient:
     """The part of :class:`AsyncEngine` that :mod:`asyncllm.server` uses, over a handle to
     :class:`LLMServer` replicas: the OpenAI server runs unchanged in front of many replicas.
@@ -314,16 +329,7 @@ class EngineClient:
 
     def stats(self) -> dict[str, int | float]:
         """The last stats :meth:`refresh_stats` read (summed over replicas)."""
-        return dict(self._stats) or {
-            "num_running": 0, "num_waiting": 0, "num_free_blocks": 0, "num_total_blocks": 0,
-            "kv_cache_usage": 0.0, "num_preemptions": 0, "num_swapped_out_blocks": 0,
-            "num_swapped_in_blocks": 0, "swap_bytes": 0, "num_recomputed_tokens": 0,
-            "num_free_cpu_blocks": 0, "num_total_cpu_blocks": 0, "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0, "num_steps": 0,
-            "prefix_cache_device_hits": 0, "prefix_cache_host_hits": 0,
-            "num_host_cache_blocks": 0, "num_total_host_cache_blocks": 0,
-            "num_generated_tokens": 0, "compile": {},
-        }  # fmt: skip
+        return dict(self._stats) or dict(NO_STATS)
 
     async def refresh_stats(self) -> None:
         """Read every replica's stats and sum them (ratios recomputed from the sums).
@@ -346,6 +352,12 @@ class EngineClient:
         total["kv_cache_usage"] = 1 - total["num_free_blocks"] / blocks if blocks else 0.0
         q = total["prefix_cache_queries"]
         total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / q if q else 0.0
+        drafts, steps = total["spec_num_draft_tokens"], total["spec_num_steps"]
+        total["spec_acceptance_rate"] = (
+            total["spec_num_accepted_tokens"] / drafts if drafts else 0.0
+        )
+        emitted = sum(s["spec_mean_tokens_per_step"] * s["spec_num_steps"] for s in per_replica)
+        total["spec_mean_tokens_per_step"] = emitted / steps if steps else 0.0
         states = collections.Counter(str(s.get("compile", "off")) for s in per_replica)
         self._stats = {**total, "compile": dict(states)}
 
