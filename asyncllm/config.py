@@ -98,7 +98,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         max_waiting: the most requests waiting to be scheduled (submitted, not yet
             running; calls waiting for or in tokenization included); past it
             ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at once instead of
-            queueing. None: unbounded.
+            queueing (unless the call passes ``admission="wait"``). None: unbounded.
+        max_waiting_per_tenant: the most waiting requests of one tenant (the ``tenant``
+            argument of ``stream``/``chat``/``generate``; the server's API key or tenant
+            header), counted as ``max_waiting`` counts. None (default): unbounded.
+        tenant_weights: tenant -> share weight (a positive number): within a priority band
+            the tenants with requests share the running slots and the token budget in
+            proportion to their weights (weighted fair queueing; tenants not named weigh 1;
+            ``asyncllm.core.fair_share``). None: all weigh 1.
         quantization: weight-only quantization (docs/configuration.md has the precision
             table): "auto" (default) keeps a GGUF file's own quantization where asyncllm has
             a kernel for its tensor types (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0) and runs
@@ -154,6 +161,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     compile: Literal["auto"] | bool = "auto"
     max_waiting: int | None = 1024
+    max_waiting_per_tenant: int | None = None
+    tenant_weights: dict[str, float] | None = None
     shutdown_mode: Literal["abort", "drain"] = "abort"
     quantization: Literal["auto", "int8", "int4", "gguf"] | None = "auto"
     quantization_group_size: int = 32
@@ -207,6 +216,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 positive(name, getattr(self, name))
         if self.max_waiting is not None:
             positive("max_waiting", self.max_waiting, 1)
+        self._check_tenants(positive)
         if self.quantization not in _QUANTIZATION:
             hint = " (the CLI's 'none' is None in Python)" if self.quantization == "none" else ""
             raise ValueError(
@@ -233,6 +243,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"EngineConfig.shutdown_mode must be 'abort' or 'drain', got {self.shutdown_mode!r}"
             )
         self._check_speculation(positive)
+
+    def _check_tenants(self, positive: Callable[..., None]) -> None:
+        """Validate ``max_waiting_per_tenant`` and ``tenant_weights``."""
+        if self.max_waiting_per_tenant is not None:
+            positive("max_waiting_per_tenant", self.max_waiting_per_tenant, 1)
+        for tenant, weight in (self.tenant_weights or {}).items():
+            if (
+                not isinstance(weight, (int, float))
+                or isinstance(weight, bool)
+                or not (0 < weight < float("inf"))
+            ):
+                raise ValueError(
+                    f"EngineConfig.tenant_weights[{tenant!r}] must be a positive finite "
+                    f"number, got {weight!r}"
+                )
 
     def _check_speculation(self, positive: Callable[..., None]) -> None:
         """Validate the speculative decoding fields (ValueError naming the field)."""

@@ -77,9 +77,27 @@ def _parse(value: str, kinds: Collection[Any]) -> Any:
                 return int(value)
         elif kind is str:
             return value
+        elif kind is dict:  # NAME=NUMBER,NAME=NUMBER
+            return _parse_weights(value)
         elif value == str(kind):  # a literal's value
             return kind
     raise argparse.ArgumentTypeError(f"invalid value {value!r}")
+
+
+def _parse_weights(value: str) -> dict[str, float]:
+    """``"a=2,b=0.5"`` as ``{"a": 2.0, "b": 0.5}`` (names may hold ``=``: the last splits)."""
+    out = {}
+    for item in value.split(","):
+        name, sep, number = item.rpartition("=")
+        try:
+            out[name.strip()] = float(number)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=NUMBER[,NAME=NUMBER...], got {value!r}"
+            )
+    return out
 
 
 def _kinds(t: msgspec.inspect.Type) -> list[Any]:
@@ -94,6 +112,8 @@ def _kinds(t: msgspec.inspect.Type) -> list[Any]:
         return [bool]
     if isinstance(t, msgspec.inspect.IntType):
         return [int]
+    if isinstance(t, msgspec.inspect.DictType):
+        return [dict]
     return [str]
 
 
@@ -114,7 +134,7 @@ def _option(field: msgspec.inspect.Field) -> tuple[list[str], dict[str, Any]]:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         choices = _EXTRA_CHOICES.get(field.name)
-        if choices is None and all(k not in (int, str) for k in kinds):
+        if choices is None and all(k not in (int, str, dict) for k in kinds):
             literals = tuple(k for k in kinds if k is not bool)
             choices = literals + ((True, False) if bool in kinds else ())
         parse: Callable[[str], Any] = functools.partial(_parse, kinds=kinds)
@@ -123,9 +143,8 @@ def _option(field: msgspec.inspect.Field) -> tuple[list[str], dict[str, Any]]:
             kwargs["choices"] = choices
             kwargs["metavar"] = "{" + ",".join(_shown(c) for c in choices) + "}"
         else:
-            kwargs["metavar"] = "|".join(
-                ["N" if k is int else "TEXT" if k is str else _shown(k) for k in kinds]
-            )
+            names = {int: "N", str: "TEXT", dict: "NAME=NUMBER,..."}
+            kwargs["metavar"] = "|".join(names.get(k, _shown(k)) for k in kinds)
         if bool in kinds:  # a bare --flag means True
             kwargs["nargs"] = "?"
             kwargs["const"] = True

@@ -122,7 +122,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             "tool_calls" (``chat`` with tools: the model stopped after making tool calls,
             as OpenAI reports it), "length" (max_tokens or max_model_len reached), "abort"
             (the caller aborted, or the engine shut down with ``shutdown_mode="abort"``) or
-            "timeout" (the request's ``timeout`` passed).
+            "timeout" (the request's ``timeout`` passed, or its ``deadline`` before it
+            started).
         stop_reason: with finish_reason "stop": the matched stop string, or the stop token
             id from ``stop_token_ids``; None for EOS.
         num_prompt_tokens: tokens in the prompt.
@@ -155,6 +156,11 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             :mod:`asyncllm.engine.reasoning`): the reasoning text, split from ``text``
             (which then holds only the answer); new text on a delta item, all of it so far
             otherwise. None when there is none.
+        queue_position: with ``report_queue=True``, on the items a stream gets before its
+            request starts (no tokens, ``text`` ""): how many requests will start before it
+            (0: it is next), each time that changes. None otherwise.
+        estimated_start_s: with ``queue_position``: seconds from now until it starts, from
+            the rate at which requests started recently (None until that rate is known).
     """
 
     request_id: str
@@ -176,6 +182,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     tool_call_error: str | None = None
     tool_call_deltas: list[ToolCallDelta] | None = None
     reasoning: str | None = None
+    queue_position: int | None = None
+    estimated_start_s: float | None = None
 
     @property
     def finished(self) -> bool:

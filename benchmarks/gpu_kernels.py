@@ -349,7 +349,7 @@ def w1(args) -> None:
         )  # fmt: skip
         cfg = engine.config
         load_s = time.perf_counter() - t
-        dtype = str(engine._engine.kv_cache.spec.dtype).removeprefix("torch.")
+        dtype = str(engine.core.kv_cache.spec.dtype).removeprefix("torch.")
         print(
             f"  [{backend}] loaded in {load_s:.1f} s; {dtype}, "
             f"block_size {cfg.block_size}, max_num_seqs {cfg.max_num_seqs}, "

@@ -41,7 +41,7 @@ async def _w1(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int) ->
 
 
 def _prompts(engine: AsyncEngine, n: int) -> list[list[int]]:
-    tok = engine._engine.tokenizer
+    tok = engine.core.tokenizer
     return [
         tok.apply_chat_template(
             [{"role": "user", "content": f"Write a short story about a robot number {i}."}],
@@ -62,7 +62,7 @@ async def main(a: argparse.Namespace) -> None:
                for kv in ("auto", "int8")}  # fmt: skip
     for kv, e in engines.items():
         s = e.stats()
-        blocks, bs = int(s["num_total_blocks"]), e._engine.block_manager.block_size
+        blocks, bs = int(s["num_total_blocks"]), e.core.block_manager.block_size
         print(f"{kv}: {s['kv_layout']}, {s['kv_bytes_per_token']} bytes per token, "
               f"{blocks * bs // a.context} sequences of {a.context} tokens at once")  # fmt: skip
     rates: dict[str, list[float]] = {kv: [] for kv in engines}

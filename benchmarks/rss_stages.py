@@ -81,7 +81,7 @@ def main() -> None:
     w = AsyncllmWorker(args)
     info = w.info()
     print(f"engine built     {rss():7.1f} MiB  ({info['precision']}, load {w.load_s:.1f} s)")
-    core = w.engine({})._engine
+    core = w.engine({}).core
     print(f"  compile: {core.stats()['compile']}  modules: {len(sys.modules)}")
     (w3,) = build(["W3"], load_prompts())
     warm = {"requests": w3.warmup()}

@@ -225,7 +225,7 @@ def chunked_engine(
 def check_pool_whole(engine: AsyncEngine) -> None:
     """No request left, every device block free, every CPU block free or held by the host
     tier of the prefix cache, reference counts consistent."""
-    core = engine._engine
+    core = engine.core
     core.block_manager.check_invariants()
     assert not core.has_unfinished(), core.scheduler.requests
     assert core.block_manager.num_free_blocks == core.block_manager.num_total_blocks
@@ -245,7 +245,7 @@ def core_request_ids(engine: AsyncEngine, request_id: str) -> list[str]:
     order, a parallel call's hidden prefix request left out."""
     prefix = request_id + SAMPLE_ID_SEP
     ids = [
-        i for i in engine._engine.scheduler.requests
+        i for i in engine.core.scheduler.requests
         if i.startswith(prefix) and not i.endswith(SAMPLE_ID_SEP + "prefix")
     ]  # fmt: skip
     return sorted(ids, key=lambda i: [int(p) for p in i[len(prefix) :].split(SAMPLE_ID_SEP)])
@@ -254,7 +254,7 @@ def core_request_ids(engine: AsyncEngine, request_id: str) -> list[str]:
 def core_request(engine: AsyncEngine, request_id: str) -> Request | None:
     """The core request of the caller's ``request_id`` (its first sample), or None."""
     ids = core_request_ids(engine, request_id)
-    return engine._engine.scheduler.requests[ids[0]] if ids else None
+    return engine.core.scheduler.requests[ids[0]] if ids else None
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -290,8 +290,8 @@ def script_output(engine: AsyncEngine, text: str, *, end_with_eos: bool = True) 
     so requests finish with "stop", unless ``end_with_eos`` is False); returns the ids."""
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     if end_with_eos:
-        ids.append(min(engine._engine.eos_token_ids))
-    engine._engine.runner.sampler = Scripted(engine._engine.runner.sampler, ids)
+        ids.append(min(engine.core.eos_token_ids))
+    engine.core.runner.sampler = Scripted(engine.core.runner.sampler, ids)
     return ids
 
 

@@ -176,7 +176,7 @@ async def test_moe_experts_stay_dense_and_the_precision_says_so(
     path = _save(tmp_path / "mixtral", cls(**{**TINY_CONFIG, **fields}), default_model_dir)
     monkeypatch.delenv("ASYNCLLM_COMPILE", raising=False)  # "auto" as a user gets it
     engine = make_engine(path, **{**SMALL, "quantization": "int4", "compile": "auto"})
-    assert engine._engine.runner.compiled is None
+    assert engine.core.runner.compiled is None
     async with engine:
         got = [t async for out in engine.stream(PROMPT, GREEDY) for t in out.token_ids]
         precision = engine.stats()["precision"]

@@ -141,7 +141,7 @@ def test_asyncllm_worker_traces_and_restores(tiny_llama_dir):
     assert steps and keys <= set(steps[0]) and steps[0]["step"] >= steps[0]["forward"] > 0
     assert any("dispatch" in s for s in steps)
     engine = w.engine({})
-    core = engine._engine
+    core = engine.core
     assert "step" not in core.__dict__ and "schedule" not in core.scheduler.__dict__
     assert core.step_observer is None  # the hook is unset after a traced run
     # Untraced, a W5-like small cache, and "cache off" (unique salts) give the same tokens.

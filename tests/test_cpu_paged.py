@@ -534,7 +534,7 @@ async def test_engine_greedy_matches_torch_backend(tiny_llama_dir, make_engine):
     results = {}
     for backend in ("torch", "auto"):  # "auto" is "cpu" where the kernel builds
         engine = chunked_engine(make_engine, tiny_llama_dir, backend)
-        assert engine._engine.runner.attention_backend.name == backend.replace("auto", "cpu")
+        assert engine.core.runner.attention_backend.name == backend.replace("auto", "cpu")
         async with engine:
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
             first = await engine.generate([*shared, 7, 8], params)

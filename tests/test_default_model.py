@@ -48,7 +48,7 @@ async def test_greedy_chat_matches_transformers(default_model_dir, make_engine, 
         dtype=dtype,
         compile=compile,
     )
-    compiled = engine._engine.runner.compiled
+    compiled = engine.core.runner.compiled
     if compile:
         assert compiled is not None and await asyncio.to_thread(compiled.wait, 900)
         assert compiled.ready, compiled.error
@@ -86,7 +86,7 @@ async def test_greedy_chat_matches_transformers(default_model_dir, make_engine, 
     # below) to "L'Étoile..."; float32 computes what the file defines.
     assert "Paris" in outs[0].text or (dtype == "bfloat16" and outs[0].text.startswith("L"))
     if compile:
-        assert compiled is not None and compiled.calls == engine._engine.num_steps
+        assert compiled is not None and compiled.calls == engine.core.num_steps
 
 
 @pytest.mark.parametrize("switch_off", [None, *SWITCHES.values()])

@@ -79,7 +79,7 @@ from asyncllm import LLM, SamplingParams
 with LLM({str(tiny_llama_dir)!r}, compile=False, kv_cache_bytes=4 * 2**20) as llm:
     out = llm.generate([[5, 9, 200]], SamplingParams(max_tokens=3, temperature=0.0,
                        ignore_eos=True), use_tqdm=False)
-    print(llm.engine._engine.runner.attention_backend.name, len(out[0].token_ids))
+    print(llm.engine.core.runner.attention_backend.name, len(out[0].token_ids))
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]

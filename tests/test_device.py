@@ -104,7 +104,7 @@ def test_config_default_is_auto_and_refuses_unknown_dtypes():
 async def test_engine_reports_the_resolved_dtype(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, block_size=4, kv_cache_bytes=2**20)
     want = device.resolve_dtype("auto", CPU)
-    core = engine._engine
+    core = engine.core
     assert core.dtype == want == core.kv_cache.spec.dtype
     assert next(core.loaded.model.parameters()).dtype == want
 

@@ -71,7 +71,7 @@ async def test_greedy_matches_transformers_generate(arch, dtype, request, make_e
     engine = make_engine(
         model_dir, block_size=4, max_num_batched_tokens=16, kv_cache_bytes=2**20, dtype=dtype
     )
-    ref, expected = _reference(model_dir, prompts, GREEDY.max_tokens, engine._engine.dtype)
+    ref, expected = _reference(model_dir, prompts, GREEDY.max_tokens, engine.core.dtype)
 
     async def consume(p):
         ids, n_items = [], 0
@@ -99,7 +99,7 @@ async def test_stops_at_eos_and_respects_max_model_len(tiny_llama_dir, make_engi
     engine = make_engine(
         tiny_llama_dir, block_size=4, kv_cache_bytes=2**20, max_model_len=40, dtype="float32"
     )
-    engine._engine.inputs.eos_token_ids = frozenset({eos})
+    engine.core.inputs.eos_token_ids = frozenset({eos})
     async with engine:
         out = await engine.generate(prompts[0], SamplingParams(max_tokens=10, temperature=0))
         assert out.finish_reason == "stop"
@@ -157,7 +157,7 @@ async def test_cancellation_frees_blocks(where, how, tiny_llama_dir, make_engine
     )
     long_prompt = list(range(5, 105))  # 100 tokens: many steps of prefill at budget 8
     params = SamplingParams(max_tokens=200, ignore_eos=True)
-    core = engine._engine
+    core = engine.core
 
     def victim():
         return core_request(engine, "victim")
@@ -204,11 +204,11 @@ async def test_leaving_a_stream_aborts_it_before_the_next_step(
     """Every deterministic way out of a stream (structured cancellation included) removes
     its request from the core before the next step starts: no step after it runs it."""
     engine = make_engine(tiny_llama_dir, block_size=4, kv_cache_bytes=2**20)
-    core = engine._engine
+    core = engine.core
     params = SamplingParams(max_tokens=200, ignore_eos=True)
     left = False
     steps_after_leaving = 0
-    real_run_step, real_step = engine._run_step, core.step
+    real_run_step, real_step = engine._loop._step, core.step
 
     async def run_step():  # the loop starts a step (its inbox applied)
         nonlocal steps_after_leaving
@@ -220,7 +220,7 @@ async def test_leaving_a_stream_aborts_it_before_the_next_step(
         time.sleep(0.01)
         return real_step()
 
-    engine._run_step, core.step = run_step, slow_step
+    engine._loop._step, core.step = run_step, slow_step
 
     async def read(stream, scope=None):
         # No await in the body: a cancellation reaches the stream inside __anext__.
@@ -272,7 +272,7 @@ async def test_event_loop_stays_responsive(tiny_llama_dir, make_engine):
             ticks += 1
             await anyio.sleep(0.001)
 
-    real_step = engine._engine.step
+    real_step = engine.core.step
     waited: list[bool] = []
 
     def step_waiting_for_ticks():
@@ -283,7 +283,7 @@ async def test_event_loop_stays_responsive(tiny_llama_dir, make_engine):
         waited.append(ticks - start >= 10)
         return real_step()
 
-    engine._engine.step = step_waiting_for_ticks
+    engine.core.step = step_waiting_for_ticks
     async with engine, anyio.create_task_group() as tg:
         tg.start_soon(ticker)
         await engine.generate(_prompts()[0], SamplingParams(max_tokens=5, ignore_eos=True))
@@ -333,7 +333,7 @@ async def test_all_torch_work_runs_on_the_compute_thread(tiny_llama_dir, make_en
     import threading
 
     engine = make_engine(tiny_llama_dir, max_model_len=64, kv_cache_bytes=2**20)
-    core = engine._engine
+    core = engine.core
     threads: set[str] = set()
     real = core.runner.execute
 
@@ -361,7 +361,7 @@ async def test_a_new_compute_thread_keeps_the_configured_thread_count(tiny_llama
     import torch
 
     engine = make_engine(tiny_llama_dir, max_model_len=64, kv_cache_bytes=2**20, num_threads=2)
-    core = engine._engine
+    core = engine.core
     before = torch.get_num_threads()
     try:
         for _ in range(2):

@@ -49,8 +49,8 @@ async def test_an_id_reused_after_an_early_finish_gets_only_its_own_tokens(
             assert all(
                 s.metrics is not None and s.metrics.num_generated_tokens == 8 for s in samples
             )
-        await wait_until(lambda: not engine._engine.has_unfinished())
-        assert not engine._requests.states and not engine._requests.calls
+        await wait_until(lambda: not engine.core.has_unfinished())
+        assert not engine._loop.requests.states and not engine._loop.requests.calls
 
 
 async def test_an_id_reused_after_a_timeout_or_abort_by_id(tiny_llama_dir, make_engine):
@@ -78,8 +78,8 @@ def test_max_model_len_above_the_models_is_refused(tiny_llama_dir, make_engine):
         make_engine(tiny_llama_dir, max_model_len=1000, **SMALL)
     with pytest.raises(ValueError, match=r"max_model_len=257.*256"):
         make_engine(tiny_llama_dir, max_model_len=257, **SMALL)
-    assert make_engine(tiny_llama_dir, max_model_len=256, **SMALL)._engine.max_model_len == 256
-    assert make_engine(tiny_llama_dir, **SMALL)._engine.max_model_len == 256
+    assert make_engine(tiny_llama_dir, max_model_len=256, **SMALL).core.max_model_len == 256
+    assert make_engine(tiny_llama_dir, **SMALL).core.max_model_len == 256
 
 
 # --------------------------------------------------------------- counters on readmission
@@ -133,7 +133,7 @@ async def test_n_above_max_num_seqs_is_refused(tiny_llama_dir, make_engine):
     async with engine:
         with pytest.raises(InvalidRequestError, match=r"n=9.*max_num_seqs=8"):
             await engine.generate("hello", SamplingParams(n=9, max_tokens=4))
-        assert engine._engine.scheduler.num_unfinished == 0
+        assert engine.core.scheduler.num_unfinished == 0
         out = await engine.generate("hello", SamplingParams(n=8, max_tokens=4))
         assert len(out.samples or ()) == 8
 
@@ -191,7 +191,7 @@ async def test_a_new_stream_starts_within_steps_beside_a_call_of_n_max_num_seqs(
     mode, tiny_llama_dir, make_engine
 ):
     engine = make_engine(tiny_llama_dir, max_num_seqs=8, preemption_mode=mode, **SMALL)
-    core = engine._engine
+    core = engine.core
     async with engine:
         big = asyncio.create_task(engine.generate(list(range(300, 320)), _greedy(100, n=8)))
         await wait_until(
@@ -256,8 +256,8 @@ class Untouchable(collections.abc.Sequence):  # type: ignore[type-arg]
 
 async def test_a_huge_prompt_is_refused_without_tokenizing_it(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, **SMALL)
-    spy = TokenizerSpy(engine._engine.tokenizer)
-    engine._engine.inputs.tokenizer = spy
+    spy = TokenizerSpy(engine.core.tokenizer)
+    engine.core.inputs.tokenizer = spy
     huge = "a" * 10_000_000
     async with engine:
         other = engine.stream(list(range(100, 110)), _greedy(30))
@@ -285,7 +285,7 @@ async def test_text_prompts_and_chat_templates_are_tokenized_off_the_loop(
     tiny_llama_dir, make_engine
 ):
     engine = make_engine(tiny_llama_dir, **SMALL)
-    core = engine._engine
+    core = engine.core
     spy = TokenizerSpy(core.tokenizer)
     core.inputs.tokenizer = spy
     fits_chars = "word " * 2000  # 10,000 characters: under the bound, over 256 tokens
@@ -309,7 +309,7 @@ async def collect_chat(engine: Any, messages: list[dict[str, Any]]) -> list[int]
 
 def hold_tokenization(engine: Any) -> threading.Event:
     """Make the engine's tokenization of text prompts wait until the returned event is set."""
-    core = engine._engine
+    core = engine.core
     release = threading.Event()
     real = core.inputs.make_requests
 
@@ -342,7 +342,7 @@ async def test_a_chat_too_long_in_fields_check_chat_does_not_count_is_never_toke
     variables): the rendered text is measured before it is tokenized, so a 3.5 MB role is
     refused without holding the tokenizer thread for seconds."""
     engine = make_engine(tiny_llama_dir, **SMALL)
-    core = engine._engine
+    core = engine.core
     tokenized: list[int] = []  # lengths of every text the tokenizer encoded
     real_call = type(core.tokenizer).__call__
 

@@ -82,7 +82,7 @@ async def test_long_generation_frees_sliding_blocks_and_matches_transformers(
     are transformers'."""
     engine = make_engine(gemma3_dir, **SMALL, kv_cache_bytes=200 * BLOCK_BYTES,
                          attention_backend=backend)  # fmt: skip
-    core = engine._engine
+    core = engine.core
     bm = core.block_manager
     assert core.kv_cache.key_caches[0] is core.kv_cache.key_caches[2]  # layers 0, 2: slot 0
     held: list[tuple[int, ...]] = []
@@ -153,7 +153,7 @@ async def test_a_budget_buys_three_times_the_blocks(gemma3_dir, make_engine):
     async with engine:
         stats = engine.stats()
     assert stats["num_total_blocks"] == 300
-    spec = engine._engine.kv_cache.spec
+    spec = engine.core.kv_cache.spec
     assert spec.num_slots == 2 and spec.num_layers == 6 and spec.bytes_per_block == BLOCK_BYTES
 
 

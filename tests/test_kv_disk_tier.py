@@ -103,7 +103,7 @@ async def test_a_new_engine_serves_the_system_prompt_from_disk(
 ):
     first = make_engine(tiny_llama_dir, **KW, prefix_cache_dir=str(tmp_path))
     a, _ = await _generate(first, [[*SYSTEM, 5]])
-    assert first._engine.disk.num_written == 10  # joined on exit: 41 tokens computed
+    assert first.core.disk.num_written == 10  # joined on exit: 41 tokens computed
     second = make_engine(tiny_llama_dir, **KW, prefix_cache_dir=str(tmp_path))
     b, s2 = await _generate(second, [[*SYSTEM, 6]])
     ref, _ = await _generate(
@@ -140,7 +140,7 @@ async def test_a_corrupt_file_is_recomputed_and_counted(tiny_llama_dir, make_eng
     first = make_engine(tiny_llama_dir, **KW, prefix_cache_dir=str(tmp_path))
     a, _ = await _generate(first, [[*SYSTEM, 5]])
     engine = make_engine(tiny_llama_dir, **KW, prefix_cache_dir=str(tmp_path))
-    disk = engine._engine.disk
+    disk = engine.core.disk
     hashes = [hash_block(None, SYSTEM[:4])]
     for i in range(1, 4):
         hashes.append(hash_block(hashes[-1], SYSTEM[4 * i : 4 * i + 4]))
@@ -201,7 +201,7 @@ async def test_two_processes_write_at_once_and_a_third_reads(tiny_llama_dir, mak
     assert outs[0][0] == outs[1][0]
     assert not list(tmp_path.glob("*.tmp"))
     engine = make_engine(tiny_llama_dir, **KW, prefix_cache_dir=str(tmp_path))
-    disk = engine._engine.disk
+    disk = engine.core.disk
     files = _valid_files(tmp_path)
     assert len(files) >= 8 + 2 * 7
     for f in files:  # whole and valid: the header names this namespace and the payload's sum

@@ -384,7 +384,7 @@ async def test_hybrid_model_loads_sliding_groups_from_the_host_tier(
 async def test_reset_prefix_cache_empties_the_host_tier(tiny_llama_dir, make_engine):
     a, b, c = _shared(37, 1), _shared(50, 2), _shared(50, 3)
     engine = make_engine(tiny_llama_dir, **TINY)
-    core = engine._engine
+    core = engine.core
     async with engine:
         for p in (a, b, c):
             await engine.generate(p, GREEDY)
@@ -398,14 +398,14 @@ async def test_reset_prefix_cache_empties_the_host_tier(tiny_llama_dir, make_eng
 async def test_recompute_mode_gets_a_pool_for_the_store_alone(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir, **TINY, preemption_mode="recompute",
                          host_prefix_cache_bytes=16 * TINY_BLOCK_BYTES)  # fmt: skip
-    core = engine._engine
+    core = engine.core
     assert core.scheduler.cpu_pool is None
     assert core.block_manager.host_store.max_blocks == 16
     a, b, c = _shared(37, 1), _shared(50, 2), _shared(50, 3)
     outs, stats = await _run_sequentially(engine, [a, b, c, a])
     assert outs[3] == outs[0] and stats["prefix_cache_host_hits"] == 36
     plain = make_engine(tiny_llama_dir, **TINY, preemption_mode="recompute")
-    assert plain._engine.block_manager.host_store is None and plain._engine.offload is None
+    assert plain.core.block_manager.host_store is None and plain.core.offload is None
 
 
 def test_config_refuses_a_host_tier_without_a_pool():

@@ -180,7 +180,7 @@ def test_engine_without_kernels_serves_as_with_them_switched_off(
 
     async def run(engine):  # type: ignore[no-untyped-def]
         async with engine:
-            assert engine._engine.runner.attention_backend.name == "torch"
+            assert engine.core.runner.attention_backend.name == "torch"
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         return [out.token_ids for out in outs]
 

@@ -107,7 +107,7 @@ async def test_high_priority_first_token_before_low_priority_finish(tiny_llama_d
         kv_cache_bytes=24 * TINY_BLOCK_BYTES,
     )  # fmt: skip
     low_params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    core = engine._engine
+    core = engine.core
     finished: list[str] = []
 
     async def low(i, p):
@@ -130,7 +130,7 @@ async def test_cancel_while_swapped_out_frees_cpu_blocks(tiny_llama_dir, make_en
         tiny_llama_dir, block_size=BS, max_num_batched_tokens=32, max_model_len=64,
         kv_cache_bytes=16 * TINY_BLOCK_BYTES,
     )  # fmt: skip
-    core = engine._engine
+    core = engine.core
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     async with engine:
         victim = asyncio.create_task(
@@ -161,7 +161,7 @@ async def test_low_priority_finishes_under_sustained_high_priority_load(
     tiny_llama_dir, make_engine
 ):
     engine = make_engine(tiny_llama_dir, block_size=BS, max_num_seqs=1, kv_cache_bytes=2**20)
-    engine._engine.scheduler.protect_after_wait_s = 0.5
+    engine.core.scheduler.protect_after_wait_s = 0.5
     short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     prompts = _prompts([8] * 4)
     async with engine:

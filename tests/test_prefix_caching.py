@@ -163,7 +163,7 @@ async def test_evicted_blocks_are_recomputed_correctly(tiny_llama_dir, make_engi
     kv = 24 * BS * 2 * 2 * 2 * 16 * elem  # 24 blocks of 4 tokens for the tiny model
     engine = make_engine(tiny_llama_dir, kv_cache_bytes=kv, **kw)
     on, _ = await _run_sequentially(engine, prompts)
-    assert engine._engine.block_manager.pool.num_evictions > 0
+    assert engine.core.block_manager.pool.num_evictions > 0
     off, _ = await _run_sequentially(
         make_engine(tiny_llama_dir, enable_prefix_caching=False, kv_cache_bytes=kv, **kw), prompts
     )
@@ -174,7 +174,7 @@ async def test_evicted_blocks_are_recomputed_correctly(tiny_llama_dir, make_engi
 async def test_different_cache_salts_share_no_block(tiny_llama_dir, make_engine):
     prompt = _prompts(40, [[1]])[0]
     engine = make_engine(tiny_llama_dir, block_size=BS, kv_cache_bytes=2**20)
-    core = engine._engine
+    core = engine.core
     tables = {}
     async with engine:
         for salt in ("tenant-a", "tenant-b", "tenant-a"):
@@ -209,7 +209,7 @@ async def test_parallel_samples_equal_separate_seeded_runs(tiny_llama_dir, make_
             for i in range(4)
         ]
         streamed = {}
-        bm = engine._engine.block_manager
+        bm = engine.core.block_manager
         tables = None
         async for out in engine.stream(prompt, params, request_id="par"):
             assert out.request_id == "par"

@@ -176,7 +176,7 @@ async def test_rendered_chat_text_gets_one_bos(bos_llama_dir, make_engine):
     assert plain.prompt_token_ids == tok.encode("Hi")  # BOS still added to plain text
     assert ids.prompt_token_ids[:2] == [bos, bos]  # token ids are taken as given
     # Two BOS written in the text are the caller's: one added BOS is dropped, not theirs.
-    twice = engine._engine.inputs._prompt_token_ids(tok.bos_token * 2 + "Hi")
+    twice = engine.core.inputs._prompt_token_ids(tok.bos_token * 2 + "Hi")
     assert twice == tok.encode(tok.bos_token * 2 + "Hi", add_special_tokens=False)
 
 
@@ -220,7 +220,7 @@ async def test_min_tokens_suppresses_an_early_eos(tiny_llama_dir, make_engine):
     ref = _reference(_hf(tiny_llama_dir), [prompt], 10)[0]
     eos = ref[2]
     engine = make_engine(tiny_llama_dir, **F32)
-    engine._engine.inputs.eos_token_ids = frozenset({eos})
+    engine.core.inputs.eos_token_ids = frozenset({eos})
     async with engine:
         early = await engine.generate(prompt, SamplingParams(max_tokens=10, temperature=0))
         late = await engine.generate(
@@ -461,7 +461,7 @@ async def test_chat_applies_the_models_template(tiny_llama_dir, make_engine):
         gen = engine.chat(messages, SamplingParams(max_tokens=100, ignore_eos=True))
         await gen.__anext__()
         await gen.aclose()
-        await wait_until(lambda: not engine._engine.has_unfinished())
+        await wait_until(lambda: not engine.core.has_unfinished())
     assert chat.token_ids == plain.token_ids == _concat(i.token_ids for i in chat_items)
     assert chat.prompt_token_ids == list(ids)
 
@@ -486,13 +486,13 @@ async def test_every_item_has_finish_reason_and_the_last_has_metrics(tiny_llama_
 
 
 def _slow_steps(engine, seconds):
-    real = engine._engine.step
+    real = engine.core.step
 
     def slow():
         time.sleep(seconds)
         return real()
 
-    engine._engine.step = slow
+    engine.core.step = slow
 
 
 async def test_queue_full_past_max_waiting(tiny_llama_dir, make_engine):
@@ -530,7 +530,7 @@ async def test_a_call_larger_than_max_waiting_is_invalid_not_queue_full(
             assert not isinstance(info.value, QueueFull)
         out = await engine.generate(_prompts()[0], SamplingParams(n=2, max_tokens=2))
         assert out.samples is not None and len(out.samples) == 2
-        await wait_until(lambda: not engine._engine.has_unfinished())
+        await wait_until(lambda: not engine.core.has_unfinished())
         check_pool_whole(engine)
 
 
@@ -543,7 +543,7 @@ async def test_timeout_ends_running_and_waiting_requests(tiny_llama_dir, make_en
         await wait_until(lambda: engine.stats()["num_running"] == 1)
         waiting = await engine.generate(_prompts()[1], long, timeout=0.05)
         out = await running.result()
-        await wait_until(lambda: not engine._engine.has_unfinished())
+        await wait_until(lambda: not engine.core.has_unfinished())
     assert waiting.finish_reason == "timeout" and waiting.token_ids == []
     assert out.finish_reason == "timeout" and 0 < len(out.token_ids) < 1000
     assert out.metrics is not None and out.metrics.num_generated_tokens == len(out.token_ids)
@@ -565,7 +565,7 @@ async def test_abort_by_id_from_another_task_and_thread(tiny_llama_dir, make_eng
         threading.Thread(target=engine.abort, args=("b",)).start()
         engine.abort("no-such-request")
         out_a, out_b = await a.result(), await b.result()
-        await wait_until(lambda: not engine._engine.has_unfinished())
+        await wait_until(lambda: not engine.core.has_unfinished())
         again = await engine.generate(_prompts()[0], GREEDY, request_id="a")  # id is free again
     assert out_a.finish_reason == out_b.finish_reason == "abort"
     assert again.finish_reason == "length"
@@ -623,7 +623,7 @@ async def test_200_concurrent_streams_with_random_cancellation(tiny_llama_dir, m
                 if rng.random() < 0.2:
                     await anyio.sleep(0)
         assert not [t.exception() for t in tasks.values() if t.exception()]
-        await wait_until(lambda: not engine._engine.has_unfinished())
+        await wait_until(lambda: not engine.core.has_unfinished())
         check_pool_whole(engine)
     outcomes = collections.Counter()
     for i, mode, _k in plan:
@@ -656,7 +656,7 @@ async def test_fault_in_forward_ends_every_stream_with_engine_dead_error(
     tiny_llama_dir, make_engine
 ):
     engine = make_engine(tiny_llama_dir, **SMALL)
-    runner = engine._engine.runner
+    runner = engine.core.runner
     real_forward = runner._forward
     fault = threading.Event()
 

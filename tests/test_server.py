@@ -97,7 +97,7 @@ def metric(base: str, name: str, **labels: str) -> float:
 
 def fail_steps_after(engine: AsyncEngine, steps: int, message: str) -> None:
     """Make the engine's step raise ``RuntimeError(message)`` from call ``steps + 1`` on."""
-    core = engine._engine
+    core = engine.core
     real_step = core.step
     calls = 0
 
@@ -398,13 +398,13 @@ def test_errors_use_openai_shape(served: tuple[str, AsyncEngine], client: openai
     assert r.status_code == 404 and r.json()["error"]["message"]
 
     # a full waiting queue answers 429
-    engine._num_waiting = lambda: 1024  # type: ignore[method-assign]
+    engine._loop.num_waiting = lambda tenant=None: 1024  # type: ignore[method-assign]
     try:
         with pytest.raises(openai.RateLimitError) as limited:
             client.completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert limited.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
     finally:
-        del engine._num_waiting
+        del engine._loop.num_waiting
     # a call the queue could never hold (n x prompts > max_waiting) is a 400, not a 429 that
     # a retrying client would repeat forever; one that fits is served
     engine.config.max_waiting = 2
@@ -724,4 +724,4 @@ def test_response_format_json_schema_and_object(
     ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
     assert ok.choices[0].message.content is not None
     wait_for(lambda: idle(engine))
-    assert len(engine._engine.grammar_matchers) == 0
+    assert len(engine.core.grammar_matchers) == 0

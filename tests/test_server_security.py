@@ -350,7 +350,7 @@ def test_echo_decodes_token_ids_off_the_loop_after_the_length_check(
     assert not decoded[0][0].startswith("asyncllm-step")
 
     async def bad_ids() -> None:
-        for ids in ([5.5], ["5"], [True], [-1], [engine._engine.vocab_size]):
+        for ids in ([5.5], ["5"], [True], [-1], [engine.core.vocab_size]):
             with pytest.raises(InvalidRequestError, match="token ids"):
                 await engine.decode(ids)  # type: ignore[arg-type]
 

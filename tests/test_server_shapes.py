@@ -126,6 +126,7 @@ def _value(field: str) -> tuple[str, Any]:
         "enable_prefix_caching": ("", False), "prefix_cache_dir": ("kv-dir", "kv-dir"),
         "kv_cache_dtype": ("int8", "int8"),
         "speculative_tokens": ("3", 3),  # below max_num_batched_tokens (7)
+        "tenant_weights": ("bot=2,apikey:ab=0.5", {"bot": 2.0, "apikey:ab": 0.5}),
     }  # fmt: skip
     return special.get(field, ("7", 7))
 
@@ -168,7 +169,7 @@ def test_existing_option_names(argv: list[str], expected: dict[str, Any]) -> Non
     "argv",
     [["--quantization-group-size", "48"], ["--dtype", "float8"], ["--max-num-seqs", "x"],
      ["--compile", "maybe"], ["--quantization", "int3"], ["--port", "-5"],
-     ["--port", "70000"]],
+     ["--port", "70000"], ["--tenant-weights", "a=x"], ["--tenant-weights", "a"]],
 )  # fmt: skip
 def test_bad_option_values_exit(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

@@ -354,7 +354,7 @@ async def test_cancel_speculating_stream_frees_blocks(tiny_llama_dir, make_engin
 
 
 def test_grammar_requests_do_not_speculate(tiny_llama_dir, make_engine):
-    core = make_engine(tiny_llama_dir, **KW, **SPEC)._engine  # never started: no steps
+    core = make_engine(tiny_llama_dir, **KW, **SPEC).core  # never started: no steps
     params = SamplingParams(
         max_tokens=12, temperature=0.0, structured_outputs={"regex": "(ab|cd){1,4}"}
     )

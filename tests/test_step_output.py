@@ -77,7 +77,7 @@ def test_engine_step_reports_first_scheduling_and_preemptions(tiny_llama_dir, ma
         max_model_len=48,
         kv_cache_bytes=12 * 4 * 2 * 2 * 2 * 16 * 4,  # 12 blocks of 4 tokens, float32
     )
-    core = engine._engine
+    core = engine.core
     for i in range(6):
         core.add_request(core.inputs.make_request(f"r{i}", list(range(10 + i, 30 + i)), GREEDY))
     starts: list[str] = []

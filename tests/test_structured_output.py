@@ -107,8 +107,8 @@ async def test_outputs_follow_the_grammar(tiny_llama_dir, make_engine, stream):
         for (so, check), res in zip(kinds, results, strict=True):
             # choice, regex and the grammar are always complete within 80 tokens
             _check_all(res, check, min_stop=0.75 if "json" in so else 1.0)
-        assert len(engine._engine.grammar_matchers) == 0
-        compiler = engine._engine.grammar_compiler
+        assert len(engine.core.grammar_matchers) == 0
+        compiler = engine.core.grammar_compiler
         assert compiler.num_compiled == len(kinds)  # each grammar compiled once
         assert compiler.num_cache_hits == len(kinds) * (len(SEEDS) - 1)
 
@@ -168,7 +168,7 @@ async def test_greedy_and_sampled_rows_in_one_batch_follow_the_grammar(tiny_llam
             results = await asyncio.gather(*calls)
             _check_all(results, check, min_stop=0.75 if "json" in so else 1.0)
             assert results[-1] == results[1]
-        counts = engine._engine.runner.sampler.grammar_rows
+        counts = engine.core.runner.sampler.grammar_rows
         assert counts.checked > 0 and counts.sampled > 0
 
 
@@ -216,7 +216,7 @@ async def test_preemption_keeps_matcher_state(tiny_llama_dir, make_engine, mode)
     assert stats["num_preemptions"] > 0
     assert got == expected
     _check_all(got, _check_json)
-    assert len(small._engine.grammar_matchers) == 0
+    assert len(small.core.grammar_matchers) == 0
 
 
 #: Strings bounded by length only, where xgrammar 0.2.9 let raw control characters in.
@@ -278,7 +278,7 @@ async def test_user_stop_token_ids_wait_for_the_grammar(tiny_llama_dir, make_eng
     ends "stop" with valid JSON (they ended it half-written before), and one of them (or
     EOS) may end it there."""
     engine = make_engine(tiny_llama_dir)
-    vocab = engine._engine.tokenizer.convert_ids_to_tokens(list(range(5000)))
+    vocab = engine.core.tokenizer.convert_ids_to_tokens(list(range(5000)))
     keys = json.dumps(SCHEMA)
     stops = [
         i for i, t in enumerate(vocab)
@@ -292,7 +292,7 @@ async def test_user_stop_token_ids_wait_for_the_grammar(tiny_llama_dir, make_eng
     ]  # fmt: skip
     async with engine:
         results = await _run(engine, params, stream=True)
-        assert len(engine._engine.grammar_matchers) == 0
+        assert len(engine.core.grammar_matchers) == 0
     _check_all(results, _check_json)
 
 
@@ -329,7 +329,7 @@ async def test_logprobs_stay_raw(tiny_llama_dir, make_engine):
 
 async def test_stop_string_and_cancel_free_the_matcher(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir)
-    core = engine._engine
+    core = engine.core
     async with engine:
         p = SamplingParams(max_tokens=40, seed=3, stop=["-"], structured_outputs={"regex": REGEX})
         out = await engine.generate("x", p)
@@ -366,14 +366,14 @@ async def test_uncompilable_grammar_fails_only_its_call(
             await engine.generate("x", SamplingParams(n=3, structured_outputs=so))
         ok = await engine.generate("x", _params(0, choice=["fine"]))
         assert ok.text == "fine"
-        assert engine.health() == "running" and len(engine._engine.grammar_matchers) == 0
+        assert engine.health() == "running" and len(engine.core.grammar_matchers) == 0
 
 
 async def test_no_compile_on_the_loop_or_the_compute_thread(
     tiny_llama_dir, make_engine, monkeypatch
 ):
     engine = make_engine(tiny_llama_dir)
-    compiler = engine._engine.grammar_compiler
+    compiler = engine.core.grammar_compiler
     threads: list[str] = []
     real = compiler._compile
 
@@ -391,7 +391,7 @@ async def test_no_compile_on_the_loop_or_the_compute_thread(
     assert threads, "no grammar was compiled"
     assert all(t != loop_thread and not t.startswith("asyncllm-step") for t in threads), threads
     with pytest.raises(RuntimeError, match="compute thread"):
-        core = engine._engine
+        core = engine.core
         core.compute_thread.call(lambda: core.compile_grammar(params[0]))
 
 

@@ -369,7 +369,7 @@ class TestUnderInterpreter:
         results = {}
         for backend in ("torch", "triton"):
             engine = chunked_engine(make_engine, tiny_llama_dir, backend)
-            assert engine._engine.runner.attention_backend.name == backend
+            assert engine.core.runner.attention_backend.name == backend
             async with engine:
                 outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
                 assert engine.stats()["num_steps"] > params.max_tokens  # 23 tokens were chunked

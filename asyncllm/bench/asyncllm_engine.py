@@ -71,7 +71,7 @@ class AsyncllmWorker:
 
         import asyncllm
 
-        loaded = self.engine({})._engine.loaded if self.loaded is None else self.loaded
+        loaded = self.engine({}).core.loaded if self.loaded is None else self.loaded
         dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
         # what ran: the dtype, or the quantization the loader applied ("auto" resolved)
         precision = loaded.precision
@@ -111,7 +111,7 @@ class AsyncllmWorker:
 
     def settings(self, engine: Any) -> dict[str, Any]:
         c = engine.config
-        core = engine._engine
+        core = engine.core
         return {
             "dtype": str(core.kv_cache.spec.dtype).replace("torch.", ""),
             "block_size": c.block_size,
@@ -136,7 +136,7 @@ class AsyncllmWorker:
 
         engine = self.engine(spec.get("engine_config") or {})
         if spec.get("reset_prefix_cache", True):
-            engine._engine.reset_prefix_cache()
+            engine.core.reset_prefix_cache()
         tracer = Tracer(engine) if spec.get("trace") else None
 
         def submit(i: int, ids: list[int], max_tokens: int, salt: str | None) -> Any:
@@ -224,7 +224,7 @@ class Tracer:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.core = engine._engine
+        self.core = engine.core
         self.steps: list[dict[str, float]] = []
         self._cpu = _main_thread_cpu()
         self._cpu0 = self._cpu() if self._cpu is not None else 0.0

@@ -66,6 +66,12 @@ class Request:
         group_id: the call the request belongs to when it is one of several parallel
             samples (None: a call of its own); the scheduler shares running slots fairly
             between calls.
+        tenant: who the request is for; tenants share the running slots and the token
+            budget by weight (:mod:`asyncllm.core.fair_share`); "" is the shared tenant.
+        deadline: seconds (``time.monotonic()``) by which it should start; the scheduler
+            admits earlier deadlines first within a priority band and tenant share (None:
+            after every deadline). The front end ends a request that has not started by
+            then.
         spec: its speculative decoding proposer
             (:class:`~asyncllm.core.speculation.RequestSpeculation`); None: it never
             speculates.
@@ -81,6 +87,7 @@ class Request:
         "arrival_time",
         "cache_salt",
         "cpu_blocks",
+        "deadline",
         "first_scheduled_time",
         "group_id",
         "max_model_len",
@@ -98,6 +105,7 @@ class Request:
         "spec",
         "status",
         "stop_token_ids",
+        "tenant",
     )
 
     def __init__(
@@ -115,6 +123,8 @@ class Request:
         cache_salt: str | None = None,
         prefill_only: bool = False,
         group_id: str | None = None,
+        tenant: str = "",
+        deadline: float | None = None,
         spec: RequestSpeculation | None = None,
     ) -> None:
         self.request_id = request_id
@@ -132,6 +142,8 @@ class Request:
         self.cache_salt = cache_salt
         self.prefill_only = prefill_only
         self.group_id = group_id
+        self.tenant = tenant
+        self.deadline = deadline
         self.spec = spec
         self.admitted = False
         # Prompt tokens served from the prefix cache at first admission.

@@ -12,9 +12,9 @@ Each step the scheduler decides, from scratch, which requests compute how many t
    (agents sent together with one system prompt: the first one's last prompt blocks) waits
    for the next step and hits it then, rather than computing the same block again.
 
-Priorities: a lower ``priority`` value is served first, ties by earlier arrival (vLLM's
-convention); the waiting queue is admitted in that order and running requests get the budget
-in that order.
+Priorities: a lower ``priority`` value is served first, ties by fair share and then earlier
+arrival (vLLM's convention); the waiting queue is admitted in that order and running requests
+get the budget in that order.
 
 Preemption: when a running request needs a block and none is free, or when the best waiting
 request has a better priority than some running request and cannot be admitted (too few free
@@ -45,24 +45,23 @@ computes the last prompt token itself, which samples its first token. The partly
 block is copied on write by each sample that writes into it while others still share it; the
 copies of a step are in its plan (``copies``).
 
-Fairness between calls: the n samples of one call (``group_id``) must not take every running
-slot from other calls. The calls that want slots (running or waiting) share ``max_num_seqs``
-evenly: a call's fair share is ``max(1, max_num_seqs // calls)``. A sample whose call would
-hold more than its fair share is admitted after the other waiting requests of its priority
-and is preempted first among them. When the running slots are all taken and a waiting request
-that is within its call's share (a plain request always is) has no free slot, the most
-recently admitted sample of a call above its share, of the same or worse priority and not yet
-preempted ``PROTECT_AFTER_PREEMPTIONS`` times (waiting time protects no running sample here:
-its call keeps its fair share), is preempted for it (offload or recompute, as any
-preemption), one per such waiting request and at most a step's token budget of their chunks
-per step. So a new stream starts within a
-step or two even beside a call of ``n = max_num_seqs`` samples; the front end refuses larger
-``n``.
+Fair shares (:mod:`asyncllm.core.fair_share`): within a priority band, tenants share the
+running slots by weight and, inside a tenant, the calls of several samples share its slots
+evenly; a request whose tenant or call would hold more than its share is admitted after the
+other waiting requests of its priority and preempted first. When the slots are all taken, a
+waiting request within its shares gets one: the most recently admitted request above its
+share (another tenant's, or another call's of its tenant), of the same or worse priority and
+preempted fewer than ``PROTECT_AFTER_PREEMPTIONS`` times, is preempted for it, at most a
+step's token budget of their chunks per step. The token budget and the admission order follow
+each tenant's virtual token counter (lowest first); running prefills of a tenant above the
+first waiting request's counter take their chunks after the step's admissions. Within a
+tenant, an earlier ``deadline`` goes first, then earlier arrival. So a new stream starts
+within a step or two beside another tenant's burst or a call of ``n = max_num_seqs`` samples.
 
 Starvation: a request is protected once it has been preempted ``PROTECT_AFTER_PREEMPTIONS``
-times or has waited ``PROTECT_AFTER_WAIT_S`` seconds since it arrived. A protected request is
-admitted before every unprotected one and is preempted only when no unprotected request can
-be, so it finishes under any sustained load of higher priority.
+times or has waited ``PROTECT_AFTER_WAIT_S`` seconds since it arrived. A protected request
+within its shares is admitted before every unprotected one and is preempted only when no
+unprotected request can be, so it finishes under any sustained load of higher priority.
 
 Speculative decoding (:mod:`asyncllm.core.speculation`): a decode may also compute its
 n-gram proposals, verified by the worker; the verified tokens come back in one update each.
@@ -73,10 +72,12 @@ of plain lists (:mod:`asyncllm.core.plan`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 from asyncllm.core.block_manager import BlockManager, BlockPool
+from asyncllm.core.fair_share import FairShare
 from asyncllm.core.parallel import SampleGroups
 from asyncllm.core.plan import RequestUpdate, ScheduledChunk, SchedulerOutput
 from asyncllm.core.request import Request, RequestStatus
@@ -99,9 +100,10 @@ class Scheduler:
         cpu_pool: the CPU block pool that preempted requests are swapped out to; None means
             preemption always recomputes.
         clock: seconds, monotonic (for the starvation bound).
+        tenant_weights: tenant -> share weight (:mod:`asyncllm.core.fair_share`; 1 if unset).
 
     Raises:
-        ValueError: a limit below 1.
+        ValueError: a limit below 1, or a weight that is not positive.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         cpu_pool: BlockPool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -125,8 +128,10 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        #: Parallel sampling: prompt sharing and fairness between calls.
-        self.groups = SampleGroups(max_num_seqs)
+        #: Parallel sampling: the samples of a call share its prompt.
+        self.groups = SampleGroups()
+        #: Shares of the slots and the budget between tenants and between calls.
+        self.fair = FairShare(max_num_seqs, tenant_weights)
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
@@ -154,6 +159,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self.fair.arrive(request)
         self.waiting.append(request)
 
     def add_parallel_requests(self, samples: Sequence[Request]) -> None:
@@ -172,6 +178,7 @@ class Scheduler:
         for r in samples:
             r.status = RequestStatus.WAITING
             self.requests[r.request_id] = r
+            self.fair.arrive(r)
 
     def abort_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -199,13 +206,22 @@ class Scheduler:
             or self.clock() - request.arrival_time >= self.protect_after_wait_s
         )
 
-    def _admission_key(self, request: Request) -> tuple[bool, int, bool, float]:
+    def _admission_key(self, request: Request) -> tuple[bool, int, bool, float, float, float]:
+        # Age protects no request above its tenant's or call's share: they keep theirs.
+        over = self.fair.over_share(request)
         return (
-            not self.is_protected(request),
+            over or not self.is_protected(request),
             request.priority,
-            self.groups.over_share(request),
+            over,
+            self.fair.counter(request),
+            math.inf if request.deadline is None else request.deadline,
             request.arrival_time,
         )
+
+    def _running_key(self, request: Request) -> tuple[int, float, float, float]:
+        """The order in which running requests get the step's budget."""
+        deadline = math.inf if request.deadline is None else request.deadline
+        return request.priority, self.fair.counter(request), deadline, request.arrival_time
 
     # The worst request is the max; ties go to the most recently admitted (callers pass the
     # running list reversed).
@@ -214,49 +230,71 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy)."""
         out = SchedulerOutput()
-        bm = self.block_manager
-        store = bm.host_store
+        store = self.block_manager.host_store
         if store is not None:
             store.new_step()
-        budget = self.max_num_batched_tokens
-        scheduled: set[str] = set()
-        self.groups.refresh(self.running, self.waiting)
+        self.fair.refresh(self.running, self.waiting)
         self.waiting.sort(key=self._admission_key)
         self._preempt_for_priority(out)
         self._preempt_for_fairness(out)
-        order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
+        order = sorted(self.running, key=self._running_key)
         decodes = [r for r in order if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in order if r.num_tokens - r.num_computed_tokens > 1]
-        computing: set[bytes] = set()  # hashes of the blocks this step's chunks complete
+        later = self._deferred_prefills(prefills)
+        step = _Step(out, self.max_num_batched_tokens)
+        self._schedule_running(decodes, [r for r in prefills if r not in later], step)
+        self._schedule_waiting(step)
+        self._schedule_running([], later, step)
+        if store is not None:  # evicted blocks spilled and host hits loaded, before the forward
+            store.drain(out.swap_out, out.swap_in)
+        return out
+
+    def _add_chunk(self, request: Request, n: int, step: _Step) -> None:
+        chunk = self._chunk(request, n)
+        step.out.chunks.append(chunk)
+        step.scheduled.add(request.request_id)
+        step.budget -= n
+        self.fair.charge(request, n)
+        if n > 1:
+            self._note_computing(request, n, step.computing)
+
+    def _schedule_running(
+        self, decodes: list[Request], prefills: list[Request], step: _Step
+    ) -> None:
+        """Decodes (one token each, or their proposals too), then prefill chunks."""
+        out = step.out
         spec = self.spec if self.spec is not None and self.spec.active(len(decodes)) else None
         for i, request in enumerate(decodes + prefills):
-            if budget == 0:
+            if step.budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens - request.num_computed_tokens, step.budget)
             # Speculation spends only the budget the decodes after this one do not need.
             if spec is not None and i < len(decodes):
-                chunk = spec.chunk(self, request, budget - len(decodes) + i, out)
+                chunk = spec.chunk(self, request, step.budget - len(decodes) + i, out)
                 if chunk is not None:
                     out.chunks.append(chunk)
-                    scheduled.add(request.request_id)
-                    budget -= len(chunk.token_ids)
+                    step.scheduled.add(request.request_id)
+                    step.budget -= len(chunk.token_ids)
+                    self.fair.charge(request, len(chunk.token_ids))
                     continue
-            if self._allocate_or_preempt(request, n, scheduled, out):
-                out.chunks.append(self._chunk(request, n))
-                scheduled.add(request.request_id)
-                budget -= n
-                if n > 1:
-                    self._note_computing(request, n, computing)
+            if self._allocate_or_preempt(request, n, step.scheduled, out):
+                self._add_chunk(request, n, step)
 
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Admit waiting requests in order while the budget, the slots and the blocks allow."""
+        bm, fair = self.block_manager, self.fair
+        if fair.num_active_tenants > 1:  # the running chunks moved the counters
+            self.waiting.sort(key=self._admission_key)
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while i < len(self.waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
+            computing = step.computing
             if (computing or bm.reads_disk) and self._waits_for_computing(request, computing):
                 i += 1
                 continue
-            n = self._admit(request, budget, out)
+            n = self._admit(request, step.budget, step.out)
             if n == 0:
                 if self._release_waiting_blocks(request):
                     continue
@@ -264,16 +302,28 @@ class Scheduler:
             del self.waiting[i]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(self._chunk(request, n))
-            budget -= n
-            self._note_computing(request, n, computing)
-            if self.groups.admitted(request):
-                # Its call's other waiting samples are now above the share: others first.
+            self._add_chunk(request, n, step)
+            if fair.admitted(request) or fair.num_active_tenants > 1:
+                # Its tenant or call reached its share, or its counter moved: others first.
                 self.waiting.sort(key=self._admission_key)
                 i = 0
-        if store is not None:  # evicted blocks spilled and host hits loaded, before the forward
-            store.drain(out.swap_out, out.swap_in)
-        return out
+
+    def _deferred_prefills(self, prefills: list[Request]) -> list[Request]:
+        """Running prefills that wait for the step's admissions: those of another tenant
+        whose counter is above that of the first waiting request within its shares, of the
+        same or worse priority (so a tenant's long prompts do not keep another tenant's
+        request from starting)."""
+        fair = self.fair
+        if not fair.contended or not self.waiting:
+            return []
+        head = next((w for w in self.waiting if not fair.over_share(w)), None)
+        if head is None:
+            return []
+        first = fair.counter(head)
+        return [
+            r for r in prefills
+            if r.tenant != head.tenant and r.priority >= head.priority and fair.counter(r) > first
+        ]  # fmt: skip
 
     def _note_computing(self, request: Request, n: int, computing: set[bytes]) -> None:
         """Add the hashes of the blocks that ``request``'s chunk of ``n`` tokens fills."""
@@ -380,16 +430,16 @@ class Scheduler:
     def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
         """With every running slot taken, preempt samples of calls above their fair share for
         the waiting requests within theirs (see the module docstring)."""
-        groups = self.groups
-        if not self.waiting or len(self.running) < self.max_num_seqs or not groups.any_running:
+        fair = self.fair
+        if not self.waiting or len(self.running) < self.max_num_seqs or not fair.contended:
             return
         tokens = 0
         for head in list(self.waiting):
             if tokens >= self.max_num_batched_tokens:
                 return  # these cannot all start this step anyway
-            if groups.over_share(head):
+            if fair.over_share(head):
                 continue
-            victim = groups.fairness_victim(head, self.running, self.protect_after_preemptions)
+            victim = fair.victim(head, self.running, self.protect_after_preemptions)
             if victim is None:
                 return  # later waiting requests have no better priority
             self._preempt(victim, out)
@@ -513,14 +563,27 @@ class Scheduler:
         out.preempted.append(rid)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
-        self.groups.refresh(self.running, self.waiting)
+        self.fair.refresh(self.running, self.waiting)
         self.waiting.sort(key=self._admission_key)
         self.num_preemptions += 1
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self.fair.leave(request)
         self.block_manager.free(request.request_id)
         if request.cpu_blocks is not None and self.cpu_pool is not None:
             self.cpu_pool.free(request.cpu_blocks)
             request.cpu_blocks = None
         del self.requests[request.request_id]
+
+
+class _Step:
+    """What one :meth:`Scheduler.schedule` call has planned so far."""
+
+    __slots__ = ("budget", "computing", "out", "scheduled")
+
+    def __init__(self, out: SchedulerOutput, budget: int) -> None:
+        self.out = out
+        self.budget = budget  # tokens left
+        self.scheduled: set[str] = set()  # requests with a chunk
+        self.computing: set[bytes] = set()  # hashes of the blocks this step's chunks complete

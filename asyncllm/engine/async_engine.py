@@ -1,10 +1,12 @@
-"""The async front end on anyio (asyncio, uvloop, trio): streams, step loop, cancellation.
+"""The async front end on anyio (asyncio, uvloop, trio): the public API, streams, cancellation.
 
-One task of the engine's task group (``async with engine``) owns the :class:`LLMEngine`.
-Calls from other tasks (new requests, aborts) go through an inbox
-(:mod:`asyncllm.engine.request_table`) that the task applies between steps; each step runs
-on the engine's one compute thread (docs/tuning.md says why one) so the event loop stays
-free while the model computes. Leaving a stream early (cancelled, timed out, ``break`` in
+One task of the engine's task group (``async with engine``), the step loop
+(:mod:`asyncllm.engine.step_loop`), owns the :class:`LLMEngine`. Calls from other tasks (new
+requests, aborts) go through an inbox (:mod:`asyncllm.engine.request_table`) that the task
+applies between steps; each step runs on the engine's one compute thread (docs/tuning.md says
+why one) so the event loop stays free while the model computes. Admission (the waiting
+queue's limits, callers that wait for a place, tenants, deadlines, queue positions) is in
+:mod:`asyncllm.engine.admission`. Leaving a stream early (cancelled, timed out, ``break`` in
 ``async with``, ``aclose()``) aborts its request, which frees its KV blocks before the next
 step. A request's :class:`~asyncllm.engine.output_processor.RequestState` holds its unread
 output: a slow reader gets several steps merged into one item, not an unbounded queue.
@@ -19,35 +21,31 @@ grammar that fails ends only its call; a slow one holds up neither the loop nor 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
-import logging
 import threading
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
-import msgspec
 
 from asyncllm.config import EngineConfig
+from asyncllm.engine.admission import (
+    AdmissionLimits,
+    check_admission_mode,
+    check_tenant,
+)
 from asyncllm.engine.chat_tool_setup import ChatOutputs, ChatToolSetup, render_chat_call
 from asyncllm.engine.input_processor import PromptType
-from asyncllm.engine.output_processor import RequestState, TokenTextCache
 from asyncllm.engine.parallel_sampling import num_samples
-from asyncllm.engine.request_table import (
-    Call,
-    RequestTable,
-    check_admission,
-    check_timeout,
-    check_token_ids,
-)
-from asyncllm.engine.step_output import StepOutput
+from asyncllm.engine.request_table import check_token_ids
+from asyncllm.engine.step_loop import StepLoop
 from asyncllm.engine.streams import RequestStream, collect, stream_method
-from asyncllm.engine.wakeup import Wakeup, wait_future
-from asyncllm.errors import EngineDeadError, EngineNotRunningError
+from asyncllm.engine.submission import Submission
+from asyncllm.errors import EngineNotRunningError
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -55,11 +53,6 @@ if TYPE_CHECKING:  # the engine core imports torch; the front end does not
     from asyncllm.engine.llm_engine import LLMEngine
 
 __all__ = ["AsyncEngine", "RequestStream", "collect"]
-
-logger = logging.getLogger("asyncllm")
-
-#: Seconds the loop waits before planning again after a step found nothing to schedule.
-IDLE_RETRY_S = 0.05
 
 _T = TypeVar("_T")
 
@@ -85,23 +78,13 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine) -> None:
-        self._engine = engine
-        self._wakeup = Wakeup()  # news for the step loop
-        self._requests = RequestTable(self._wakeup.set)
+        self._core = engine
+        self._loop = StepLoop(engine, AdmissionLimits(engine.config))
+        self._requests = self._loop.requests
         self._tg: anyio.abc.TaskGroup | None = None  # runs the step loop and timeouts
         self._token: anyio.lowlevel.EventLoopToken | None = None  # the loop that entered
         self._loop_thread = 0  # that loop's thread
-        self._running = False  # the step loop runs
-        self._closing = False
-        self._dead: EngineDeadError | None = None
-        self._token_text = TokenTextCache(engine.tokenizer)
-        # Tokenization and chat templates (and grammar compiles) off the loop, one at a time
-        # (vLLM's server too: fast tokenizers are not meant for concurrent encodes).
-        self._tokenize_limiter: anyio.CapacityLimiter | None = None  # made on entry
-        self._grammar_limiter: anyio.CapacityLimiter | None = None
-        # Requests of calls being tokenized (or rendered) now: they count as waiting, so
-        # max_waiting bounds the tokenizer's queue too.
-        self._tokenizing = 0
+        self._submission = Submission(engine, self._loop, self._check_running)
 
     @classmethod
     def from_pretrained(cls, model: str = "default", **config: Any) -> AsyncEngine:
@@ -120,30 +103,44 @@ class AsyncEngine:
         return cls(LLMEngine.from_config(EngineConfig(model=model, **config)))
 
     @property
+    def core(self) -> LLMEngine:
+        """The engine core this front end drives (read its state between steps; requests go
+        through this class, never the core's own methods, while the engine runs)."""
+        return self._core
+
+    @property
     def tokenizer(self) -> Any:
         """The model's transformers tokenizer (chat template included)."""
-        return self._engine.tokenizer
+        return self._core.tokenizer
 
     @property
     def config(self) -> EngineConfig:
         """The engine's settings."""
-        return self._engine.config
+        return self._core.config
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """Give ``tenant`` a share weight from the next step on (see ``tenant_weights`` in
+        :class:`EngineConfig`); callable between steps, from the engine's loop.
+
+        Raises:
+            ValueError: ``weight`` is not a positive finite number.
+        """
+        self._core.scheduler.fair.set_weight(check_tenant(tenant), weight)
 
     async def __aenter__(self) -> AsyncEngine:
-        if self._dead is not None:
-            raise self._dead_error()
+        if self._loop.dead is not None:
+            raise self._loop.dead_error()
         if self._tg is not None:
             raise RuntimeError("AsyncEngine is already running")
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg, self._token = tg, anyio.lowlevel.current_token()
         self._loop_thread = threading.get_ident()
-        self._closing = False
-        self._tokenize_limiter = anyio.CapacityLimiter(1)
-        self._grammar_limiter = anyio.CapacityLimiter(1)
-        self._engine.driven_by_async = True
-        self._running = True
-        tg.start_soon(self._run, name="asyncllm-engine-loop")
+        self._loop.closing = False
+        self._submission.enter(tg)
+        self._core.driven_by_async = True
+        self._loop.running = True
+        tg.start_soon(self._loop.run, name="asyncllm-engine-loop")
         return self
 
     async def __aexit__(
@@ -169,22 +166,22 @@ class AsyncEngine:
             await tg.__aexit__(None, None, None)
         finally:
             self._tg = None
-            self._engine.stop_compute_thread()
-            self._engine.driven_by_async = False
-            if self._dead is not None:
-                self._release_core()
+            self._core.stop_compute_thread()
+            self._core.driven_by_async = False
+            if self._loop.dead is not None:
+                self._loop.release_core()
 
     def begin_shutdown(self) -> None:
         """Leaving ``async with``'s first part, now: new calls raise EngineNotRunningError;
         "abort" mode aborts in-flight requests ("drain": they run on). For servers, whose
         lifespan ends after the open responses (``serve`` calls it when a shutdown starts).
         Call it on the engine's loop; a no-op outside ``async with`` or a second time."""
-        if self._tg is None or self._closing:
+        if self._tg is None or self._loop.closing:
             return
-        self._closing = True
+        self._loop.closing = True
         if self.config.shutdown_mode != "drain":
             self._requests.abort_all()
-        self._wakeup.set()
+        self._loop.wakeup.set()
 
     def health(self) -> str:
         """ "running" (inside ``async with``, loop alive) or "stopped".
@@ -192,9 +189,9 @@ class AsyncEngine:
         Raises:
             EngineDeadError: the step loop failed (``__cause__``: its exception).
         """
-        if self._dead is not None:
-            raise self._dead_error()
-        return "running" if self._running else "stopped"
+        if self._loop.dead is not None:
+            raise self._loop.dead_error()
+        return "running" if self._loop.running else "stopped"
 
     @stream_method
     async def stream(
@@ -207,56 +204,57 @@ class AsyncEngine:
         cache_salt: str | None = None,
         timeout: float | None = None,
         strict_max_tokens: bool = False,
+        tenant: str = "",
+        deadline: float | datetime.datetime | None = None,
+        admission: str = "refuse",
+        report_queue: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate for one prompt; returns a :class:`RequestStream` of the outputs as they
-        are produced.
-
-        The request is validated and queued when iteration starts; errors are raised by
-        the first ``__anext__`` (a text prompt is tokenized there, on a worker thread, after
-        the cheap checks). Leaving early aborts the request and frees its KV blocks before
-        the next step (``async with engine.stream(...) as s: async for out in s``, then
-        ``break``, an exception, a cancellation or a timeout; or ``aclose()``): see
-        :class:`RequestStream`.
+        are produced. The request is validated and queued when iteration starts (errors are
+        raised by the first ``__anext__``); leaving early (``break`` in ``async with``, an
+        exception, a cancellation, ``aclose()``) aborts it and frees its KV blocks before
+        the next step: see :class:`RequestStream`.
 
         Args:
             prompt: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``.
             params: sampling parameters (default ``SamplingParams()``); its
                 ``output_kind`` says whether items are deltas, cumulative, or one final item.
-            request_id: unique among in-flight requests (free again as soon as the call
-                ends, early or not); generated when None. Outputs carry it.
+            request_id: unique among in-flight calls; generated when None. Outputs carry it.
             priority: lower is served first.
-            cache_salt: requests share prefix-cache blocks only with requests of the same
-                salt (None included); give tenants that must not share cache their own.
-            timeout: seconds from when the request is queued (after its prompt is
-                tokenized, and its grammar compiled); when they pass the request ends with
-                finish_reason "timeout" (what was generated is kept) and its blocks are
-                freed. None: no limit.
-            strict_max_tokens: refuse a ``params.max_tokens`` that does not fit in
-                ``max_model_len`` after the prompt, as OpenAI's API and vLLM's server do
-                (by default the request ends there, with finish_reason "length").
+            cache_salt: requests share prefix-cache blocks only with the same salt.
+            timeout: seconds from when it is queued (tokenized) until it ends "timeout"
+                (what was generated is kept). None: no limit.
+            strict_max_tokens: refuse a ``max_tokens`` that does not fit ``max_model_len``
+                after the prompt (OpenAI's API; by default it ends there, "length").
+            tenant: who it is for; tenants share the slots and token budget of a priority
+                band by weight (``EngineConfig.tenant_weights``); "": the shared tenant.
+            deadline: seconds from now or an aware ``datetime``: earlier deadlines start
+                first, and one not started by then ends "timeout" with no tokens.
+            admission: "refuse": a full queue raises ``QueueFull``; "wait": wait for a
+                place (:mod:`asyncllm.engine.admission`).
+            report_queue: before the first token, yield token-less items with
+                ``queue_position`` and ``estimated_start_s`` as the position changes.
 
         Yields:
-            :class:`RequestOutput` items; the last has ``finish_reason`` and ``metrics``.
-            With ``params.n > 1`` the samples' items interleave, each tagged with its
-            ``index``, and each sample ends with its own last item.
+            :class:`RequestOutput` items, the last with ``finish_reason`` and ``metrics``;
+            with ``params.n > 1`` the samples' items interleave, tagged with ``index``.
 
         Raises:
-            InvalidRequestError: bad prompt, params, timeout or a duplicate request id; a
-                text that cannot fit ``max_model_len`` (refused before tokenizing it), or
-                with ``strict_max_tokens`` a prompt and ``max_tokens`` that do not;
-                ``params.n`` above ``EngineConfig.max_num_seqs`` or
-                ``EngineConfig.max_waiting`` (never taken: not ``QueueFull``).
-            QueueFull: ``EngineConfig.max_waiting`` requests are already waiting.
+            InvalidRequestError: a bad argument or a duplicate request id; a text that
+                cannot fit ``max_model_len`` (refused before tokenizing it), or with
+                ``strict_max_tokens`` a prompt and ``max_tokens`` that do not; ``params.n``
+                above ``max_num_seqs`` or ``max_waiting`` (never taken: not ``QueueFull``).
+            QueueFull: ``max_waiting`` requests (``max_waiting_per_tenant`` of the
+                tenant's) wait already, with ``admission="refuse"``.
             EngineNotRunningError: outside ``async with engine`` (or while it exits).
             EngineDeadError: the step loop failed (before or during the request).
         """
-        states = await self._submit(
+        states = await self._submission.submit(
             prompt, params, request_id, timeout,
             priority=priority, cache_salt=cache_salt, strict_max_tokens=strict_max_tokens,
+            tenant=tenant, deadline=deadline, admission=admission, report_queue=report_queue,
         )  # fmt: skip
-        event = states[0].event
-        for state in states[1:]:  # one wake-up for all samples
-            state.event = event
+        event = states[0].event  # one for all samples
         pending = list(states)
         try:
             while pending:
@@ -264,7 +262,7 @@ class AsyncEngine:
                 outs = []
                 for state in pending:  # take every sample's news before yielding any
                     if state.error is not None:
-                        raise self._dead_error() if self._dead is not None else state.error
+                        raise self._loop.dead_error() if self._loop.dead else state.error
                     out = state.take()
                     if out is not None:
                         outs.append((state, out))
@@ -292,6 +290,10 @@ class AsyncEngine:
         cache_salt: str | None = None,
         timeout: float | None = None,
         strict_max_tokens: bool = False,
+        tenant: str = "",
+        deadline: float | datetime.datetime | None = None,
+        admission: str = "refuse",
+        report_queue: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the answer to chat ``messages``, like :meth:`stream` (a
         :class:`RequestStream`).
@@ -340,10 +342,14 @@ class AsyncEngine:
             ChatToolSetup(tools, tool_choice, parallel_tool_calls),
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+            wait=check_admission_mode(admission),
+            tenant=check_tenant(tenant),
         )
         gen = self.stream(prompt, params, request_id=request_id, priority=priority,
                           cache_salt=cache_salt, timeout=timeout,
-                          strict_max_tokens=strict_max_tokens)  # fmt: skip
+                          strict_max_tokens=strict_max_tokens, tenant=tenant,
+                          deadline=deadline, admission=admission,
+                          report_queue=report_queue)  # fmt: skip
         async with gen:
             async for out in gen:
                 yield out if post is None else post.apply(out)
@@ -356,28 +362,32 @@ class AsyncEngine:
         *,
         add_generation_prompt: bool,
         chat_template_kwargs: Mapping[str, Any] | None,
+        wait: bool,
+        tenant: str,
     ) -> tuple[PromptType, SamplingParams | None, ChatOutputs | None]:
         """A chat call's prompt (rendered and tokenized off the loop), its params and what
         its outputs go through (reasoning split, tool calls parsed; see :meth:`chat`)."""
         self._check_running()
-        self._engine.inputs.check_chat(
+        self._core.inputs.check_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
         calls, params, chat_template_kwargs = tools.prepare(
-            self._engine.tokenizer, params, chat_template_kwargs
+            self._core.tokenizer, params, chat_template_kwargs
         )
         render = functools.partial(
             render_chat_call,
-            self._engine.inputs,
+            self._core.inputs,
             messages,
             calls,
             params,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return await self._off_loop(render, num_samples(params))
+        return await self._submission.off_loop(
+            render, num_samples(params), tenant=tenant, wait=wait
+        )
 
     async def generate(
         self,
@@ -388,11 +398,15 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,
+        tenant: str = "",
+        deadline: float | datetime.datetime | None = None,
+        admission: str = "refuse",
     ) -> RequestOutput:
         """Generate for one prompt and return the whole output (see :meth:`stream`); with
         ``params.n > 1``, sample 0's output whose ``samples`` lists all n in index order."""
         stream = self.stream(prompt, params, request_id=request_id, priority=priority,
-                             cache_salt=cache_salt, timeout=timeout)  # fmt: skip
+                             cache_salt=cache_salt, timeout=timeout, tenant=tenant,
+                             deadline=deadline, admission=admission)  # fmt: skip
         kind = params.output_kind if isinstance(params, SamplingParams) else "delta"
         return await collect(stream, kind)
 
@@ -406,9 +420,9 @@ class AsyncEngine:
             EngineNotRunningError: outside ``async with engine``.
         """
         self._check_running()
-        core = self._engine
+        core = self._core
         ids = check_token_ids(token_ids, core.max_model_len, core.vocab_size)
-        return str(await self._off_loop(functools.partial(core.tokenizer.decode, ids)))
+        return str(await self._submission.off_loop(functools.partial(core.tokenizer.decode, ids)))
 
     def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort" and its blocks are
@@ -427,8 +441,8 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> int:
         """Forget every prefix-cache block that no request holds (applied between steps);
         returns how many blocks were dropped. Blocks in use keep their hashes."""
-        if not self._running:
-            return self._engine.reset_prefix_cache()
+        if not self._loop.running:
+            return self._core.reset_prefix_cache()
         reply = self._requests.reset_prefix_cache()
         await reply.done.wait()
         if reply.error is not None:
@@ -437,30 +451,17 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, int | float | str]:
         """Engine counters and the weights' precision and bytes (see ``LLMEngine.stats``);
-        read between steps."""
-        s = self._engine.stats()
-        s["num_waiting"] = int(s["num_waiting"]) + self._num_queued()
+        read between steps. ``num_waiting`` counts the front end's queued, held and
+        tokenizing requests too."""
+        s = self._core.stats()
+        s["num_waiting"] = self._loop.num_waiting()
         return s
-
-    def _num_queued(self) -> int:
-        return self._requests.num_queued() + self._tokenizing
-
-    def _num_waiting(self) -> int:
-        return self._num_queued() + self._engine.scheduler.num_waiting
-
-    def _dead_error(self) -> EngineDeadError:
-        """A fresh EngineDeadError per raise (one instance raised in many tasks would
-        collect all their tracebacks), with the step's exception as its cause."""
-        assert self._dead is not None
-        err = EngineDeadError(str(self._dead))
-        err.__cause__ = self._dead.__cause__
-        return err
 
     def _check_running(self) -> None:
         """Raise unless new calls are accepted now, from this loop."""
-        if self._dead is not None:
-            raise self._dead_error()
-        if self._tg is None or self._closing:
+        if self._loop.dead is not None:
+            raise self._loop.dead_error()
+        if self._tg is None or self._loop.closing:
             raise EngineNotRunningError("use `async with engine:` before sending requests")
         if threading.get_ident() != self._loop_thread:  # one loop runs on a thread at a time
             raise EngineNotRunningError(
@@ -468,129 +469,8 @@ class AsyncEngine:
                 "(from another thread: anyio.from_thread.run with its token, or the LLM facade)"
             )
 
-    async def _off_loop(
-        self, fn: Callable[[], _T], num_requests: int = 0, *, grammar: bool = False
-    ) -> _T:
-        """``fn()`` on a worker thread, after the tokenizer's other work (the grammar
-        compiler's when ``grammar``), then check the engine still takes calls. The call's
-        ``num_requests`` are admitted first (``check_admission``) and count as waiting while
-        ``fn`` waits or runs; a cancelled caller waits for ``fn`` (one tokenization at once)."""
-        limiter = self._grammar_limiter if grammar else self._tokenize_limiter
-        check_admission(self.config.max_waiting, self._num_waiting(), num_requests)
-        self._tokenizing += num_requests
-        try:
-            result = await anyio.to_thread.run_sync(fn, limiter=limiter)
-        finally:
-            self._tokenizing -= num_requests
-        self._check_running()
-        return result
-
-    async def _submit(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None,
-        request_id: str | None,
-        timeout: float | None,
-        **options: Any,
-    ) -> list[RequestState]:
-        """Validate, tokenize and queue a call (``options``: ``make_requests``'s keywords)."""
-        self._check_running()
-        request_id = self._requests.caller_id(request_id)
-        check_timeout(timeout)
-        grammar = None
-        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-            params = msgspec.structs.replace(params)  # validated, and safe from the caller
-            grammar = await self._off_loop(
-                functools.partial(self._engine.compile_grammar, params),
-                num_samples(params),
-                grammar=True,
-            )
-        make = functools.partial(
-            self._engine.inputs.make_requests,
-            self._requests.internal_id(request_id),
-            prompt,
-            params if params is not None else SamplingParams(),
-            **options,
-        )
-        text = self._engine.inputs.prompt_text(prompt)
-        if text is None:  # token ids: cheap, validated here
-            requests = make()
-        else:
-            self._engine.inputs.check_prompt_chars(len(text))
-            requests = await self._off_loop(make, num_samples(params))
-        self._requests.check_free(request_id)  # taken while this one was tokenized?
-        check_admission(self.config.max_waiting, self._num_waiting(), len(requests))
-        states = []
-        for i, request in enumerate(requests):
-            state = RequestState(
-                request, request.params, self._engine.tokenizer, self._token_text,
-                output_id=request_id, index=i,
-            )  # fmt: skip
-            if timeout is not None:
-                assert self._tg is not None
-                state.timeout_handle = self._requests.start_timer(
-                    self._tg, request.request_id, timeout
-                )
-            states.append(state)
-        self._requests.add(request_id, Call(requests, grammar), states)
-        return states
-
-    async def _run_step(self) -> StepOutput:
-        """One step on the compute thread, waited for to its end even when the loop is
-        cancelled (a step cannot be interrupted; the core must not change under it)."""
-        return await wait_future(self._engine.compute_thread.submit(self._engine.step))
-
-    async def _run(self) -> None:
-        try:
-            while True:
-                self._requests.apply_inbox(self._engine)
-                if not self._engine.has_unfinished():
-                    if self._closing:
-                        return
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                await anyio.lowlevel.checkpoint_if_cancelled()  # the step's wait is shielded
-                updates = await self._run_step()
-                self._requests.dispatch(updates, self._engine)
-                if updates.idle:
-                    # Nothing was schedulable: do not spin; wait for news, re-plan soon.
-                    self._wakeup.clear()
-                    with anyio.move_on_after(IDLE_RETRY_S):
-                        await self._wakeup.wait()
-        except anyio.get_cancelled_exc_class():
-            # The engine's task group is cancelled (a cancelled or failed ``async with``
-            # block, a cancelled drain): abort what is left, free its blocks in the core.
-            self._requests.abort_all()
-            self._requests.apply_inbox(self._engine)
-            raise
-        except BaseException as exc:
-            self._die(exc)
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            self._running = False
-
-    def _die(self, exc: BaseException) -> None:
-        """Mark the engine dead and end every stream with EngineDeadError."""
-        dead = EngineDeadError(f"engine loop failed: {exc!r}")
-        dead.__cause__ = exc
-        self._dead = dead
-        self._requests.fail_all(self._dead_error)
-        self._release_core()  # no step runs: _run_step waits for its end
-        if isinstance(exc, Exception):
-            logger.error("asyncllm engine loop failed", exc_info=exc)
-
-    def _release_core(self) -> None:
-        """After a failure, free what the core still holds (no step may be running)."""
-        try:
-            for request_id in list(self._engine.scheduler.requests):
-                self._engine.abort_request(request_id)
-        except Exception:  # the failure may have left the core inconsistent
-            logger.exception("asyncllm: could not release the requests of a dead engine")
-
     @property
     def max_model_len(self) -> int:
         """The most tokens (prompt + generated) of one request (``EngineConfig.max_model_len``
         resolved against the model's limit)."""
-        return int(self._engine.max_model_len)
+        return int(self._core.max_model_len)

@@ -9,6 +9,7 @@ steps, so nothing here needs a lock.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -183,6 +184,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             cpu_pool=cpu_pool if config.preemption_mode == "offload" else None,
+            tenant_weights=config.tenant_weights,
         )
         if config.speculative_tokens > 0:
             self.scheduler.spec = Speculation(
@@ -360,6 +362,25 @@ class LLMEngine:
         store = self.block_manager.host_store
         dropped = store.clear() if store is not None else 0
         return dropped + self.block_manager.pool.evict_free_cached()
+
+    def num_waiting(self, tenant: str | None = None) -> int:
+        """Requests waiting in the scheduler (of ``tenant`` only, unless None), parallel
+        samples waiting for their prefix included."""
+        sched = self.scheduler
+        if tenant is None:
+            return sched.num_waiting
+        unforked = (r for _, samples in sched.groups.unforked() for r in samples)
+        return sum(r.tenant == tenant for r in itertools.chain(sched.waiting, unforked))
+
+    def waiting_order(self) -> dict[str, int]:
+        """Request id -> how many waiting requests the scheduler admits before it (its
+        order as of the last step); a parallel sample waiting for its prefix request takes
+        the prefix's place."""
+        order = {r.request_id: i for i, r in enumerate(self.scheduler.waiting)}
+        for prefix_id, samples in self.scheduler.groups.unforked():
+            if prefix_id in order:
+                order.update((r.request_id, order[prefix_id]) for r in samples)
+        return order
 
     def has_unfinished(self) -> bool:
         """Requests waiting or running."""

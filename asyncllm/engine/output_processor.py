@@ -130,8 +130,12 @@ class RequestState:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
-        #: The cancel scope of the request's timeout timer, if it has one.
-        self.timeout_handle: anyio.CancelScope | None = None
+        #: The cancel scopes of the request's timeout and deadline timers.
+        self.timers: list[anyio.CancelScope] = []
+        #: Stream items report the queue position before the start (``report_queue``).
+        self.report_queue = False
+        self._queue: tuple[int, float | None] | None = None  # unread (position, eta)
+        self._queue_sent: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -145,6 +149,16 @@ class RequestState:
         ``num_cached_tokens`` prompt tokens from the prefix cache."""
         self.first_scheduled_time = first_scheduled_time
         self.num_cached_tokens = num_cached_tokens
+        self._queue = None
+
+    def post_queue(self, position: int, eta: float | None) -> None:
+        """Report the queue position (requests that start first) and the estimated seconds
+        to the start, when the position changed since the last report."""
+        if position != self._queue_sent and self.first_scheduled_time is None:
+            self._queue_sent = position
+            self._queue = (position, eta)
+            if self.kind != "final":
+                self.event.set()
 
     def add_prompt_logprobs(self, first_index: int, entries: Sequence[TokenLogprobs]) -> None:
         """Store the logprobs of prompt tokens ``first_index ..`` (a recomputed prompt after
@@ -225,9 +239,9 @@ class RequestState:
         self._cancel_timeout()
 
     def _cancel_timeout(self) -> None:
-        if self.timeout_handle is not None:
-            self.timeout_handle.cancel()
-            self.timeout_handle = None
+        for scope in self.timers:
+            scope.cancel()
+        self.timers.clear()
 
     # ------------------------------------------------------------------ stream side
 
@@ -245,6 +259,17 @@ class RequestState:
             prompt_lps = list(self._prompt_logprobs)
             self._prompt_logprobs_sent = True
         text = "".join(self._text)
+        queue, self._queue = self._queue, None
+        if queue is not None and not finished and self.first_scheduled_time is None:
+            return RequestOutput(
+                request_id=self.output_id,
+                index=self.index,
+                token_ids=[],
+                text="",
+                num_prompt_tokens=self.num_prompt_tokens,
+                queue_position=queue[0],
+                estimated_start_s=queue[1],
+            )
         if self.kind == "delta":
             token_ids, logprobs = self._token_ids, self._logprobs
             self._token_ids, self._text = [], []

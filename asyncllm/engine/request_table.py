@@ -1,6 +1,7 @@
 """The front end's book of requests: calls by the caller's id, request states by internal
-id, and the inbox of additions, aborts and prefix-cache resets that the step loop hands to
-the core between steps.
+id, the inbox of additions, aborts and prefix-cache resets that the step loop hands to the
+core between steps, and the calls held until the waiting queue has room for them
+(``admission="wait"``, :mod:`asyncllm.engine.admission`).
 
 Request ids: the caller's id names a call (for ``abort`` and the duplicate check) and is what
 its outputs carry; inside, every call gets an internal id unique for the engine's lifetime
@@ -15,6 +16,7 @@ holds model state.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import operator
@@ -26,7 +28,7 @@ import anyio
 from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
 from asyncllm.engine.output_processor import RequestState, process_step
 from asyncllm.engine.step_output import StepOutput
-from asyncllm.errors import InvalidRequestError, QueueFull
+from asyncllm.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # the engine core imports torch; the front end does not
     from asyncllm.engine.llm_engine import LLMEngine
@@ -66,28 +68,6 @@ def check_timeout(timeout: object) -> None:
         )
 
 
-def check_admission(limit: int | None, waiting: int, adding: int) -> None:
-    """Admission past ``EngineConfig.max_waiting`` (``limit``; None: unbounded) of a call of
-    ``adding`` requests (its prompts' n samples) while ``waiting`` wait.
-
-    Raises:
-        InvalidRequestError: ``adding`` alone exceeds ``limit``: the call is never taken, so
-            "try again later" would loop a retrying client (the ``LLM`` facade, an OpenAI
-            client on 429) forever.
-        QueueFull: the queue has no room for it now.
-    """
-    if limit is not None and adding > limit:
-        raise InvalidRequestError(
-            f"this call adds {adding} requests (its prompts' n samples), more than "
-            f"EngineConfig.max_waiting={limit} ever holds; lower n or raise max_waiting"
-        )
-    if limit is not None and waiting + adding > limit:
-        raise QueueFull(
-            f"{waiting} requests are waiting and this one adds {adding} "
-            f"(EngineConfig.max_waiting={limit}); try again later"
-        )
-
-
 class Reply:
     """A result the step loop hands back to a waiting task (a prefix-cache reset)."""
 
@@ -109,18 +89,20 @@ class Call:
 
     Attributes:
         requests: the call's core requests (internal ids).
-        queued: still in the inbox, not yet handed to the core.
+        queued: still in the inbox (or held), not yet handed to the core.
         live: requests whose state has no finish reason yet.
         grammar: the compiled ``structured_outputs`` grammar, or None.
+        tenant: its requests' tenant.
     """
 
-    __slots__ = ("grammar", "live", "queued", "requests")
+    __slots__ = ("grammar", "live", "queued", "requests", "tenant")
 
     def __init__(self, requests: list[Request], grammar: Any = None) -> None:
         self.requests = requests
         self.queued = True
         self.live = len(requests)
         self.grammar = grammar
+        self.tenant = requests[0].tenant if requests else ""
 
 
 class RequestTable:
@@ -134,6 +116,8 @@ class RequestTable:
         self.states: dict[str, RequestState] = {}  # internal id -> unfinished request
         self.calls: dict[str, Call] = {}  # caller's id -> call with an unfinished request
         self._inbox_add: list[Call] = []  # calls not yet handed to the core
+        self._held: collections.deque[Call] = collections.deque()  # waiting for a place
+        self._reporting: dict[str, RequestState] = {}  # report_queue states not started
         self._inbox_abort: set[str] = set()  # internal ids to abort in the core
         self._cache_resets: list[Reply] = []
         self._wake = wake
@@ -173,31 +157,50 @@ class RequestTable:
         self._wake()
         return reply
 
-    def num_queued(self) -> int:
-        """Requests of calls not yet handed to the core."""
-        return sum(len(call.requests) for call in self._inbox_add)
+    def num_queued(self, tenant: str | None = None) -> int:
+        """Live requests of calls not yet handed to the core, held ones included (of
+        ``tenant`` only, unless None)."""
+        return sum(
+            call.live
+            for call in itertools.chain(self._inbox_add, self._held)
+            if tenant is None or call.tenant == tenant
+        )
 
-    def add(self, caller_id: str, call: Call, states: list[RequestState]) -> None:
-        """Register a call and its requests' states and queue it for the core."""
+    def num_held(self) -> int:
+        """Live requests of calls held for a place in the waiting queue."""
+        return sum(call.live for call in self._held)
+
+    def add(
+        self, caller_id: str, call: Call, states: list[RequestState], *, hold: bool = False
+    ) -> None:
+        """Register a call and its requests' states and queue it for the core (``hold``:
+        after the calls held before it, once the waiting queue has room: :meth:`admit_held`)."""
         self.calls[caller_id] = call
         for state in states:
             self.states[state.request_id] = state
-        self._inbox_add.append(call)
+            if state.report_queue:
+                self._reporting[state.request_id] = state
+        (self._held if hold else self._inbox_add).append(call)
         self._wake()
 
     def start_timer(
-        self, tg: anyio.abc.TaskGroup, internal_id: str, timeout: float
+        self, tg: anyio.abc.TaskGroup, internal_id: str, seconds: float, *, unstarted: bool
     ) -> anyio.CancelScope:
-        """Finish ``internal_id`` with "timeout" in ``timeout`` seconds, on a task of ``tg``
-        (the engine's); the request's end cancels the returned scope (its timer)."""
+        """Finish ``internal_id`` with "timeout" in ``seconds``, on a task of ``tg`` (the
+        engine's); ``unstarted``: only if the core has not scheduled it by then (a
+        deadline). The request's end cancels the returned scope (its timer)."""
         scope = anyio.CancelScope()
-        tg.start_soon(self._expire, scope, internal_id, anyio.current_time() + timeout)
+        tg.start_soon(self._expire, scope, internal_id, seconds, unstarted)
         return scope
 
-    async def _expire(self, scope: anyio.CancelScope, internal_id: str, deadline: float) -> None:
+    async def _expire(
+        self, scope: anyio.CancelScope, internal_id: str, seconds: float, unstarted: bool
+    ) -> None:
         with scope:
-            await anyio.sleep_until(deadline)
-            self.finish_early(internal_id, "timeout")
+            await anyio.sleep(max(seconds, 0.0))  # a deadline already past: at once
+            state = self.states.get(internal_id)
+            if state is not None and not (unstarted and state.first_scheduled_time is not None):
+                self.finish_early(internal_id, "timeout")
 
     def finish_call(self, caller_id: str, reason: str) -> None:
         """End the call the caller's id names, all its samples; unknown: ignored."""
@@ -223,8 +226,9 @@ class RequestTable:
         for internal_id in list(self.states):
             self.finish_early(internal_id, "abort")
 
-    def apply_inbox(self, core: LLMEngine) -> None:
-        """Hand the queued cache resets, aborts and calls to the core (between steps)."""
+    def apply_inbox(self, core: LLMEngine, fits: Callable[[Call], bool]) -> None:
+        """Hand the queued cache resets, aborts and calls to the core (between steps), then
+        the held calls, in order, while ``fits`` says the waiting queue has room."""
         for reply in self._cache_resets:
             reply.resolve(core.reset_prefix_cache())
         self._cache_resets.clear()
@@ -232,14 +236,40 @@ class RequestTable:
             core.abort_request(internal_id)
         self._inbox_abort.clear()
         for call in self._inbox_add:
-            call.queued = False
-            # Requests that ended while queued (abort, timeout) never reach the core.
-            live = [r for r in call.requests if r.request_id in self.states]
-            if len(call.requests) == 1 and live:
-                core.add_request(live[0], call.grammar)
-            elif live:
-                core.add_parallel_requests(live, call.grammar)
+            self._to_core(call, core)
         self._inbox_add.clear()
+        while self._held and (self._held[0].live == 0 or fits(self._held[0])):
+            self._to_core(self._held.popleft(), core)
+
+    def _to_core(self, call: Call, core: LLMEngine) -> None:
+        call.queued = False
+        # Requests that ended while queued (abort, timeout) never reach the core.
+        live = [r for r in call.requests if r.request_id in self.states]
+        if len(call.requests) == 1 and live:
+            core.add_request(live[0], call.grammar)
+        elif live:
+            core.add_parallel_requests(live, call.grammar)
+
+    def report_queue(self, core: LLMEngine, eta: Callable[[int], float | None]) -> None:
+        """Post the queue position (and ``eta(position)``) to every stream that asked for it
+        and has not started: its place in the core's admission order, or after the core's
+        waiting requests and the calls queued before it in the front end."""
+        if not self._reporting:
+            return
+        for rid in [r for r, s in self._reporting.items() if s.first_scheduled_time or s.finished]:
+            del self._reporting[rid]
+        order = core.waiting_order()
+        ahead = len(order)
+        for call in itertools.chain(self._inbox_add, self._held):
+            for r in call.requests:
+                state = self._reporting.get(r.request_id)
+                if state is not None:
+                    state.post_queue(ahead, eta(ahead))
+            ahead += call.live
+        for rid, state in self._reporting.items():
+            position = order.get(rid)
+            if position is not None:
+                state.post_queue(position, eta(position))
 
     def dispatch(self, updates: StepOutput, core: LLMEngine) -> None:
         """Feed a step's updates to their requests' states; a request a stop string ended
@@ -260,6 +290,8 @@ class RequestTable:
         self.states.clear()
         self.calls.clear()
         self._inbox_add.clear()
+        self._held.clear()
+        self._reporting.clear()
         self._inbox_abort.clear()
         for state in states:
             state.fail(make_error())
@@ -271,6 +303,7 @@ class RequestTable:
         """Drop a finished (or finishing) request's state; the caller's id is free again
         once every request of its call is finished."""
         del self.states[state.request_id]
+        self._reporting.pop(state.request_id, None)
         call = self.calls[state.output_id]
         call.live -= 1
         if call.live == 0:
