@@ -27,7 +27,7 @@ import anyio.from_thread
 
 from asyncllm.engine.async_engine import AsyncEngine, RequestStream, collect
 from asyncllm.engine.input_processor import PromptType
-from asyncllm.errors import InvalidRequestError, QueueFull
+from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -93,7 +93,7 @@ class LLM:
         model: "default", a Hugging Face directory, or a ``.gguf`` file.
         **config: other :class:`~asyncllm.config.EngineConfig` fields. ``max_waiting``
             defaults to None here (the facade is the engine's only client and submits
-            whole batches); when set, submissions past it are retried as requests finish.
+            whole batches); when set, submissions past it wait for a place, in order.
 
     Raises:
         ValueError: a bad config field or model (as ``AsyncEngine.from_pretrained``).
@@ -161,7 +161,7 @@ class LLM:
         per = self._params_list(params, len(items))
         engine = self._engine
         makers = [
-            (lambda p=p, sp=sp: engine.stream(p, sp), sp.output_kind)
+            (lambda p=p, sp=sp: engine.stream(p, sp, admission="wait"), sp.output_kind)
             for p, sp in zip(items, per, strict=True)
         ]
         return self._call_with_bar(makers, use_tqdm, "Generating")
@@ -207,7 +207,7 @@ class LLM:
             "parallel_tool_calls": parallel_tool_calls,
         }
         makers = [
-            (lambda m=m, sp=sp: engine.chat(m, sp, **kw), sp.output_kind)
+            (lambda m=m, sp=sp: engine.chat(m, sp, admission="wait", **kw), sp.output_kind)
             for m, sp in zip(convs, per, strict=True)
         ]
         return self._call_with_bar(makers, use_tqdm, "Chatting")
@@ -292,12 +292,7 @@ class LLM:
         async def one(i: int) -> None:
             nonlocal generated
             make, kind = makers[i]
-            while True:
-                try:
-                    out = await collect(make(), kind)
-                    break
-                except QueueFull:  # only when the caller bounded max_waiting
-                    await anyio.sleep(0.02)
+            out = await collect(make(), kind)  # admission="wait": in order, past max_waiting
             results[i] = out
             generated += len(out.token_ids)
             elapsed = max(time.monotonic() - start, 1e-9)

@@ -352,7 +352,8 @@ class AsyncEngine:
                           report_queue=report_queue)  # fmt: skip
         async with gen:
             async for out in gen:
-                yield out if post is None else post.apply(out)
+                # A queue report (no text yet) skips the reasoning and tool-call split.
+                yield out if post is None or out.queue_position is not None else post.apply(out)
 
     async def _chat_prompt(
         self,

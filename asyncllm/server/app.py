@@ -87,6 +87,13 @@ class OpenAIServer:
         chat_template: the Jinja text of the chat template that renders chat requests
             instead of the model's (a request's own, when trusted, still wins); None: the
             model's.
+        tenant_header: a request header whose value names the request's tenant (the
+            engine's fair-share unit; from a gateway the operator trusts); without it (or
+            the header) the tenant is the API key's, else the shared one.
+        admission: "refuse": a full waiting queue answers 429; "wait": requests wait for a
+            place (their ``timeout``... still apply).
+        queue_events: streamed requests get server-sent-event comments with their queue
+            position and estimated start before their first token.
 
     Attributes:
         engine: the engine.
@@ -108,7 +115,12 @@ class OpenAIServer:
         client_priority_range: tuple[int, int] = (0, 0),
         share_prefix_cache: bool = False,
         chat_template: str | None = None,
+        tenant_header: str | None = None,
+        admission: str = "refuse",
+        queue_events: bool = False,
     ) -> None:
+        if admission not in ("refuse", "wait"):
+            raise ValueError(f"admission must be 'refuse' or 'wait', got {admission!r}")
         if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes!r}")
         lo, hi = client_priority_range
@@ -126,6 +138,9 @@ class OpenAIServer:
         self.client_priority_range = (lo, hi)
         self.share_prefix_cache = share_prefix_cache
         self.chat_template = chat_template
+        self.tenant_header = tenant_header
+        self.admission = admission
+        self.queue_events = queue_events
         self._reserved_template_options = p.reserved_template_options(engine.tokenizer)
         self.response_store = ResponseStore()  # for /v1/responses' previous_response_id
 
@@ -164,6 +179,26 @@ class OpenAIServer:
             return await self.engine.decode(prompt)
         except InvalidRequestError as e:
             raise APIError(str(e), param="prompt") from None
+
+    def _engine_kwargs(
+        self, request: Request, call_kwargs: dict[str, Any], salt: str | None, stream: bool
+    ) -> dict[str, Any]:
+        """The engine call's keywords: the endpoint's, the cache salt, the tenant (from the
+        operator's tenant header, else the API key), admission and queue reports."""
+        tenant = request.scope.get(TENANT_KEY) or ""
+        if self.tenant_header is not None:
+            named = request.headers.get(self.tenant_header)
+            if named is not None:
+                if len(named) > 256:
+                    raise APIError(f"the {self.tenant_header} header is over 256 characters")
+                tenant = named
+        return {
+            **call_kwargs,
+            "cache_salt": self._cache_salt(request, salt),
+            "tenant": tenant,
+            "admission": self.admission,
+            "report_queue": self.queue_events and stream,
+        }
 
     def _cache_salt(self, request: Request, salt: str | None) -> str | None:
         """The client's ``cache_salt`` within its API key's own prefix-cache space."""
@@ -256,7 +291,7 @@ class OpenAIServer:
         shape = ep.CompletionShape(
             rid, int(time.time()), self.model_name, req.logprobs, call.include_usage
         )
-        kwargs = {**call.kwargs, "cache_salt": self._cache_salt(request, req.cache_salt)}
+        kwargs = self._engine_kwargs(request, call.kwargs, req.cache_salt, call.stream)
         method = functools.partial(self.engine.stream, params=call.params)
         return self._generate(prompts, method, kwargs, shape, call.stream)
 
@@ -283,7 +318,7 @@ class OpenAIServer:
             rid, int(time.time()), self.model_name, bool(req.logprobs), req.top_logprobs or 0,
             call.include_usage,
         )  # fmt: skip
-        kwargs = {**call.kwargs, "cache_salt": self._cache_salt(request, req.cache_salt)}
+        kwargs = self._engine_kwargs(request, call.kwargs, req.cache_salt, call.stream)
         method = functools.partial(self.engine.chat, params=call.params)
         return self._generate(make_prompts(call.prompts, call.n, rid), method, kwargs, shape,
                               call.stream)  # fmt: skip
@@ -307,7 +342,7 @@ class OpenAIServer:
             return json_response(err.body(), err.status)
         shape = ResponsesShape(req, self.model_name, conversation, self.response_store,
                                keep=req.store is not False)  # fmt: skip
-        kwargs = {**call.kwargs, "cache_salt": self._cache_salt(request, req.cache_salt)}
+        kwargs = self._engine_kwargs(request, call.kwargs, req.cache_salt, call.stream)
         method = functools.partial(self.engine.chat, params=call.params)
         return self._generate(make_prompts(call.prompts, 1, shape.id), method, kwargs, shape,
                               call.stream)  # fmt: skip
@@ -367,6 +402,9 @@ def create_app(
     share_prefix_cache_across_keys: bool = False,
     allowed_origins: Iterable[str] = (),
     chat_template: str | None = None,
+    tenant_header: str | None = None,
+    admission: str = "refuse",
+    queue_events: bool = False,
 ) -> Starlette:
     """Build the OpenAI-compatible Starlette app for ``engine``.
 
@@ -399,9 +437,10 @@ def create_app(
             calling, for a model whose own template has no tool support), a Jinja file, or
             a template's text (:func:`asyncllm.chat_templates.load_chat_template`). None:
             the model's.
+        tenant_header, admission, queue_events: as :class:`OpenAIServer` takes them.
 
     Raises:
-        ValueError: a bad ``max_request_bytes`` or ``client_priority_range``; a
+        ValueError: a bad ``max_request_bytes``, ``client_priority_range`` or ``admission``; a
             ``chat_template`` that names no built-in template or file.
     """
     server = OpenAIServer(
@@ -412,6 +451,9 @@ def create_app(
         client_priority_range=client_priority_range,
         share_prefix_cache=share_prefix_cache_across_keys,
         chat_template=None if chat_template is None else load_chat_template(chat_template),
+        tenant_header=tenant_header,
+        admission=admission,
+        queue_events=queue_events,
     )
 
     @contextlib.asynccontextmanager

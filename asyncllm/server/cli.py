@@ -138,6 +138,24 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
         "default each key hits only its own, since a hit's speed tells about others' prompts)",
     )
     sec.add_argument(
+        "--tenant-header",
+        metavar="NAME",
+        help="a request header naming the request's tenant (fair shares between tenants; "
+        "set by a gateway you trust); default: the API key's tenant, else one shared tenant",
+    )
+    sec.add_argument(
+        "--admission",
+        choices=("refuse", "wait"),
+        default="refuse",
+        help="when the waiting queue is full: refuse (429, the default) or wait for a place",
+    )
+    sec.add_argument(
+        "--queue-events",
+        action="store_true",
+        help="streamed requests get SSE comments with their queue position and estimated "
+        "start before their first token",
+    )
+    sec.add_argument(
         "--allowed-origins",
         action="append",
         default=None,
@@ -170,6 +188,9 @@ def app_options_from_args(
         "share_prefix_cache_across_keys": getattr(args, "share_prefix_cache_across_keys", False),
         "allowed_origins": split_commas(getattr(args, "allowed_origins", None)),
         "chat_template": None if template is None else load_chat_template(template),
+        "tenant_header": getattr(args, "tenant_header", None),
+        "admission": getattr(args, "admission", "refuse"),
+        "queue_events": getattr(args, "queue_events", False),
     }
 
 

@@ -179,7 +179,8 @@ class Fanout:
         try:
             stream = self._open(prompt)
             async for out in stream:
-                tracker.on_output(out)
+                if out.queue_position is None:  # a queue report is no output yet
+                    tracker.on_output(out)
                 await self._send.send((prompt.choices[out.index], out, None))
         except Exception as e:  # whatever fails, the reader learns of it (never hangs)
             error = e
@@ -215,6 +216,14 @@ class Fanout:
 def sse(obj: msgspec.Struct | dict[str, Any]) -> bytes:
     """One server-sent event holding ``obj`` as JSON."""
     return b"data: " + encode(obj) + b"\n\n"
+
+
+def queue_comment(out: RequestOutput) -> bytes:
+    """A server-sent-events comment (ignored by clients that do not read it) with a
+    request's queue position and estimated seconds to its start (``--queue-events``):
+    ``: queue_position=2 estimated_start_s=1.25``."""
+    eta = "unknown" if out.estimated_start_s is None else f"{out.estimated_start_s:.2f}"
+    return f": queue_position={out.queue_position} estimated_start_s={eta}\n\n".encode()
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -293,7 +302,9 @@ class GenerationResponse:
         fan = self._fan
         try:
             while not fan.done:
-                accumulate(*await fan.next())
+                choice, out = await fan.next()
+                if out.queue_position is None:
+                    accumulate(choice, out)
         except Exception as e:
             err = api_error(e)
             response = json_response(err.body(), err.status)
@@ -331,6 +342,10 @@ class GenerationResponse:
             item: tuple[Choice, RequestOutput] | None = first
             while item is not None:
                 choice, out = item
+                if out.queue_position is not None:  # before its first token: a comment
+                    yield queue_comment(out)
+                    item = await fan.next()
+                    continue
                 accumulate(choice, out)
                 chunk = shape.chunk(choice, out, choice.index not in started)
                 started.add(choice.index)
