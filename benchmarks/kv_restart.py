@@ -109,11 +109,20 @@ async def _variant(
 ) -> dict[str, Any]:  # fmt: skip
     """One timed W2 of variant ``name`` on fresh engines (see the module docstring)."""
     kw: dict[str, Any] = {"enable_prefix_caching": name != "no cache"}
-    if name == "restarted":
-        kw["prefix_cache_dir"] = tempfile.mkdtemp(prefix="kv-restart-")
-        async with _engine(base, loaded, **kw) as e:
-            await _w2(e, first, new)
-        gc.collect()  # the first engine's KV cache gone before the second's is made
+    with tempfile.TemporaryDirectory(prefix="kv-restart-") as directory:
+        if name == "restarted":
+            kw["prefix_cache_dir"] = directory
+            async with _engine(base, loaded, **kw) as e:
+                await _w2(e, first, new)
+            gc.collect()  # the first engine's KV cache gone before the second's is made
+        return await _timed(name, base, loaded, w2, first, new, kw)
+
+
+async def _timed(
+    name: str, base: EngineConfig, loaded: Any, w2: list[list[int]], first: list[list[int]],
+    new: int, kw: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """The timed W2 of :func:`_variant` on a new engine with ``kw``."""
     async with _engine(base, loaded, **kw) as e:
         if name != "restarted":
             await _w2(e, first, new)
