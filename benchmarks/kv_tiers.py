@@ -20,6 +20,9 @@ Variants, on one loaded model and compute thread (greedy, ``--new`` tokens each)
   serves wave 0, then a new engine on the same directory serves the other waves (reported
   for the new engine; its device pool and host tier start empty).
 
+W2 itself after a restart, timed against a warm pool and against no caching (issue 39's
+wall target), is ``benchmarks/kv_restart.py``.
+
 Run from the repository root::
 
     PYTHONPATH=. python benchmarks/kv_tiers.py [--model default | --tiny] [--agents 8]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import struct
 import subprocess
 import sys
 
@@ -80,6 +81,30 @@ def test_files_round_trip_and_bad_ones_are_counted_and_deleted(tmp_path):
     assert disk.num_invalid == 4 and bool((pool[3] == -1.0).all())
     assert not _load(disk, keys[0], 3)  # gone: missing, not counted again
     assert disk.num_invalid == 4
+
+
+def test_a_block_of_several_tensors_is_written_from_its_snapshot(tmp_path):
+    """The payload is the block's bytes of each pool tensor in order (K, then V: here of
+    two dtypes), taken when ``save`` returns: a step that then overwrites the device block
+    does not reach the file."""
+    k_pool, v_pool = torch.zeros(2, 3, 5), torch.zeros(2, 2, 4, dtype=torch.bfloat16)
+    disk = DiskPrefixCache(tmp_path, "ns", [k_pool, v_pool], 1 << 20)
+    k_dev = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(0))
+    v_dev = torch.randn(4, 2, 4, generator=torch.Generator().manual_seed(1)).bfloat16()
+    keys = [(0, hash_block(None, [i])) for i in range(2)]
+    want = [(k_dev[b].clone(), v_dev[b].clone()) for b in (2, 0)]
+    disk.save([k_dev, v_dev], [(2, keys[0]), (0, keys[1])])
+    k_dev.fill_(0.0)
+    v_dev.fill_(0.0)
+    disk.close()
+    for (k, v), key in zip(want, keys, strict=True):
+        data = pathlib.Path(disk.path(key)).read_bytes()
+        (n,) = struct.unpack("<I", data[8:12])
+        assert data[12 + n :] == k.numpy().tobytes() + v.view(torch.uint8).numpy().tobytes()
+    assert disk.block_bytes == 60 + 16
+    for slot, ((k, v), key) in enumerate(zip(want, keys, strict=True)):
+        assert _load(disk, key, slot)
+        assert torch.equal(k_pool[slot], k) and torch.equal(v_pool[slot], v)
 
 
 def test_the_directory_stays_within_its_bound(tmp_path):

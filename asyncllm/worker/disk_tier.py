@@ -133,11 +133,13 @@ class DiskPrefixCache:
             return
         device = kv_blocks[0].device
         ids = torch.tensor([b for b, _ in items], dtype=torch.long, device=device)
+        # The gather is the snapshot (the arrays own copies); each block's payload is
+        # hashed and written from them, part by part, on the thread.
         parts = [
             t.index_select(0, ids).reshape(len(items), -1).view(torch.uint8).cpu().numpy()
             for t in kv_blocks
         ]
-        batch = [(key, b"".join(p[i].tobytes() for p in parts)) for i, (_, key) in enumerate(items)]
+        batch = [(key, [p[i] for p in parts]) for i, (_, key) in enumerate(items)]
         self._put(1, ("write", batch))
 
     def close(self) -> None:
@@ -241,22 +243,30 @@ class DiskPrefixCache:
         )
         return payload if ok else None
 
-    def _write(self, key: Key, payload: bytes) -> None:
+    def _write(self, key: Key, payload: Sequence[np.ndarray]) -> None:
+        """Write ``key``'s file: ``payload`` is the block's bytes, one uint8 row per tensor
+        of the pool (concatenated in the file)."""
         path = self.path(key)
         if os.path.exists(path):
             self._touch(path)
             return
+        digest = hashlib.sha256()
+        for part in payload:
+            digest.update(part.data)
+        size = sum(part.nbytes for part in payload)
         header = json.dumps({
             "namespace": self.namespace, "group": key[0], "hash": key[1].hex(),
-            "payload_bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+            "payload_bytes": size, "sha256": digest.hexdigest(),
         }).encode()  # fmt: skip
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
+            f.write(MAGIC + struct.pack("<I", len(header)) + header)
+            for part in payload:
+                f.write(part.data)
         os.replace(tmp, path)
         self.num_written += 1
         name = os.path.basename(path)
-        self._lru[name] = 12 + len(header) + len(payload)
+        self._lru[name] = 12 + len(header) + size
         self._lru.move_to_end(name)
 
     def _touch(self, path: str) -> None:
