@@ -140,10 +140,10 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--bursts", type=int, default=3)
-    ap.add_argument("--burst-every", type=float, default=8.0)
+    ap.add_argument("--bursts", type=int, default=2)
+    ap.add_argument("--burst-every", type=float, default=30.0)
     ap.add_argument("--burst-new", type=int, default=128)
-    ap.add_argument("--quiet-new", type=int, default=32)
+    ap.add_argument("--quiet-new", type=int, default=16)
     args = ap.parse_args()
     print(json.dumps(asyncio.run(main_async(args)), indent=1))
 

@@ -11,6 +11,9 @@ stream, and answers each in its own task; the engine batches all answers continu
 - Moderators' messages get a better priority (``priority=-10``; users have 0, lower is
   served first): when the batch is full (``--max-num-seqs``), a moderator's request is
   admitted before waiting users' and may preempt a running one.
+- Each user is a tenant (``tenant=user``): users share the batch fairly, so one user's flood
+  of messages cannot delay everyone else's answers; and when the engine's waiting queue is
+  full an answer waits for a place (``admission="wait"``) instead of failing.
 
 Simulated users send ``--messages`` messages each, waiting a random time in
 ``[0, --think-time]`` seconds between them (so some answers get interrupted). At the end the
@@ -29,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncllm import AsyncEngine, QueueFull, SamplingParams
+from asyncllm import AsyncEngine, SamplingParams
 
 SYSTEM = "You are a friendly assistant in a community chat. Answer briefly."
 MODERATOR_PRIORITY = -10
@@ -101,16 +104,14 @@ class ChatBot:
         outcome = Outcome(msg.user, msg.moderator, "cancelled")
         self.outcomes.append(outcome)
         parts: list[str] = []
+        chat = self.engine.chat(
+            messages, self.params, priority=priority, tenant=msg.user, admission="wait"
+        )
         try:
-            while True:
-                try:
-                    async for out in self.engine.chat(messages, self.params, priority=priority):
-                        if outcome.ttft_s is None and out.token_ids:
-                            outcome.ttft_s = time.monotonic() - msg.sent
-                        parts.append(out.text)
-                    break
-                except QueueFull:  # the engine's waiting queue is full: retry shortly
-                    await asyncio.sleep(0.05)
+            async for out in chat:
+                if outcome.ttft_s is None and out.token_ids:
+                    outcome.ttft_s = time.monotonic() - msg.sent
+                parts.append(out.text)
         except asyncio.CancelledError:
             self.say(f"[{msg.user}] answer cancelled by a new message ({len(parts)} parts)")
             raise

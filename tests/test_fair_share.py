@@ -194,3 +194,20 @@ def test_a_tenant_that_was_idle_banks_no_credit():
 def test_bad_weights_are_refused(weight):
     with pytest.raises(ValueError, match="tenant weight"):
         FairShare(8, {"A": weight})
+
+
+def test_a_tenant_holding_every_block_yields_blocks_too():
+    # Slots to spare, but tenant A's requests fill the KV pool: B's request within its share
+    # gets the blocks of one of A's (swapped out), in the next step.
+    sched = _sched(max_num_seqs=64, blocks=64, cpu=256)
+    a = [_req(f"a{i}", "A", n_prompt=24, max_tokens=60, arrival_time=i) for i in range(8)]
+    for r in a:
+        sched.add_request(r)
+    while sched.block_manager.num_free_blocks > 0:
+        _step(sched)
+    b = _req("b", "B", n_prompt=8, max_tokens=4)
+    sched.add_request(b)
+    _step(sched)
+    assert b.output_token_ids == [5] and sched.num_preemptions >= 1
+    assert all(r.tenant == "A" for r in sched.waiting)
+    _drain(sched)

@@ -72,13 +72,14 @@ def test_queue_events_and_waiting_for_a_place(tiny_llama_dir: Any) -> None:
             results[name] = [line for line in r.iter_lines() if line]
 
     with serving(app) as base:
-        threads = []
+        threads: list[threading.Thread] = []
         try:
             for name in "abc":
                 t = threading.Thread(target=post, args=(name,))
                 t.start()
                 threads.append(t)
-                wait_for(lambda n=len(threads): engine.stats()["num_waiting"] >= n - (n > 1))
+                waiting = len(threads) - (len(threads) > 1)  # a runs once b is sent
+                wait_for(lambda n=waiting: engine.stats()["num_waiting"] >= n)
                 if name == "a":
                     permits.release()  # a starts
                     wait_for(lambda: core.num_steps == 1)

@@ -48,13 +48,14 @@ copies of a step are in its plan (``copies``).
 Fair shares (:mod:`asyncllm.core.fair_share`): within a priority band, tenants share the
 running slots by weight and, inside a tenant, the calls of several samples share its slots
 evenly; a request whose tenant or call would hold more than its share is admitted after the
-other waiting requests of its priority and preempted first. When the slots are all taken, a
-waiting request within its shares gets one: the most recently admitted request above its
-share (another tenant's, or another call's of its tenant), of the same or worse priority and
-preempted fewer than ``PROTECT_AFTER_PREEMPTIONS`` times, is preempted for it, at most a
-step's token budget of their chunks per step. The token budget and the admission order follow
-each tenant's virtual token counter (lowest first); running prefills of a tenant above the
-first waiting request's counter take their chunks after the step's admissions. Within a
+other waiting requests of its priority and preempted first. When the slots or the blocks
+are all taken, a waiting request within its shares gets them: the most recently admitted
+requests above their share (another tenant's, or another call's of its tenant), of the same
+or worse priority and preempted fewer than ``PROTECT_AFTER_PREEMPTIONS`` times, are
+preempted for it, for at most a step's token budget of such chunks per step. The token
+budget and the admission order follow each tenant's virtual token counter (lowest first);
+running prefills of a tenant above the first waiting request's counter take their chunks
+after the step's admissions. Within a
 tenant, an earlier ``deadline`` goes first, then earlier arrival. So a new stream starts
 within a step or two beside another tenant's burst or a call of ``n = max_num_seqs`` samples.
 
@@ -403,6 +404,12 @@ class Scheduler:
         """Requests waiting: queued, plus parallel samples waiting for their prefix."""
         return len(self.waiting) + self.groups.num_unforked
 
+    def _wanted(self, request: Request) -> int:
+        """Blocks for the request's next chunk (at most a full budget, no prefix hits)."""
+        start = request.num_computed_tokens
+        n = min(request.num_tokens - start, self.max_num_batched_tokens)
+        return self.block_manager.blocks_needed(request.request_id, start + n, start)
+
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempt running requests of worse priority until the best waiting request fits
         beside what the remaining running requests need this step."""
@@ -410,14 +417,8 @@ class Scheduler:
             return
         head = self.waiting[0]
         bm = self.block_manager
-
-        def wanted(r: Request) -> int:  # blocks for r's next chunk, at most a full budget
-            start = r.num_computed_tokens
-            n = min(r.num_tokens - start, self.max_num_batched_tokens)
-            return bm.blocks_needed(r.request_id, start + n, start)
-
         while len(self.running) >= self.max_num_seqs or (
-            wanted(head) + sum(wanted(r) for r in self.running) > bm.num_free_blocks
+            self._wanted(head) + sum(self._wanted(r) for r in self.running) > bm.num_free_blocks
         ):
             victims = [
                 r for r in self.running
@@ -428,21 +429,24 @@ class Scheduler:
             self._preempt(max(reversed(victims), key=self._victim_key), out)
 
     def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
-        """With every running slot taken, preempt samples of calls above their fair share for
-        the waiting requests within theirs (see the module docstring)."""
-        fair = self.fair
-        if not self.waiting or len(self.running) < self.max_num_seqs or not fair.contended:
+        """Preempt requests above their tenant's or call's share until the waiting requests
+        within theirs fit, slots and blocks (see the module docstring)."""
+        fair, bm = self.fair, self.block_manager
+        if not self.waiting or not fair.contended:
             return
-        tokens = 0
+        slots, blocks, tokens = len(self.running), sum(map(self._wanted, self.running)), 0
         for head in list(self.waiting):
             if tokens >= self.max_num_batched_tokens:
                 return  # these cannot all start this step anyway
             if fair.over_share(head):
                 continue
-            victim = fair.victim(head, self.running, self.protect_after_preemptions)
-            if victim is None:
-                return  # later waiting requests have no better priority
-            self._preempt(victim, out)
+            slots, blocks = slots + 1, blocks + self._wanted(head)
+            while slots > self.max_num_seqs or blocks > bm.num_free_blocks:
+                victim = fair.victim(head, self.running, self.protect_after_preemptions)
+                if victim is None:
+                    return  # later waiting requests have no better priority
+                slots, blocks = slots - 1, blocks - self._wanted(victim)
+                self._preempt(victim, out)
             tokens += head.num_tokens - head.num_computed_tokens
 
     def update_from_output(
