@@ -214,3 +214,25 @@ async def test_a_tenants_lone_request_starts_beside_a_burst(tiny_llama_dir, make
         assert sum(o.finished for o in burst) < 32
     assert lone[-1].metrics.num_generated_tokens == 3
     assert sum(o.finished for o in burst) == 32
+
+
+async def test_a_tenant_at_its_limit_does_not_hold_up_another_tenants_call(
+    tiny_llama_dir, make_engine
+):
+    engine = make_engine(tiny_llama_dir, max_num_seqs=1, max_waiting_per_tenant=1, **SMALL)
+    outs: dict[str, list[Any]] = {k: [] for k in ("a1", "a2", "a3", "b1")}
+    async with engine, anyio.create_task_group() as tg, Gate(engine) as gate:
+        tg.start_soon(_collect, engine.stream([5] * 8, _greedy(2), tenant="a"), outs["a1"])
+        await wait_until(lambda: engine.stats()["num_waiting"] == 1)
+        await gate.steps(1)  # a1 runs
+        tg.start_soon(_collect, engine.stream([6] * 8, _greedy(2), tenant="a"), outs["a2"])
+        await wait_until(lambda: engine.stats()["num_waiting"] == 1)
+        for key, tenant in (("a3", "a"), ("b1", "b")):  # a3 waits for a's place, then b1
+            stream = engine.stream([7] * 8, _greedy(2), tenant=tenant, admission="wait")
+            tg.start_soon(_collect, stream, outs[key])
+            await wait_until(lambda n=2 + (key == "b1"): engine.stats()["num_waiting"] == n)
+        await gate.steps(1)  # between steps b1 reaches the core; a3 still waits
+        assert engine.core.num_waiting("b") == 1 and engine.core.num_waiting("a") == 1
+        gate.release_all()
+    start = {k: v[-1].metrics.queue_time + v[-1].metrics.arrival_time for k, v in outs.items()}
+    assert start["b1"] < start["a3"]

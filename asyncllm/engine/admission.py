@@ -119,12 +119,14 @@ class AdmissionLimits:
                     f"EngineConfig.{name}={limit} ever holds; lower n or raise {name}"
                 )
 
-    def fits(self, waiting: int, tenant_waiting: int, adding: int) -> bool:
-        """Whether ``adding`` more requests fit beside ``waiting`` (``tenant_waiting`` of
-        their tenant)."""
-        return (self.max_waiting is None or waiting + adding <= self.max_waiting) and (
-            self.per_tenant is None or tenant_waiting + adding <= self.per_tenant
-        )
+    def blocking(self, waiting: int, tenant_waiting: int, adding: int) -> str | None:
+        """The limit (its field's name) that ``adding`` more requests would pass beside
+        ``waiting`` (``tenant_waiting`` of their tenant), the engine's first; None: they fit."""
+        if self.max_waiting is not None and waiting + adding > self.max_waiting:
+            return "max_waiting"
+        if self.per_tenant is not None and tenant_waiting + adding > self.per_tenant:
+            return "max_waiting_per_tenant"
+        return None
 
     def check(self, waiting: int, tenant_waiting: int, adding: int) -> None:
         """Refuse a call that does not fit now.
@@ -134,12 +136,13 @@ class AdmissionLimits:
             QueueFull: no room for it now (the message names the limit).
         """
         self.check_size(adding)
-        if self.max_waiting is not None and waiting + adding > self.max_waiting:
+        limit = self.blocking(waiting, tenant_waiting, adding)
+        if limit == "max_waiting":
             raise QueueFull(
                 f"{waiting} requests are waiting and this one adds {adding} "
                 f"(EngineConfig.max_waiting={self.max_waiting}); try again later"
             )
-        if self.per_tenant is not None and tenant_waiting + adding > self.per_tenant:
+        if limit is not None:
             raise QueueFull(
                 f"{tenant_waiting} requests of this tenant are waiting and this one adds "
                 f"{adding} (EngineConfig.max_waiting_per_tenant={self.per_tenant}); "

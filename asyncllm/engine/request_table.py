@@ -226,9 +226,11 @@ class RequestTable:
         for internal_id in list(self.states):
             self.finish_early(internal_id, "abort")
 
-    def apply_inbox(self, core: LLMEngine, fits: Callable[[Call], bool]) -> None:
+    def apply_inbox(self, core: LLMEngine, blocking: Callable[[Call], str | None]) -> None:
         """Hand the queued cache resets, aborts and calls to the core (between steps), then
-        the held calls, in order, while ``fits`` says the waiting queue has room."""
+        the held calls in order while ``blocking`` names no limit they would pass: a call
+        whose tenant is at ``max_waiting_per_tenant`` stays, later tenants' calls may go;
+        one held by ``max_waiting`` stops the line."""
         for reply in self._cache_resets:
             reply.resolve(core.reset_prefix_cache())
         self._cache_resets.clear()
@@ -238,8 +240,19 @@ class RequestTable:
         for call in self._inbox_add:
             self._to_core(call, core)
         self._inbox_add.clear()
-        while self._held and (self._held[0].live == 0 or fits(self._held[0])):
-            self._to_core(self._held.popleft(), core)
+        kept: collections.deque[Call] = collections.deque()
+        while self._held:
+            call = self._held.popleft()
+            limit = blocking(call) if call.live else None
+            if limit is None:
+                self._to_core(call, core)
+            elif limit == "max_waiting":
+                kept.append(call)
+                break
+            else:
+                kept.append(call)
+        kept.extend(self._held)
+        self._held = kept
 
     def _to_core(self, call: Call, core: LLMEngine) -> None:
         call.queued = False

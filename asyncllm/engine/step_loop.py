@@ -66,17 +66,18 @@ class StepLoop:
         pending = sum(tokenizing.values()) if tenant is None else tokenizing[tenant]
         return pending + self.requests.num_queued(tenant) + self.core.num_waiting(tenant)
 
-    def _fits(self, call: Call) -> bool:
-        """A held call fits beside what the core and the tokenizer hold now."""
+    def _blocking(self, call: Call) -> str | None:
+        """The limit a held call would pass beside what the core and the tokenizer hold now
+        (None: it fits)."""
         tokenizing = self.limits.tokenizing
-        return self.limits.fits(
+        return self.limits.blocking(
             sum(tokenizing.values()) + self.core.num_waiting(),
             tokenizing[call.tenant] + self.core.num_waiting(call.tenant),
             call.live,
         )
 
     def _apply(self) -> None:
-        self.requests.apply_inbox(self.core, self._fits)
+        self.requests.apply_inbox(self.core, self._blocking)
         self.requests.report_queue(self.core, self.starts.eta)
 
     async def _step(self) -> StepOutput:
@@ -109,7 +110,7 @@ class StepLoop:
             # The engine's task group is cancelled (a cancelled or failed ``async with``
             # block, a cancelled drain): abort what is left, free its blocks in the core.
             self.requests.abort_all()
-            self.requests.apply_inbox(self.core, lambda call: True)
+            self.requests.apply_inbox(self.core, lambda call: None)
             raise
         except BaseException as exc:
             self.die(exc)

@@ -100,9 +100,8 @@ class Submission:
             limits.check_size(num_requests)
             # Held calls go first: a newcomer waits behind them even if it would fit.
             held = loop.requests.num_held()
-            return not held and limits.fits(
-                loop.num_waiting(), loop.num_waiting(tenant), num_requests
-            )
+            waiting = loop.num_waiting(), loop.num_waiting(tenant)
+            return not held and limits.blocking(*waiting, num_requests) is None
         limits.check(loop.num_waiting(), loop.num_waiting(tenant), num_requests)
         return True
 
