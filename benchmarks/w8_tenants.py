@@ -24,8 +24,8 @@ Run from the repository root::
 
 Prints one JSON object: per variant and round the quiet requests' TTFT (p50, p90, p99,
 max, seconds), the burst's, generated tokens per second over the wall (first arrival to
-last token), and the ratios the issue's targets name: quiet p99 TTFT over idle p99, and
-tokens per second over W1's.
+last token), the mean step time, and the ratios the issue's targets name: quiet p99 TTFT
+over idle p99, and tokens per second over W1's. ``--budget``: ``max_num_batched_tokens``.
 """
 
 from __future__ import annotations
@@ -90,8 +90,13 @@ async def run(engine: AsyncEngine, reqs: list[Any], use_tenants: bool) -> dict[s
             tokens += len(out.token_ids)
         last = max(last, time.perf_counter())
 
+    steps = engine.core.num_steps
     await asyncio.gather(*(one(*r) for r in reqs))
-    res: dict[str, Any] = {"tokens_per_s": round(tokens / (last - start), 1)}
+    steps = engine.core.num_steps - steps
+    res: dict[str, Any] = {
+        "tokens_per_s": round(tokens / (last - start), 1),
+        "mean_step_ms": round(1000 * (last - start) / max(steps, 1), 1),
+    }
     for kind, xs in ttft.items():
         if xs:
             res[f"{kind}_ttft_s"] = {
@@ -105,7 +110,9 @@ async def run(engine: AsyncEngine, reqs: list[Any], use_tenants: bool) -> dict[s
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    engine = AsyncEngine.from_pretrained(args.model, num_threads=args.threads)
+    engine = AsyncEngine.from_pretrained(
+        args.model, num_threads=args.threads, max_num_batched_tokens=args.budget
+    )
     core = engine.core
     if core.runner.compiled is not None:  # measure the steady state, not the compile
         core.runner.compiled.wait(900)
@@ -144,6 +151,7 @@ def main() -> None:
     ap.add_argument("--burst-every", type=float, default=30.0)
     ap.add_argument("--burst-new", type=int, default=128)
     ap.add_argument("--quiet-new", type=int, default=16)
+    ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(main_async(args)), indent=1))
 
