@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "asyncllm"
 TORCH_FREE_EXTRA = [
     "asyncllm",
     "asyncllm.config",
+    "asyncllm.cache_dirs",
     "asyncllm.config_args",
     "asyncllm.preflight",
     "asyncllm.chat_templates",

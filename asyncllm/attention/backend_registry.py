@@ -31,7 +31,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-import asyncllm._kernels.ops  # noqa: F401  (declares asyncllm::paged_attention)
+import asyncllm.kernels.ops  # noqa: F401  (declares asyncllm::paged_attention)
 from asyncllm.attention import triton_paged
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
 

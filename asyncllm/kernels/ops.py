@@ -10,7 +10,7 @@ and ``torch.library.custom_op``'s Python dispatch cost ~11 us more per call). Ea
   or the layer's own dispatch over the C++ kernels where that is Python
   (:func:`implement`);
 * where a C++ kernel exists, its CPU kernel, registered by the kernel module's
-  ``register_ops()`` when :func:`asyncllm._kernels.native.module` loads it (``csrc/``).
+  ``register_ops()`` when :func:`asyncllm.kernels.native.module` loads it (``csrc/``).
 
 =================  ==========================================  =============================
 op                 what                                        C++ CPU kernel
@@ -133,7 +133,7 @@ def int4_linear_reference(
     """``y = x W^T + b`` for an ``Int4Linear``'s buffers with torch's int4 kernel
     (``aten._weight_int4pack_mm_for_cpu``) at every row count: ``x [..., in_features]`` ->
     ``[..., out_features]`` in ``x``'s dtype, computed in ``scales_and_zeros``' dtype.
-    ``w[n, k] = (q - 8) * scale + zero`` (the packed layout: ``asyncllm.worker.int4_dequant``).
+    ``w[n, k] = (q - 8) * scale + zero`` (the packed layout: ``asyncllm.kernels.int4_dequant``).
     The path where the C++ kernel (``csrc/int4_linear.cpp``, the same plus its few-row and
     many-row paths) is not installed or switched off; ``max_rows``/``gemv_rows`` are that
     kernel's thresholds, unused here."""
