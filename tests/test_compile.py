@@ -100,7 +100,7 @@ def run(engine: LLMEngine, n: int = 1, max_tokens: int = 12) -> dict[str, list[i
 
 def check_pool_whole_engine(engine: LLMEngine) -> None:
     class _Wrap:
-        _engine = engine
+        core = engine
 
     check_pool_whole(_Wrap())  # type: ignore[arg-type]
 
