@@ -1,6 +1,6 @@
 """Builds asyncllm's C++ CPU kernels (``csrc/``) when the package is installed.
 
-The variants of ``asyncllm/_kernels/variants.py`` that this machine's CPU runs are compiled
+The variants of ``asyncllm/kernels/variants.py`` that this machine's CPU runs are compiled
 (one extension module per kernel family and variant; an AVX-512 BF16 machine builds the
 AVX2 variant too, which the tests compare against), against the torch in the build
 environment, so install with that torch present and without build isolation::
@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 
 def _variants_table():
     spec = importlib.util.spec_from_file_location(
-        "asyncllm_variants", ROOT / "asyncllm" / "_kernels" / "variants.py"
+        "asyncllm_variants", ROOT / "asyncllm" / "kernels" / "variants.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -84,6 +84,33 @@ def _generate(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def serve(args: argparse.Namespace) -> int:
+    """The ``serve`` command (options: :func:`asyncllm.server.add_serve_arguments`): one
+    process (:func:`asyncllm.server.serve`), or with ``--replicas N`` N replicas on Ray Serve
+    (:func:`asyncllm.integrations.ray_serve.main`, which builds on the server); returns the
+    exit code.
+
+    Raises:
+        ValueError: a bad engine field, model or chat template (checked before torch or Ray
+            is imported).
+    """
+    from asyncllm import server
+
+    if getattr(args, "replicas", None) is None:
+        return server.serve(args)
+    from asyncllm.config_args import engine_config_from_args
+    from asyncllm.preflight import check_engine_config
+
+    check_engine_config(args.model, engine_config_from_args(args))
+    app_options = server.app_options_from_args(args)
+    try:
+        from asyncllm.integrations import ray_serve
+    except ImportError as e:
+        print(f"error: {e}; install the ray extra: pip install 'asyncllm[ray]'", file=sys.stderr)
+        return 2
+    return ray_serve.main(args, engine_config_from_args(args), app_options)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments and run a subcommand; returns the exit code."""
     from asyncllm.config_args import add_engine_arguments
@@ -117,12 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(argv[1:])
     if argv[:1] == ["serve"]:
         try:
-            from asyncllm.server import main as serve_main
+            from asyncllm.server import cli
         except ImportError as e:
             hint = "install the server extra: pip install 'asyncllm[server]'"
             print(f"error: {e}; {hint}", file=sys.stderr)
             return 2
-        return serve_main(argv[1:])
+        return cli.exit_code(serve, cli.parse_args(argv[1:]))
     args = parser.parse_args(argv)
     try:
         return _generate(args)

@@ -12,7 +12,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _QUANTIZATION = ("auto", None, "int8", "int4", "gguf")
 _KV_CACHE_DTYPES = ("auto", "int8")
-_GROUP_SIZES = (32, 64, 128)  # asyncllm.worker.quant_linear.GROUP_SIZES (no torch import here)
+_GROUP_SIZES = (32, 64, 128)  # asyncllm.layers.quant_linear.GROUP_SIZES (no torch import here)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

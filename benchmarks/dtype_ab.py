@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from asyncllm.attention import cpu_paged
-from asyncllm.worker.cpu_linear import PackedLinear
+from asyncllm.layers.cpu_linear import PackedLinear
 from asyncllm.worker.device import cpu_bf16_reason
 
 #: The default model's (SmolLM2-135M) projections: name, out, in, copies per step.

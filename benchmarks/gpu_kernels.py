@@ -260,7 +260,7 @@ def copy_bandwidth(device, gib: float) -> float:
 def bandwidth(args, device) -> None:
     import torch
 
-    from asyncllm._kernels.paged_decode import choose_num_splits, default_block_n, paged_decode
+    from asyncllm.kernels.paged_decode import choose_num_splits, default_block_n, paged_decode
 
     print("\n== bandwidth ==", flush=True)
     copy_bw = copy_bandwidth(device, args.copy_gib)

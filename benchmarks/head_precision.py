@@ -18,8 +18,8 @@ import pathlib
 
 import torch
 
+from asyncllm.layers import quant_linear as ql
 from asyncllm.models.loader import load_model, resolve_model_dir
-from asyncllm.worker import quant_linear as ql
 
 TEXT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "public_domain.txt"
 

@@ -6,7 +6,7 @@ error against the exact product (float64), for the default model's layer shapes.
 Paths (``asyncllm::int4_linear``, the C++ kernel): "bf16-torch" (bfloat16 scales and rows,
 torch's int4 kernel), "f32-gemv" (float32 scales and rows, ``csrc/int4_gemv_f32.cpp``),
 "f32-dequant" (float32: dequantize, then one float32 GEMM). Weights in cache, best of 5
-repeats of 5 calls; the quoted figures are in ``asyncllm/worker/quant_linear.py``
+repeats of 5 calls; the quoted figures are in ``asyncllm/layers/quant_linear.py``
 (``INT4_F32_MAX_ROWS``) and docs/tuning.md.
 """
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from asyncllm._kernels import native
+from asyncllm.kernels import native
 
 GROUP = 32
 SHAPES = [(1536, 576), (576, 1536), (192, 576)]

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from asyncllm.worker import quant_linear
-from asyncllm.worker.quant_linear import Int4Linear
+from asyncllm.layers import quant_linear
+from asyncllm.layers.quant_linear import Int4Linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

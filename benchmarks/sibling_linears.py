@@ -1,5 +1,5 @@
 """Sibling linears fused or separate: a decoder layer's q/k/v and gate/up projections as 5
-int4 calls or as 2 (:mod:`asyncllm.worker.sibling_linears`), at decode row counts.
+int4 calls or as 2 (:mod:`asyncllm.layers.sibling_linears`), at decode row counts.
 
 The default model's shapes (q 576x576, k/v 192x576, gate/up 1536x576; int4 group 32,
 bfloat16 activations), 30 layers' worth of distinct random weights so that they come from
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from asyncllm.worker.quant_linear import Int4Linear
+from asyncllm.layers.quant_linear import Int4Linear
 
 SHAPES = {"q": (576, 576), "k": (192, 576), "v": (192, 576), "gate": (1536, 576), "up": (1536, 576)}
 GROUPS = (("q", "k", "v"), ("gate", "up"))

@@ -2,7 +2,7 @@
 // q8_linear.cpp): bfloat16 <-> float32 and whether oneDNN's bfloat16 brgemm runs natively.
 //
 // Each kernel family is compiled once per instruction-set variant when the package is
-// installed (setup.py: "avx2" and "avx512_bf16" on x86-64); asyncllm/_kernels/native.py
+// installed (setup.py: "avx2" and "avx512_bf16" on x86-64); asyncllm/kernels/native.py
 // imports the best variant the CPU runs. Code paths are chosen with the compiler's feature
 // macros (__AVX512F__, __AVX512BF16__, ...), so each variant holds its own.
 #pragma once
@@ -74,7 +74,7 @@ static inline bool brgemm_f32_runs() {
 // A library of CPU kernel registrations for the namespace "asyncllm", made when the loader
 // calls a module's register_ops() (not at import: tests import other variants' modules for
 // their functions without replacing the engine's kernels). The ops' schemas are declared in
-// asyncllm/_kernels/ops.py.
+// asyncllm/kernels/ops.py.
 static inline torch::Library& cpu_impls(const char* file, uint32_t line) {
   static torch::Library* lib =
       new torch::Library(torch::Library::IMPL, "asyncllm", c10::DispatchKey::CPU, file, line);

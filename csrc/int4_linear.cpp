@@ -420,7 +420,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return bias.has_value() ? y + *bias : y;
 }
 
-// The op's CPU kernel (its schema: asyncllm/_kernels/ops.py), registered by the loader.
+// The op's CPU kernel (its schema: asyncllm/kernels/ops.py), registered by the loader.
 void register_ops() {
   static const bool once = [] {
     cpu_impls(__FILE__, __LINE__).impl("int4_linear", TORCH_FN(int4_linear));

@@ -100,7 +100,7 @@ def run(engine: LLMEngine, n: int = 1, max_tokens: int = 12) -> dict[str, list[i
 
 def check_pool_whole_engine(engine: LLMEngine) -> None:
     class _Wrap:
-        _engine = engine
+        core = engine
 
     check_pool_whole(_Wrap())  # type: ignore[arg-type]
 
@@ -511,7 +511,7 @@ def test_artifact_key_follows_the_kernel_switches(monkeypatch: pytest.MonkeyPatc
     """A forward is traced through the paths the switches select: with a kernel family
     switched off it is another artifact (the fidelity harness's no-int4-kernel path loaded
     the default path's artifact and ran the C++ kernel all the same)."""
-    from asyncllm._kernels.native import SWITCHES
+    from asyncllm.kernels.native import SWITCHES
     from asyncllm.worker.compiled import artifact_key
 
     model = torch.nn.Linear(4, 4)

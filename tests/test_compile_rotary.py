@@ -10,7 +10,7 @@ from torch._inductor.utils import run_and_get_code
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from asyncllm._kernels.ops import materialize
+from asyncllm.kernels.ops import materialize
 from asyncllm.worker.compiled import rotary_computed_once
 
 LAYERS = 4

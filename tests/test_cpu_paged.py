@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from asyncllm import SamplingParams
-from asyncllm._kernels import native
 from asyncllm.attention import backend_registry, cpu_paged, torch_paged
-from asyncllm.worker import cpu_linear
+from asyncllm.kernels import native
+from asyncllm.layers import cpu_linear
 from tests.conftest import chunked_engine
 
 pytestmark = pytest.mark.skipif(
@@ -602,7 +602,8 @@ def test_many_row_gemms_run_wherever_the_cpu_has_native_bfloat16():
     """The int4 and Q8_0 many-row paths (oneDNN's bfloat16 brgemm) are on exactly where the
     CPU has AVX-512 BF16 or AMX-BF16 (torch's could_pack says AMX only; brgemm runs on
     ``vdpbf16ps`` too: 1.5-2.7x the dequantize-then-mm path on a Zen 5 EPYC)."""
-    from asyncllm.worker import int4_dequant, q8_linear
+    from asyncllm.kernels import int4_dequant
+    from asyncllm.layers import q8_linear
 
     if int4_dequant.kernel() is None or q8_linear.kernel() is None:
         pytest.skip(f"kernels unavailable: {native.failure('int4') or native.failure('q8')}")

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncllm import SamplingParams
-from asyncllm._kernels import native
-from asyncllm._kernels.native import SWITCHES
+from asyncllm.kernels import native
+from asyncllm.kernels.native import SWITCHES
 from tests.conftest import first_divergence_is_near_tie
 
 QUESTIONS = [

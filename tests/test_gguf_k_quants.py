@@ -15,9 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncllm.bench.tiny_model import TINY_CONFIG
 from asyncllm.errors import ModelLoadError
+from asyncllm.layers import quant_linear as ql
 from asyncllm.models import quantization as qz
 from asyncllm.models.gguf_quant import GGUFTensor, unpack
-from asyncllm.worker import quant_linear as ql
 
 Q4_K = GGMLQuantizationType.Q4_K
 

@@ -17,13 +17,13 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from asyncllm._kernels import native
 from asyncllm.bench.tiny_model import TINY_CONFIG
 from asyncllm.errors import ModelLoadError
+from asyncllm.kernels import native
+from asyncllm.layers import q8_linear
+from asyncllm.layers import quant_linear as ql
 from asyncllm.models import quantization as qz
 from asyncllm.models.gguf_quant import GGUFTensor, read_tensors, unpack
-from asyncllm.worker import q8_linear
-from asyncllm.worker import quant_linear as ql
 
 #: Bytes of a super-block and where its float16 ``d`` (and ``dmin``) sit.
 LAYOUT = {"Q6_K": (210, (208,)), "Q5_K": (176, (0, 2))}

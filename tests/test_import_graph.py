@@ -1,9 +1,15 @@
-"""The package's layering: no import cycles, and a torch-free core and front end.
+"""The package's layering: no import cycles between modules nor between folders, and a
+torch-free core and front end.
 
 The core (``asyncllm.core``: scheduler, block manager) is pure Python; the async front end
 (``asyncllm.engine`` but the engine core ``llm_engine``, and the plain-data modules it
 shares with callers) must not load torch either: it runs on the event loop and owns no
 model state (docs/architecture.md). Only the engine core and the worker import torch.
+
+Folders depend one way (docs/architecture.md): counting every import, at any depth (inside
+functions, under ``if TYPE_CHECKING``), the graph of the package's folders has no cycle, and
+the folders under the worker (``kernels``, ``layers``, ``attention``) import none of the
+folders above them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "asyncllm"
 TORCH_FREE_EXTRA = [
     "asyncllm",
     "asyncllm.config",
+    "asyncllm.cache_dirs",
     "asyncllm.config_args",
     "asyncllm.preflight",
     "asyncllm.chat_templates",
@@ -68,12 +75,18 @@ def _import_nodes(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def _imports(name: str) -> set[str]:
-    """The package modules ``name`` imports at import time."""
+def _imports(name: str, *, any_depth: bool = False) -> set[str]:
+    """The package modules ``name`` imports at import time, or with ``any_depth`` anywhere
+    in its source (function bodies and ``if TYPE_CHECKING`` blocks too)."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    if any_depth:
+        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    else:
+        nodes = _import_nodes(tree.body)
     out: set[str] = set()
-    for node in _import_nodes(ast.parse(path.read_text()).body):
+    for node in nodes:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         else:
@@ -122,6 +135,52 @@ def test_the_package_import_graph_has_no_cycles() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _folder(module: str) -> str:
+    """The folder a module belongs to: ``asyncllm.worker.sampler`` -> ``worker``; a module
+    at the package's top (``asyncllm.config``) is its own node, the package itself
+    ``asyncllm``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "asyncllm"
+
+
+def _folder_graph(*, any_depth: bool = True) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {_folder(m): set() for m in MODULES}
+    for name in MODULES:
+        graph[_folder(name)] |= {_folder(t) for t in _imports(name, any_depth=any_depth)}
+    return {folder: deps - {folder} for folder, deps in graph.items()}
+
+
+#: What the folders under the worker may import from the package: the kernels know nothing
+#: of the layers and attention backends that call them, and none of them knows the worker,
+#: the models, the engine or the server.
+BELOW_THE_WORKER = {
+    "kernels": {"envs", "errors"},
+    "layers": {"kernels", "envs", "errors"},
+    "attention": {"kernels", "envs", "errors"},
+}
+
+
+def test_the_folder_import_graph_has_no_cycles() -> None:
+    """Counting every import (inside functions too: a function-level import hides a cycle
+    from the interpreter, not from a reader), the folders depend one way."""
+    graph = _folder_graph()
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph) or [])
+
+
+def test_the_folder_graph_counts_imports_inside_functions() -> None:
+    """The check above sees deeper than import time: some folder edges exist only through
+    imports inside functions (e.g. the engine core's lazy imports)."""
+    deep, shallow = _folder_graph(), _folder_graph(any_depth=False)
+    assert all(shallow[f] <= deep[f] for f in shallow)
+    assert any(deep[f] - shallow[f] for f in deep)
+
+
+def test_the_folders_under_the_worker_import_only_below_them() -> None:
+    graph = _folder_graph()
+    over = {f: graph[f] - allowed for f, allowed in BELOW_THE_WORKER.items() if graph[f] - allowed}
+    assert over == {}
 
 
 def _torch_free_modules() -> list[str]:

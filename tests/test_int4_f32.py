@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm._kernels import native, ops
-from asyncllm.worker import quant_linear as ql
+from asyncllm.kernels import native, ops
+from asyncllm.layers import quant_linear as ql
 
 pytestmark = pytest.mark.skipif(
     native.module("int4") is None, reason=f"int4 kernel not installed: {native.failure('int4')}"

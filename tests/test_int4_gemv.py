@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm.worker import int4_dequant
-from asyncllm.worker import quant_linear as ql
+from asyncllm.kernels import int4_dequant
+from asyncllm.layers import quant_linear as ql
 
 needs_gemv = pytest.mark.skipif(
     not int4_dequant.gemv_available(),

@@ -31,13 +31,13 @@ from transformers import (
     XGLMConfig,
 )
 
+from asyncllm.cache_dirs import cache_dir
 from asyncllm.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from asyncllm.models import loader
 from asyncllm.models.fingerprint import fingerprint
 from asyncllm.models.loader import (
     DEFAULT_MODEL,
     LoadedModel,
-    cache_dir,
     check_architecture,
     load_model,
     resolve_model_dir,

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels as installed modules (:mod:`asyncllm._kernels.native`): each family's
+"""The C++ CPU kernels as installed modules (:mod:`asyncllm.kernels.native`): each family's
 switch, the variant a CPU's flags choose, the torch paths (and one warning) where no variant
 is installed, no C++ left in the package's Python, and no process started by an engine (the
 kernels are built at install time, never at run time)."""
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from asyncllm import SamplingParams
-from asyncllm._kernels import native, ops
-from asyncllm._kernels.variants import FAMILIES, VARIANTS
 from asyncllm.attention import cpu_paged, torch_paged
-from asyncllm.worker import int4_dequant, q8_linear
-from asyncllm.worker import quant_linear as ql
+from asyncllm.kernels import int4_dequant, native, ops
+from asyncllm.kernels.variants import FAMILIES, VARIANTS
+from asyncllm.layers import q8_linear
+from asyncllm.layers import quant_linear as ql
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "asyncllm"
 
@@ -416,7 +416,7 @@ def test_an_install_without_a_compiler_builds_nothing_and_succeeds(tmp_path):
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(root / name, tmp_path / name)
     shutil.copytree(root / "csrc", tmp_path / "csrc")
-    shutil.copytree(PACKAGE / "_kernels", tmp_path / "asyncllm" / "_kernels",
+    shutil.copytree(PACKAGE / "kernels", tmp_path / "asyncllm" / "kernels",
                     ignore=shutil.ignore_patterns("*.so", "__pycache__"))  # fmt: skip
     (tmp_path / "asyncllm" / "__init__.py").write_text("")
     env = {**os.environ, "CXX": "false"}

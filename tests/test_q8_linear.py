@@ -10,11 +10,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
-from asyncllm._kernels import native
+from asyncllm.kernels import native
+from asyncllm.layers import q8_linear
 from asyncllm.models.gguf_quant import read_tensors, unpack
 from asyncllm.models.loader import load_model
 from asyncllm.preflight import default_gguf
-from asyncllm.worker import q8_linear
 
 needs_kernel = pytest.mark.skipif(
     q8_linear.kernel() is None, reason=f"Q8_0 kernel unavailable: {native.failure('q8')}"
@@ -334,7 +334,7 @@ def test_q8_mm_f32_avx2_variant_matches_the_reference():
 @needs_kernel
 def test_decoder_q8_linear_round_trips_the_cache_state():
     """``module_state``/``module_from_state`` keep a decoder layer a decoder layer."""
-    from asyncllm.worker import quant_linear as ql
+    from asyncllm.layers import quant_linear as ql
 
     q, s = _codes(64, 64)
     layer = q8_linear.Q8Linear(q, s, torch.randn(64), torch.float32, logits=False)

@@ -17,13 +17,13 @@ import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
 from asyncllm import EngineConfig, SamplingParams
-from asyncllm._kernels import native
+from asyncllm.kernels import int4_dequant, native
+from asyncllm.layers import q8_linear
+from asyncllm.layers import quant_linear as ql
 from asyncllm.models import quantization as qz
 from asyncllm.models.gguf_quant import GGUFTensor, content_key, match_rows, read_tensors, unpack
 from asyncllm.models.loader import LoadedModel, load_model
 from asyncllm.preflight import default_gguf
-from asyncllm.worker import int4_dequant, q8_linear
-from asyncllm.worker import quant_linear as ql
 
 TEXT = pathlib.Path(__file__).parent / "data" / "public_domain.txt"
 

@@ -445,8 +445,8 @@ def test_cli_replicas_serves_and_stops_on_sigterm(
     import signal
     import threading
 
+    from asyncllm.__main__ import serve as serve_command
     from asyncllm.server import add_serve_arguments
-    from asyncllm.server import serve as serve_command
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -572,6 +572,20 @@ def test_engine_failure_answers_503(tiny_llama_dir: Any) -> None:
     check_pool_whole(engine)
 
 
+def test_server_serve_refuses_replicas() -> None:
+    """``asyncllm.server.serve`` serves one process; ``--replicas`` (Ray Serve) belongs to
+    the command line above the server (``asyncllm.__main__.serve``), which builds on it, so
+    the server never imports the Ray integration. Refused before anything loads."""
+    import argparse
+
+    from asyncllm.server import add_serve_arguments, serve
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    with pytest.raises(ValueError, match="--replicas serves on Ray Serve"):
+        serve(parser.parse_args(["--replicas", "2"]))
+
+
 def test_serve_command(tiny_llama_dir: Any) -> None:
     """``python -m asyncllm serve`` on 127.0.0.1 with port 0 (the OS picks a free one), API
     keys from $ASYNCLLM_API_KEY, the served name the model directory's base name; SIGINT

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from asyncllm.layers.quant_linear import Int4Linear
+from asyncllm.layers.sibling_linears import SiblingLinear, fuse_siblings
 from asyncllm.models.quantization import QuantSetting, quantize_model
-from asyncllm.worker.quant_linear import Int4Linear
-from asyncllm.worker.sibling_linears import SiblingLinear, fuse_siblings
 
 # Head size 64 and one KV head: every projection's rows a multiple of 64 (int4 can fuse them).
 SHAPE = dict(

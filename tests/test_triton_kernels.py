@@ -41,13 +41,13 @@ INTERPRETED = not isinstance(tl.zeros, JITFunction)
 
 
 def _triton_kernel_modules() -> list[str]:
-    """The loaded modules of asyncllm._kernels that hold Triton kernels (``@triton.jit``);
+    """The loaded modules of asyncllm.kernels that hold Triton kernels (``@triton.jit``);
     not the C++ kernels' loader and op declarations (native, ops, variants) nor their
     extension modules, which other test files load at their collection."""
     found = []
     for name, mod in list(sys.modules.items()):
         path = getattr(mod, "__file__", None) or ""
-        ours = name.startswith("asyncllm._kernels.") and path.endswith(".py")
+        ours = name.startswith("asyncllm.kernels.") and path.endswith(".py")
         if ours and "@triton.jit" in pathlib.Path(path).read_text():
             found.append(name)
     return sorted(found)
@@ -180,7 +180,7 @@ def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     # The kernels' tanh, reached through the package: its module loads on first use only.
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, mask=i < n)
-    tl.store(y_ptr + i, asyncllm._kernels.paged_common.tanh_f32(x), mask=i < n)
+    tl.store(y_ptr + i, asyncllm.kernels.paged_common.tanh_f32(x), mask=i < n)
 
 
 def _poisoned_out(query):
@@ -302,7 +302,7 @@ class TestUnderInterpreter:
     def test_tanh_f32_accuracy(self):
         """The kernels' tanh against torch's in float64: 1e-6 relative from 1e-8 to 30 (both
         branches and the switch between them), exact +-1 beyond, also at infinity."""
-        import asyncllm._kernels.paged_common  # noqa: F401  (what _tanh_kernel calls)
+        import asyncllm.kernels.paged_common  # noqa: F401  (what _tanh_kernel calls)
 
         mag = torch.cat([torch.logspace(-8, 1.5, 20000), torch.linspace(0.24, 0.26, 2001)])
         x = torch.cat(

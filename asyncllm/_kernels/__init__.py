@@ -1,5 +1,7 @@
-"""Triton kernels for the GPU path (paged attention, KV cache writes).
+"""The built C++ extension modules (``_<family>_<variant>``), one per kernel family and
+instruction-set variant, written here by ``setup.py`` from ``csrc/`` (git-ignored).
 
-The CPU path and the reference these kernels are tested against live in
-:mod:`asyncllm.attention.torch_paged`.
+They are imported by :mod:`asyncllm.kernels.native`, never directly; the Python side of every
+kernel (the op registry, the variants table, the Triton kernels) lives in
+:mod:`asyncllm.kernels`.
 """

@@ -31,9 +31,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-import asyncllm._kernels.ops  # noqa: F401  (declares asyncllm::paged_attention)
 from asyncllm.attention import triton_paged
 from asyncllm.attention.torch_paged import PagedAttentionPlan, paged_attention, write_kv_cache
+from asyncllm.kernels import ops  # declares asyncllm::paged_attention
 
 ATTN_IMPLEMENTATION = "asyncllm_paged"
 METADATA_KWARG = "asyncllm_attn"
@@ -287,6 +287,7 @@ def step_metadata(meta: AttentionMetadata | None, num_tokens: int = 0) -> Iterat
             disarm()
 
 
+@ops.implement("paged_attention")
 def paged_attention_op(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -298,7 +299,10 @@ def paged_attention_op(
 ) -> torch.Tensor:
     """``asyncllm::paged_attention``: write the new K/V of ``layer`` and attend, with the
     metadata of :func:`step_metadata` (``window``, ``softcap``: as
-    :class:`AttentionBackend`'s ``attend``).
+    :class:`AttentionBackend`'s ``attend``). Registered here as the op's implementation for
+    every device (:func:`asyncllm.kernels.ops.implement`): the step's metadata and KV caches
+    live with the attention backend, and the torch path and the Triton kernels run here; the
+    C++ CPU kernel, where loaded, takes CPU tensors.
 
     ``query [T, H, D]``, ``key/value [T, Hkv, D]`` -> contiguous ``[T, H, D]``. It writes the
     layer's caches, which are not arguments (they stay out of the compiled graph); the op

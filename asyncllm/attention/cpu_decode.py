@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncllm._kernels import native
 from asyncllm.attention.backend_registry import AttentionMetadata
+from asyncllm.kernels import native
 
 if TYPE_CHECKING:
     from asyncllm.attention.cpu_paged import CpuPagedPlan

@@ -49,7 +49,7 @@ tile (elsewhere portable, auto-vectorized C++ computes the same, up to summation
 ``benchmarks/attention_kernel.py`` times the decode kernel against an earlier revision.
 
 The kernels (``csrc/paged_attention.cpp``) are built when the package is installed, in each
-instruction-set variant (:mod:`asyncllm._kernels.native` imports the one this CPU runs).
+instruction-set variant (:mod:`asyncllm.kernels.native` imports the one this CPU runs).
 Where they are not installed, or with ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``, the engine keeps
 the torch path (one warning).
 """
@@ -62,8 +62,6 @@ from typing import Any
 
 import torch
 
-from asyncllm._kernels import native
-from asyncllm._kernels.native import cpu_flags
 from asyncllm.attention.backend_registry import AttentionBackend
 from asyncllm.attention.cpu_decode import (
     KERNEL_DTYPES,
@@ -77,6 +75,8 @@ from asyncllm.attention.torch_paged import (
     paged_attention,
     write_kv_cache,
 )
+from asyncllm.kernels import native
+from asyncllm.kernels.native import cpu_flags
 
 ENV_SWITCH = native.SWITCHES["attention"]
 

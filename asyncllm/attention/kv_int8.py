@@ -15,7 +15,7 @@ The bytes per token and KV head: ``head_dim + 4`` against ``2 * head_dim`` in bf
 (0.53x at head_dim 64) and ``4 * head_dim`` in float32.
 
 The torch reference (:func:`quantize`, :func:`dequantize`) is what the C++ write
-(``csrc/paged_attention.cpp``) and the Triton write (:mod:`asyncllm._kernels.kv_cache_write`)
+(``csrc/paged_attention.cpp``) and the Triton write (:mod:`asyncllm.kernels.kv_cache_write`)
 compute, in float32: ``scale = absmax * (1/127)`` as a float32 product and the codes as
 ``x * (127 / absmax)`` rounded half to even.
 """

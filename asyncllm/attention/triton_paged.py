@@ -1,4 +1,4 @@
-"""Paged attention through the Triton kernels of :mod:`asyncllm._kernels`: the GPU path.
+"""Paged attention through the Triton kernels of :mod:`asyncllm.kernels`: the GPU path.
 
 Same roles and cache layout as :mod:`asyncllm.attention.torch_paged` (the CPU path and the
 reference): :meth:`TritonPagedPlan.build` once per step, then per layer :func:`write_kv_cache`
@@ -89,7 +89,7 @@ class TritonPagedPlan:
         Raises:
             ValueError: a query longer than its context, or a block table too short.
         """
-        from asyncllm._kernels.paged_prefill import prefill_block_m
+        from asyncllm.kernels.paged_prefill import prefill_block_m
 
         device = torch.device(device)
         starts = [0]
@@ -175,7 +175,7 @@ def write_kv_cache(
     Raises:
         ValueError: shapes or dtypes that do not match.
     """
-    from asyncllm._kernels.kv_cache_write import kv_cache_write
+    from asyncllm.kernels.kv_cache_write import kv_cache_write
 
     kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
 
@@ -223,9 +223,9 @@ def paged_attention(
         ValueError: shapes, dtypes or layouts the kernels do not support, a negative window,
             or a negative or non-finite soft-cap.
     """
-    from asyncllm._kernels.paged_common import check_window_softcap
-    from asyncllm._kernels.paged_decode import paged_decode
-    from asyncllm._kernels.paged_prefill import paged_prefill
+    from asyncllm.kernels.paged_common import check_window_softcap
+    from asyncllm.kernels.paged_decode import paged_decode
+    from asyncllm.kernels.paged_prefill import paged_prefill
 
     check_window_softcap(window, softcap)
     if query.shape[0] != plan.num_tokens:

@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from asyncllm import envs
-from asyncllm._kernels import native
 from asyncllm.config import EngineConfig
 from asyncllm.core.block_manager import BlockManager, BlockPool
 from asyncllm.core.host_store import HostPrefixStore
@@ -29,6 +28,8 @@ from asyncllm.core.speculation import RequestSpeculation, SpecConfig, Speculatio
 from asyncllm.engine.input_processor import InputProcessor, PromptType
 from asyncllm.engine.parallel_sampling import shares_prompt
 from asyncllm.engine.step_output import IDLE_STEP, RequestStart, StepOutput
+from asyncllm.kernels import native
+from asyncllm.layers.quant_linear import holds_experts
 from asyncllm.models.fingerprint import fingerprints
 from asyncllm.models.loader import LoadedModel, load_model, stored_dtype
 from asyncllm.sampling_params import SamplingParams
@@ -45,7 +46,6 @@ from asyncllm.worker.disk_tier import DiskPrefixCache, namespace_digest
 from asyncllm.worker.kv_cache import KVCache, size_kv_cache
 from asyncllm.worker.model_runner import ModelRunner, select_attention_backend
 from asyncllm.worker.offload import CPUOffloadPool
-from asyncllm.worker.quant_linear import holds_experts
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.step_timing import StepObserver, StepTimings
 
@@ -471,7 +471,7 @@ class LLMEngine:
         "ready" or "failed"; ``EngineConfig.compile``) and ``compile_seconds`` (seconds it
         took, or has taken so far; 0.0 when off); ``cpu_kernels``: per C++ kernel family,
         what runs on CPU (the instruction-set variant installed, "off" or "torch":
-        :func:`asyncllm._kernels.native.status`), "" on other devices; ``kv_layout``: the
+        :func:`asyncllm.kernels.native.status`), "" on other devices; ``kv_layout``: the
         KV pool's shape and element type, e.g. "6 groups of 3 layers (1 full, 5 window 512),
         9000 blocks of 16, int8" (:mod:`asyncllm.core.kv_groups`); ``kv_cache_dtype``: the
         cache's element type ("int8" with ``EngineConfig.kv_cache_dtype="int8"``, else the

@@ -1,7 +1,7 @@
 """Read a GGUF file's quantized weight blocks as integer codes plus scales and offsets.
 
-Only the block layouts that :mod:`asyncllm.worker.quant_linear` or
-:mod:`asyncllm.worker.q8_linear` has a kernel for are unpacked (ggml's ``ggml-common.h`` /
+Only the block layouts that :mod:`asyncllm.layers.quant_linear` or
+:mod:`asyncllm.layers.q8_linear` has a kernel for are unpacked (ggml's ``ggml-common.h`` /
 gguf-py's ``gguf.quants`` define them; 32 weights a block along the input dimension, 16 for
 ``Q6_K``):
 
@@ -76,8 +76,8 @@ __all__ = [
 ]
 
 BLOCK = 32
-#: GGUF tensor types with a quantized kernel (:mod:`asyncllm.worker.quant_linear`,
-#: :mod:`asyncllm.worker.q8_linear`).
+#: GGUF tensor types with a quantized kernel (:mod:`asyncllm.layers.quant_linear`,
+#: :mod:`asyncllm.layers.q8_linear`).
 KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0"})
 #: Of those, the types that run as int4 group 32 (``quant_linear.Int4Linear``).
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})

@@ -7,7 +7,7 @@ A model is named in one of three forms:
 * a local Hugging Face directory (``config.json``, ``*.safetensors`` or ``*.bin`` weights,
   tokenizer files);
 * a local ``*.gguf`` file, dequantized once into a safetensors directory under
-  :func:`cache_dir` and reused from there (found by the file's content,
+  :func:`asyncllm.cache_dirs.cache_dir` and reused from there (found by the file's content,
   :mod:`asyncllm.models.fingerprint`); by default its own quantized blocks then replace the
   float32 linear weights (:mod:`asyncllm.models.quantization`).
 
@@ -40,11 +40,13 @@ from transformers import (
 )
 
 from asyncllm import envs
+from asyncllm.cache_dirs import cache_dir
 from asyncllm.errors import (
     ModelLoadError,
     ModelNotFoundError,
     UnsupportedModelError,
 )
+from asyncllm.layers.quant_linear import DEFAULT_GROUP_SIZE, weight_bytes
 from asyncllm.models.architecture import (
     check_architecture,
     check_attention_interface,
@@ -55,12 +57,10 @@ from asyncllm.models.quant_cache import gguf_source
 from asyncllm.models.quantization import resolve_quantization
 from asyncllm.models.weights import load_weights
 from asyncllm.preflight import default_gguf
-from asyncllm.worker.quant_linear import DEFAULT_GROUP_SIZE, weight_bytes
 
 __all__ = [
     "DEFAULT_MODEL",
     "LoadedModel",
-    "cache_dir",
     "check_architecture",
     "load_model",
     "resolve_model_dir",
@@ -76,19 +76,6 @@ _VALID_FORMS = (
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _STALE_TMP_S = 24 * 3600  # a temp conversion dir this old was left by a killed process
-
-
-def cache_dir() -> pathlib.Path:
-    """Return the directory asyncllm caches converted models in (not created here).
-
-    ``$ASYNCLLM_CACHE`` if set, else ``$XDG_CACHE_HOME/asyncllm``, else ``~/.cache/asyncllm``.
-    """
-    explicit = envs.path("ASYNCLLM_CACHE")
-    if explicit is not None:
-        return explicit
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
-    return base / "asyncllm"
 
 
 def resolve_model_dir(model: str | os.PathLike[str]) -> pathlib.Path:

@@ -3,7 +3,7 @@ format, the key that ties a file to a model's weights and setting, atomic writes
 record of the GGUF file a converted model directory came from (:func:`gguf_source`).
 
 A cache file is a ``torch.save`` of ``{"version", "name", "key", "precision", "modules"}``
-(each module as :func:`asyncllm.worker.quant_linear.module_state` describes it); a file of
+(each module as :func:`asyncllm.layers.quant_linear.module_state` describes it); a file of
 another version, under another name or for another key is not used.
 """
 
@@ -19,8 +19,8 @@ import tempfile
 import torch
 from torch import nn
 
+from asyncllm.layers import quant_linear as ql
 from asyncllm.models.fingerprint import fingerprint, fingerprints
-from asyncllm.worker import quant_linear as ql
 
 __all__ = ["CACHE_VERSION", "cache_key", "gguf_source", "load_cache", "save_cache"]
 

@@ -22,16 +22,16 @@ Settings:
 
 The int4 layers compute in the model's dtype where it is float32 (float32 activations and
 scales: the function the file defines, as closely as float32 computes it) and in bfloat16
-otherwise (:func:`asyncllm.worker.quant_linear.int4_dtype`); the int8 layers in bfloat16
-(:data:`asyncllm.worker.quant_linear.COMPUTE_DTYPE`), handing float32 back to a float32 model.
+otherwise (:func:`asyncllm.layers.quant_linear.int4_dtype`); the int8 layers in bfloat16
+(:data:`asyncllm.layers.quant_linear.COMPUTE_DTYPE`), handing float32 back to a float32 model.
 
 What is quantized: every ``nn.Linear`` of the decoder layers. For int4/int8 the LM head
 stays in the model's dtype, and so does a tied embedding table (the same tensor): an int4
 head costs more perplexity than the quality test allows (docs/tuning.md,
 ``benchmarks/head_precision.py``). Under "gguf", a ``Q8_0`` head (llama.cpp's usual choice;
 ``Q6_K`` in many Q4_K_M files) keeps the file's codes where its kernel has an AVX-512 path
-(:class:`~asyncllm.worker.q8_linear.Q8Linear`), and a table tied to it reads the same codes
-(:class:`~asyncllm.worker.quant_linear.QuantEmbedding`, no second copy).
+(:class:`~asyncllm.layers.q8_linear.Q8Linear`), and a table tied to it reads the same codes
+(:class:`~asyncllm.layers.quant_linear.QuantEmbedding`, no second copy).
 
 The converted modules are saved under ``cache_dir()/quant/`` keyed by the content of the
 model's weight files (and of the GGUF file for "gguf"; :mod:`asyncllm.models.fingerprint`),
@@ -51,9 +51,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from asyncllm.layers import quant_linear as ql
+from asyncllm.layers.q8_linear import Q8Linear
 from asyncllm.models.quant_cache import cache_key, load_cache, save_cache
-from asyncllm.worker import quant_linear as ql
-from asyncllm.worker.q8_linear import Q8Linear
 
 if TYPE_CHECKING:
     from asyncllm.models.gguf_quant import QuantBlocks
@@ -463,7 +463,7 @@ def _gguf_embedding(
     """The token embedding ``table`` as its GGUF codes, and their type ("" where they are
     a tied ``Q8Linear`` head's, shared); None where its type has no kernel or the codes'
     lookups would compute something else than the model's own module
-    (:meth:`~asyncllm.worker.quant_linear.QuantEmbedding.same_lookups`: Gemma 3's scaled
+    (:meth:`~asyncllm.layers.quant_linear.QuantEmbedding.same_lookups`: Gemma 3's scaled
     embedding keeps its factor; a module doing more stays dense, logged)."""
     from asyncllm.models.gguf_quant import INT8_TYPES, KERNEL_TYPES, OFFSET_TYPES
 
@@ -492,20 +492,20 @@ def _in_order(blocks: QuantBlocks | None, idx: torch.Tensor) -> QuantBlocks:
 
 def _q8_head_ok(device: torch.device) -> bool:
     """GGUF int8 codes (a ``Q8_0`` or ``Q6_K`` LM head, ``Q5_0``/``Q6_K``/``Q5_K``/``Q8_0``
-    decoder linears) are kept as such (:class:`~asyncllm.worker.q8_linear.Q8Linear`) on CPUs
+    decoder linears) are kept as such (:class:`~asyncllm.layers.q8_linear.Q8Linear`) on CPUs
     where their kernel has the AVX-512 path; elsewhere they stay dense."""
-    from asyncllm.worker import q8_linear
+    from asyncllm.layers import q8_linear
 
     return device.type == "cpu" and q8_linear.fast()
 
 
 #: What a decoder layer's Q8_0 or Q5_0 linear weight becomes: "codes" (a
-#: :class:`~asyncllm.worker.q8_linear.Q8Linear` of the file's int8 codes and scales, where its
+#: :class:`~asyncllm.layers.q8_linear.Q8Linear` of the file's int8 codes and scales, where its
 #: kernel has the AVX-512 path: ~1.06 bytes a weight, exact) or "dense" (dequantized to the
 #: model's dtype, as before; kept for A/B measurements, with a cache file of its own). See
 #: docs/tuning.md.
 Q8_0_LINEAR = "codes"
-#: Under "codes", the GGUF types of int8 codes made :class:`~asyncllm.worker.q8_linear.Q8Linear`
+#: Under "codes", the GGUF types of int8 codes made :class:`~asyncllm.layers.q8_linear.Q8Linear`
 #: decoder linears: None, all of them (``Q8_0``, ``Q5_0``, ``Q6_K``, ``Q5_K``); a set, those
 #: only, the others dense (A/B runs, e.g. ``{"Q5_0", "Q8_0"}`` before the ``Q6_K`` codes; a
 #: cache file of their own).

@@ -7,7 +7,7 @@ import argparse
 import contextlib
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncllm import envs
@@ -195,26 +195,24 @@ def app_options_from_args(
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Load the model and serve it with uvicorn until interrupted; returns the exit code.
+    """Load the model and serve it with uvicorn in this process until interrupted; returns
+    the exit code. ``--replicas`` (Ray Serve) is served by the command line above this
+    package (:func:`asyncllm.__main__.serve`), which builds on it.
 
     The engine's fields, the model source and ``--chat-template`` are checked first, before
     torch is imported (:func:`asyncllm.preflight.check_engine_config`).
 
     Raises:
         ValueError: a bad engine field, model (the typed errors of the model loader) or
-            chat template.
+            chat template; ``--replicas`` given.
     """
+    if getattr(args, "replicas", None) is not None:
+        raise ValueError(
+            "--replicas serves on Ray Serve: run `python -m asyncllm serve --replicas N` "
+            "(asyncllm.__main__.serve)"
+        )
     check_engine_config(args.model, engine_config_from_args(args))
     app_options = app_options_from_args(args)
-    if getattr(args, "replicas", None) is not None:
-        try:
-            from asyncllm.integrations import ray_serve
-        except ImportError as e:
-            print(
-                f"error: {e}; install the ray extra: pip install 'asyncllm[ray]'", file=sys.stderr
-            )
-            return 2
-        return ray_serve.main(args, engine_config_from_args(args), app_options)
 
     import uvicorn
 
@@ -243,18 +241,29 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m asyncllm serve [options]``; returns the exit code."""
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The ``python -m asyncllm serve`` options (:func:`add_serve_arguments`) of ``argv``."""
     parser = argparse.ArgumentParser(
         prog="python -m asyncllm serve", description="An OpenAI-compatible HTTP server."
     )
     add_serve_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def exit_code(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``command(args)``'s exit code; 2 with the message on stderr for a ``ValueError``
+    (our typed errors: bad model path, bad engine settings)."""
     try:
-        return serve(args)
-    except ValueError as e:  # our typed errors: bad model path, bad engine settings
+        return command(args)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m asyncllm serve [options]`` in this process (no ``--replicas``); returns
+    the exit code."""
+    return exit_code(serve, parse_args(argv))
 
 
 def _port(text: str) -> int:

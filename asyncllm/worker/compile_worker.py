@@ -36,11 +36,11 @@ def main(argv: list[str]) -> int:
     import torch._inductor.config as inductor_config
 
     from asyncllm.attention.backend_registry import register
+    from asyncllm.kernels.int4_dequant import kernel
+    from asyncllm.layers.cpu_linear import pack_linears
+    from asyncllm.layers.sibling_linears import fuse_siblings
     from asyncllm.models.loader import load_model
     from asyncllm.worker import compiled
-    from asyncllm.worker.cpu_linear import pack_linears
-    from asyncllm.worker.int4_dequant import kernel
-    from asyncllm.worker.sibling_linears import fuse_siblings
 
     torch.set_num_threads(int(spec["num_threads"]))
     inductor_config.compile_threads = 1

@@ -4,8 +4,8 @@ engine's path and loaded from disk.
 What is compiled: the transformers ``*ForCausalLM`` call of one step (embedding, every
 decoder layer, the final norm and the LM head on the kept rows). Paged attention with its
 K/V write (``asyncllm::paged_attention``, :mod:`asyncllm.attention.backend_registry`), the
-oneDNN-packed linears (``asyncllm::packed_linear``, :mod:`asyncllm.worker.cpu_linear`) and
-the int4 linears (``asyncllm::int4_linear``, :mod:`asyncllm.worker.int4_dequant`) are
+oneDNN-packed linears (``asyncllm::packed_linear``, :mod:`asyncllm.layers.cpu_linear`) and
+the int4 linears (``asyncllm::int4_linear``, :mod:`asyncllm.kernels.int4_dequant`) are
 opaque ops, so the step's plan objects stay out of the graph and Inductor fuses what lies
 between them (RMSNorm, rotary embedding, SiLU-and-multiply, residual adds); the rotary
 cos/sin are computed once per step, not inlined into every layer
@@ -62,12 +62,13 @@ from typing import Any, Literal
 import torch
 from filelock import FileLock, Timeout
 
-import asyncllm._kernels.ops  # noqa: F401  (asyncllm::materialize)
-from asyncllm._kernels import native
-from asyncllm._kernels.native import cpu_flags
+import asyncllm.kernels.ops  # noqa: F401  (asyncllm::materialize)
 from asyncllm.attention.backend_registry import step_metadata
+from asyncllm.cache_dirs import cache_dir
+from asyncllm.kernels import native
+from asyncllm.kernels.native import cpu_flags
+from asyncllm.layers.quant_linear import load_kernels
 from asyncllm.worker.device import trim_host_memory
-from asyncllm.worker.quant_linear import load_kernels
 
 logger = logging.getLogger("asyncllm")
 
@@ -130,7 +131,7 @@ def _materialize_outputs(
 def rotary_computed_once(model: torch.nn.Module) -> Iterator[None]:
     """While tracing: the outputs of ``model``'s rotary embedding modules (transformers'
     ``rotary_emb``: ``(cos, sin)`` of the step's positions, shared by all layers) go through
-    ``asyncllm::materialize`` (:mod:`asyncllm._kernels.ops`), so the compiled forward
+    ``asyncllm::materialize`` (:mod:`asyncllm.kernels.ops`), so the compiled forward
     computes them once per step, as eager does, not once per layer. Their values are
     eager's (already in the model's dtype)."""
     handles = [
@@ -147,10 +148,8 @@ def rotary_computed_once(model: torch.nn.Module) -> Iterator[None]:
 
 def inductor_cache_dir() -> pathlib.Path:
     """Where Inductor's on-disk caches go: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
-    ``inductor/`` in asyncllm's cache directory (:func:`asyncllm.models.loader.cache_dir`)."""
+    ``inductor/`` in asyncllm's cache directory (:func:`asyncllm.cache_dirs.cache_dir`)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from asyncllm.models.loader import cache_dir
 
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if env == default_cache_dir():  # torch writes its default there once it used it
@@ -198,8 +197,6 @@ def artifact_key(model: torch.nn.Module, num_threads: int) -> str:
 
 def artifact_path(model: torch.nn.Module, num_threads: int) -> pathlib.Path:
     """The compiled forward's artifact file for ``model`` run with ``num_threads`` threads."""
-    from asyncllm.models.loader import cache_dir
-
     return cache_dir() / "compiled" / f"{artifact_key(model, num_threads)}.bin"
 
 

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from asyncllm import envs
-from asyncllm._kernels.native import cpu_flags
+from asyncllm.kernels.native import cpu_flags
 
 logger = logging.getLogger("asyncllm")
 
@@ -51,7 +51,7 @@ def cpu_bf16_reason() -> tuple[bool, str]:
     True where the CPU has one of :data:`BF16_FLAGS`, torch's vectorized kernels run at
     AVX-512 (``torch.backends.cpu.get_cpu_capability()``; ``ATEN_CPU_CAPABILITY=avx2``
     lowers it) and oneDNN is available (the packed linears of
-    :mod:`asyncllm.worker.cpu_linear`).
+    :mod:`asyncllm.layers.cpu_linear`).
     """
     have = [f for f in BF16_FLAGS if f in cpu_flags()]
     capability = torch.backends.cpu.get_cpu_capability()

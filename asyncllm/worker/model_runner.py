@@ -25,15 +25,15 @@ from asyncllm.attention.backend_registry import (
 )
 from asyncllm.attention.triton_paged import interpreter_enabled
 from asyncllm.core.plan import SchedulerOutput
+from asyncllm.layers.cpu_linear import pack_linears
+from asyncllm.layers.quant_linear import load_kernels
+from asyncllm.layers.sibling_linears import fuse_siblings
 from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
-from asyncllm.worker.cpu_linear import pack_linears
 from asyncllm.worker.kv_cache import KVCache
 from asyncllm.worker.logprobs import PromptRows, prompt_logprobs
 from asyncllm.worker.paged_check import check_paged_forward
-from asyncllm.worker.quant_linear import load_kernels
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.sampler import Sampler, sample_chunks
-from asyncllm.worker.sibling_linears import fuse_siblings
 from asyncllm.worker.speculative import verify_chunks
 from asyncllm.worker.step_timing import StepTimings
 

@@ -7,10 +7,12 @@ and ``torch.library.custom_op``'s Python dispatch cost ~11 us more per call). Ea
 * its fake implementation, for ``torch.compile`` (:mod:`asyncllm.worker.compiled`), which
   keeps the ops opaque in its graphs;
 * an implementation for every device (``CompositeExplicitAutograd``): the torch reference,
-  or the layer's own dispatch over the C++ kernels where that is Python
-  (:func:`implement`);
+  or the layer's own dispatch over the C++ kernels where that is Python, registered by the
+  module that owns it with :func:`implement` (``paged_attention``'s by
+  :mod:`asyncllm.attention.backend_registry`; this package never imports the layers or the
+  attention backends);
 * where a C++ kernel exists, its CPU kernel, registered by the kernel module's
-  ``register_ops()`` when :func:`asyncllm._kernels.native.module` loads it (``csrc/``).
+  ``register_ops()`` when :func:`asyncllm.kernels.native.module` loads it (``csrc/``).
 
 =================  ==========================================  =============================
 op                 what                                        C++ CPU kernel
@@ -29,13 +31,15 @@ materialize        copies Inductor does not fuse through       (clone)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["LIB", "implement", "int4_linear_reference"]
 
 LIB = torch.library.Library("asyncllm", "DEF")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 LIB.define(
     "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, "
@@ -56,11 +60,11 @@ LIB.define(
 LIB.define("materialize(Tensor[] xs) -> Tensor[]")
 
 
-def implement(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def implement(name: str) -> Callable[[_F], _F]:
     """Register the decorated function as op ``name``'s implementation for every device
     (the C++ CPU kernel, where one is loaded, takes precedence on CPU tensors)."""
 
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def register(fn: _F) -> _F:
         LIB.impl(name, fn, "CompositeExplicitAutograd")
         return fn
 
@@ -83,21 +87,9 @@ def _paged_attention_fake(
     return query.new_empty(query.shape)
 
 
-@implement("paged_attention")
-def _paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer: int,
-    scale: float,
-    window: int,
-    softcap: float,
-) -> torch.Tensor:
-    # The step's metadata and KV caches live with the attention backend (not arguments: they
-    # stay out of compiled graphs); the torch path and the Triton kernels run there.
-    from asyncllm.attention.backend_registry import paged_attention_op
-
-    return paged_attention_op(query, key, value, layer, scale, window, softcap)
+# Its implementation for every device is registered by the attention backend
+# (asyncllm.attention.backend_registry.paged_attention_op): the step's metadata and KV caches
+# live there, not in arguments (they stay out of compiled graphs).
 
 
 # --- int4_linear -------------------------------------------------------------------------
@@ -133,7 +125,7 @@ def int4_linear_reference(
     """``y = x W^T + b`` for an ``Int4Linear``'s buffers with torch's int4 kernel
     (``aten._weight_int4pack_mm_for_cpu``) at every row count: ``x [..., in_features]`` ->
     ``[..., out_features]`` in ``x``'s dtype, computed in ``scales_and_zeros``' dtype.
-    ``w[n, k] = (q - 8) * scale + zero`` (the packed layout: ``asyncllm.worker.int4_dequant``).
+    ``w[n, k] = (q - 8) * scale + zero`` (the packed layout: ``asyncllm.kernels.int4_dequant``).
     The path where the C++ kernel (``csrc/int4_linear.cpp``, the same plus its few-row and
     many-row paths) is not installed or switched off; ``max_rows``/``gemv_rows`` are that
     kernel's thresholds, unused here."""

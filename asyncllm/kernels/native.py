@@ -3,8 +3,8 @@ which variant this CPU runs, and each kernel family's module.
 
 Each family (``attention``: the paged attention; ``int4``: the int4 linear layer; ``q8``:
 GGUF's Q8_0 layer) is one extension module per instruction-set variant
-(:mod:`asyncllm._kernels.variants`). :func:`module` imports the best variant whose CPU flags
-this machine has, registers its op kernels (:mod:`asyncllm._kernels.ops`) and returns it;
+(:mod:`asyncllm.kernels.variants`). :func:`module` imports the best variant whose CPU flags
+this machine has, registers its op kernels (:mod:`asyncllm.kernels.ops`) and returns it;
 nothing is ever compiled at run time and no process is started. Where no variant is
 installed (no compiler at install time, another torch than the one it was built against),
 the callers keep torch's paths; one warning says why, once per process.
@@ -26,7 +26,7 @@ from functools import cache
 from typing import Any
 
 from asyncllm import envs
-from asyncllm._kernels.variants import FAMILIES, VARIANTS, module_name, variants_for
+from asyncllm.kernels.variants import FAMILIES, VARIANTS, module_name, variants_for
 
 __all__ = ["SWITCHES", "cpu_flags", "enabled", "failure", "import_variant", "module", "status"]
 
@@ -108,7 +108,7 @@ def _load(family: str) -> Any:
         except ImportError as e:  # not built, or built against another torch
             reasons.append(f"{name}: {str(e).strip().splitlines()[-1] if str(e) else e!r}")
             continue
-        import asyncllm._kernels.ops  # noqa: F401  (the schemas the kernels implement)
+        import asyncllm.kernels.ops  # noqa: F401  (the schemas the kernels implement)
 
         mod.register_ops()
         return mod

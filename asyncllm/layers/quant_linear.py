@@ -8,7 +8,7 @@
   onto it without loss when the scales are float32 (a float32 model). That kernel is a
   matrix-vector kernel (its time grows with the row count): a call with more than
   :data:`INT4_KERNEL_MAX_ROWS` rows instead multiplies with the weight dequantized block by
-  block into a small per-thread scratch (:mod:`asyncllm.worker.int4_dequant`, C++; bfloat16
+  block into a small per-thread scratch (:mod:`asyncllm.kernels.int4_dequant`, C++; bfloat16
   GEMM), 4-6x faster at 64 rows, with only the int4 weight kept. The whole layer is one C++ op,
   ``asyncllm_cpu::int4_linear`` (the Python around 210 kernel calls per decode step cost
   4 ms at batch 1, a fifth of the step), in eager steps and compiled graphs alike; where it
@@ -34,8 +34,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from asyncllm._kernels import ops
-from asyncllm.worker import int4_dequant
+from asyncllm.kernels import int4_dequant, ops
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
@@ -279,7 +278,7 @@ INT4_GEMV_MAX_ROWS = 3
 def load_kernels(model: nn.Module | None = None) -> None:
     """Load the C++ kernels ``model``'s quantized layers call (all of them without a model),
     registering their ops before a graph is traced or loaded; milliseconds, nothing built."""
-    from asyncllm.worker import q8_linear
+    from asyncllm.layers import q8_linear
 
     kinds = (
         {type(m) for m in model.modules()}
@@ -314,7 +313,7 @@ def int4_linear(
     out_features: int,
 ) -> torch.Tensor:
     """``y = x W^T + b`` for an :class:`Int4Linear`'s buffers by the torch reference
-    (:func:`asyncllm._kernels.ops.int4_linear_reference`), counted in :func:`path_calls`:
+    (:func:`asyncllm.kernels.ops.int4_linear_reference`), counted in :func:`path_calls`:
     the eager path where the C++ kernel is not installed or switched off."""
     _PY_CALLS["int4"] += 1
     y: torch.Tensor = ops.int4_linear_reference(
@@ -495,7 +494,7 @@ def module_from_state(state: dict[str, object]) -> nn.Module:
     Raises:
         ValueError: an unknown class name (a cache written by another version).
     """
-    from asyncllm.worker.q8_linear import Q8Linear
+    from asyncllm.layers.q8_linear import Q8Linear
 
     classes: dict[str, type[nn.Module]] = {
         c.__name__: c for c in (Int4Linear, Int8Linear, QuantEmbedding, Q8Linear)

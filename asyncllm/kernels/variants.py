@@ -1,6 +1,6 @@
 """The instruction-set variants asyncllm's C++ CPU kernels are built in, and the kernel
 families each variant holds: one table read by ``setup.py`` (at install, which builds every
-variant of this machine's architecture) and by :mod:`asyncllm._kernels.native` (at run time,
+variant of this machine's architecture) and by :mod:`asyncllm.kernels.native` (at run time,
 which imports the best variant the CPU runs). No imports: ``setup.py`` loads this file by
 path, before torch or asyncllm can be imported.
 

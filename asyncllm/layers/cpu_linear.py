@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from asyncllm import envs
-from asyncllm._kernels import ops
+from asyncllm.kernels import ops
 
 logger = logging.getLogger("asyncllm")
 
@@ -173,13 +173,13 @@ def packing_supported(model: nn.Module) -> bool:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, and give each
-    :class:`~asyncllm.worker.q8_linear.Q8Linear` its packed copy for many rows; returns how
+    :class:`~asyncllm.layers.q8_linear.Q8Linear` its packed copy for many rows; returns how
     many layers were packed.
 
     A linear whose weight is tied to the input embeddings keeps it (shared). Does nothing,
     and returns 0, where :func:`packing_supported` is False or oneDNN refuses the reorder.
     """
-    from asyncllm.worker.q8_linear import Q8Linear
+    from asyncllm.layers.q8_linear import Q8Linear
 
     if not packing_supported(model):
         return 0

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm._kernels.paged_common import (
+from asyncllm.kernels.paged_common import (
     check_paged_inputs,
     check_window_softcap,
     dot_options,

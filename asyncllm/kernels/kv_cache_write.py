@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm._kernels.paged_common import scale_view
+from asyncllm.kernels.paged_common import scale_view
 
 
 @triton.jit

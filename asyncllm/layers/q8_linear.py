@@ -23,7 +23,7 @@ logits: the default model's first answer to "What is the capital of France?" tie
   57 MB less resident memory than the packed copy (as fast as it on AVX-512 BF16);
 * more rows otherwise (float32 models, CPUs without native bfloat16): oneDNN's GEMM on a
   packed copy of the weight in the model's dtype, made by :meth:`Q8Linear.pack`
-  (:func:`asyncllm.worker.cpu_linear.pack_linears` calls it), as fast as the dense head was
+  (:func:`asyncllm.layers.cpu_linear.pack_linears` calls it), as fast as the dense head was
   (its output widened to float32, after oneDNN's rounding to the model's dtype); without that
   copy or the kernel, the float32 weight dequantized per call.
 
@@ -47,7 +47,7 @@ with the offset ``-(dmin * m) + 16 * d * sc`` would round that sum (as the int4 
 of ``Q4_K`` does), and 5-bit codes do not fit the int4 kernels.
 
 The kernel (``csrc/q8_linear.cpp``) is built when the package is installed
-(:mod:`asyncllm._kernels.native`; ``ASYNCLLM_Q8_KERNEL=0`` turns it off).
+(:mod:`asyncllm.kernels.native`; ``ASYNCLLM_Q8_KERNEL=0`` turns it off).
 :mod:`asyncllm.models.quantization` uses this layer only where the kernel has its AVX-512
 path (:func:`fast`); elsewhere the head stays dense.
 """
@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncllm._kernels import native, ops
+from asyncllm.kernels import native, ops
 
 __all__ = ["ENV_SWITCH", "GROUPS", "MAX_ROWS", "Q8Linear", "fast", "kernel", "mm_f32_available"]
 
@@ -248,7 +248,7 @@ class Q8Linear(nn.Module):
         Raises:
             RuntimeError: oneDNN refuses the reorder.
         """
-        from asyncllm.worker.cpu_linear import PACK_HINT_ROWS
+        from asyncllm.layers.cpu_linear import PACK_HINT_ROWS
 
         if not self.logits and mm_f32_available():
             return

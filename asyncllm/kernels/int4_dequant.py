@@ -4,7 +4,7 @@ torch's int4 kernel up to 8 rows, dequantize-and-GEMM for more.
 torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``) is a matrix-vector kernel: its
 cost grows linearly with the row count, so at a decode batch of 64 it is 4-5x slower than a
 plain bfloat16 matmul on the same weight (docs/tuning.md). For many rows,
-:class:`asyncllm.worker.quant_linear.Int4Linear` therefore multiplies with the dequantized
+:class:`asyncllm.layers.quant_linear.Int4Linear` therefore multiplies with the dequantized
 weight, keeping only the int4 weight in memory. The extension registers the whole layer as
 one op, ``asyncllm_cpu::int4_linear`` (reshape, cast, the row-count choice, kernel, bias): a
 decode step calls it 210 times with the default model, and the same steps in Python cost
@@ -44,10 +44,10 @@ The few-row kernel (``int4_gemv.cpp``, appended to this source; AVX-512 BF16 and
 the same packed codes: it pairs two columns' codes per output in registers and multiplies
 them with bfloat16 pairs of the row (``vdpbf16ps``), half the instructions per code of
 torch's kernel, which converts every code to float32 first; 1.3x at batch 1, see
-:data:`asyncllm.worker.quant_linear.INT4_GEMV_MAX_ROWS`.
+:data:`asyncllm.layers.quant_linear.INT4_GEMV_MAX_ROWS`.
 
 The C++ is ``csrc/int4_linear.cpp`` and ``csrc/int4_gemv.cpp``, built when the package is
-installed (:mod:`asyncllm._kernels.native`; ``ASYNCLLM_INT4_DEQUANT_KERNEL=0`` turns it
+installed (:mod:`asyncllm.kernels.native`; ``ASYNCLLM_INT4_DEQUANT_KERNEL=0`` turns it
 off); where it is not installed, ``Int4Linear`` keeps torch's int4 kernel for every row count
 (correct, slower for many rows).
 """
@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from asyncllm._kernels import native
+from asyncllm.kernels import native
 
 __all__ = [
     "ENV_SWITCH",
@@ -75,7 +75,7 @@ ENV_SWITCH = native.SWITCHES["int4"]
 def kernel() -> Any:
     """The int4 kernel module, or None where it is switched off or not installed; loading it
     registers the CPU kernel of ``asyncllm::int4_linear`` (a whole
-    :class:`~asyncllm.worker.quant_linear.Int4Linear` call in C++, the row-count choice
+    :class:`~asyncllm.layers.quant_linear.Int4Linear` call in C++, the row-count choice
     inside). Cheap after the first call."""
     return native.module("int4")
 

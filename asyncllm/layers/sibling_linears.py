@@ -14,8 +14,8 @@ Measured (``python benchmarks/sibling_linears.py``: int4 group 32, bfloat16, 2 t
 layers' weights so they come from memory; ms per 30 layers' q/k/v + gate/up):
 batch 1 7.48 -> 5.36 (1.39x), batch 64 20.9 -> 18.7 (1.12x).
 
-Fused: ``nn.Linear`` (before :func:`~asyncllm.worker.cpu_linear.pack_linears` packs the
-fused layer for oneDNN) and :class:`~asyncllm.worker.quant_linear.Int4Linear` layers whose
+Fused: ``nn.Linear`` (before :func:`~asyncllm.layers.cpu_linear.pack_linears` packs the
+fused layer for oneDNN) and :class:`~asyncllm.layers.quant_linear.Int4Linear` layers whose
 input width, dtype, device (and group size) agree, with a bias on all of them or none, no
 weight shared with another module, and (int4) every part a multiple of 64 rows (the packed
 layout's row block).
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from asyncllm import envs
-from asyncllm.worker.quant_linear import Int4Linear
+from asyncllm.layers.quant_linear import Int4Linear
 
 __all__ = ["ENV_SWITCH", "SIBLING_NAMES", "SiblingLinear", "fuse_siblings"]
 
