@@ -541,7 +541,8 @@ def test_serve_options() -> None:
         "api_keys": [], "metrics_without_auth": False,
         "max_request_bytes": DEFAULT_MAX_REQUEST_BYTES, "trust_request_chat_template": False,
         "client_priority_range": (0, 0), "share_prefix_cache_across_keys": False,
-        "allowed_origins": [], "chat_template": None,
+        "allowed_origins": [], "chat_template": None, "tenant_header": None,
+        "admission": "refuse", "queue_events": False,
     }  # fmt: skip
     assert app_options_from_args(_args(), environ={"ASYNCLLM_API_KEY": "a, b"})["api_keys"] == [
         "a",
@@ -552,6 +553,7 @@ def test_serve_options() -> None:
         "--max-request-bytes", "1000", "--trust-request-chat-template",
         "--client-priority-range=-5,3", "--share-prefix-cache-across-keys",
         "--allowed-origins", "https://a.example,https://b.example",
+        "--tenant-header", "X-Tenant", "--admission", "wait", "--queue-events",
     )  # fmt: skip
     opts = app_options_from_args(args, environ={"ASYNCLLM_API_KEY": "ignored"})
     assert opts == {
@@ -559,9 +561,10 @@ def test_serve_options() -> None:
         "trust_request_chat_template": True, "client_priority_range": (-5, 3),
         "share_prefix_cache_across_keys": True,
         "allowed_origins": ["https://a.example", "https://b.example"], "chat_template": None,
+        "tenant_header": "X-Tenant", "admission": "wait", "queue_events": True,
     }  # fmt: skip
     for bad in (["--client-priority-range", "1,5"], ["--client-priority-range", "x"],
-                ["--max-request-bytes", "0"]):  # fmt: skip
+                ["--max-request-bytes", "0"], ["--admission", "later"]):  # fmt: skip
         with pytest.raises(SystemExit):
             _args(*bad)
 
