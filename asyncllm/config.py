@@ -8,6 +8,9 @@ from typing import Literal
 
 import msgspec
 
+#: The largest tenant weight (the scheduler's ``asyncllm.core.fair_share.MAX_WEIGHT``; tested).
+MAX_TENANT_WEIGHT = 1e6
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _QUANTIZATION = ("auto", None, "int8", "int4", "gguf")
@@ -104,8 +107,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             header), counted as ``max_waiting`` counts. None (default): unbounded.
         tenant_weights: tenant -> share weight (a positive number): within a priority band
             the tenants with requests share the running slots and the token budget in
-            proportion to their weights (weighted fair queueing; tenants not named weigh 1;
-            ``asyncllm.core.fair_share``). None: all weigh 1.
+            proportion to their weights, each in (0, 1e6] (weighted fair queueing; tenants
+            not named weigh 1; ``asyncllm.core.fair_share``). None: all weigh 1.
         quantization: weight-only quantization (docs/configuration.md has the precision
             table): "auto" (default) keeps a GGUF file's own quantization where asyncllm has
             a kernel for its tensor types (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0) and runs
@@ -248,15 +251,23 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         """Validate ``max_waiting_per_tenant`` and ``tenant_weights``."""
         if self.max_waiting_per_tenant is not None:
             positive("max_waiting_per_tenant", self.max_waiting_per_tenant, 1)
-        for tenant, weight in (self.tenant_weights or {}).items():
+        weights = self.tenant_weights
+        if weights is not None and not isinstance(weights, dict):
+            raise ValueError(f"EngineConfig.tenant_weights must be a dict, got {weights!r}")
+        for tenant, weight in (weights or {}).items():
+            if not isinstance(tenant, str) or len(tenant) > 256:
+                raise ValueError(
+                    "EngineConfig.tenant_weights' keys must be tenant names (str, at most 256 "
+                    f"characters), got {tenant!r}"
+                )
             if (
                 not isinstance(weight, (int, float))
                 or isinstance(weight, bool)
-                or not (0 < weight < float("inf"))
+                or not (0 < weight <= MAX_TENANT_WEIGHT)
             ):
                 raise ValueError(
-                    f"EngineConfig.tenant_weights[{tenant!r}] must be a positive finite "
-                    f"number, got {weight!r}"
+                    f"EngineConfig.tenant_weights[{tenant!r}] must be a number in (0, 1e6], "
+                    f"got {weight!r}"
                 )
 
     def _check_speculation(self, positive: Callable[..., None]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncllm import InvalidRequestError, QueueFull, SamplingParams
+from asyncllm import EngineNotRunningError, InvalidRequestError, QueueFull, SamplingParams
 from asyncllm.engine.async_engine import AsyncEngine
 from tests.conftest import wait_until
 
@@ -236,3 +236,64 @@ async def test_a_tenant_at_its_limit_does_not_hold_up_another_tenants_call(
         gate.release_all()
     start = {k: v[-1].metrics.queue_time + v[-1].metrics.arrival_time for k, v in outs.items()}
     assert start["b1"] < start["a3"]
+
+
+@pytest.mark.parametrize("leave", ["queue full", "too long"])
+async def test_a_held_call_starts_when_a_tokenizing_call_leaves(leave, tiny_llama_dir, make_engine):
+    """A call held behind one being tokenized starts once that one leaves without
+    queueing (refused after tokenizing, or too long), on an otherwise idle engine."""
+    from tests.test_hardening_core import hold_tokenization
+
+    engine = make_engine(tiny_llama_dir, max_num_seqs=1, max_waiting=1, **SMALL)
+    release = hold_tokenization(engine)
+    result: dict[str, Any] = {}
+
+    async def refused() -> None:
+        text = "hello " * 300 if leave == "too long" else "some text"
+        with pytest.raises((QueueFull, InvalidRequestError)):
+            await engine.generate(text, _greedy(2))
+
+    async def held() -> None:
+        with anyio.fail_after(20):
+            result["out"] = await engine.generate([5, 6, 7, 8], _greedy(2), admission="wait")
+
+    async with engine, anyio.create_task_group() as tg:
+        tg.start_soon(refused)
+        await wait_until(lambda: engine.stats()["num_waiting"] == 1)  # tokenizing
+        tg.start_soon(held)
+        await wait_until(lambda: engine._loop.requests.num_held() == 1)
+        release.set()
+    assert result["out"].num_generated_tokens == 2
+
+
+async def test_a_drain_serves_held_calls(tiny_llama_dir, make_engine):
+    from tests.test_hardening_core import hold_tokenization
+
+    engine = make_engine(
+        tiny_llama_dir, max_num_seqs=1, max_waiting=1, shutdown_mode="drain", **SMALL
+    )
+    release = hold_tokenization(engine)
+    result: dict[str, Any] = {}
+
+    async def tokenizing() -> None:
+        with pytest.raises((EngineNotRunningError, QueueFull)):  # the drain began, or y holds
+            await engine.generate("some text", _greedy(2))
+
+    async def held() -> None:
+        result["out"] = await engine.generate([5, 6, 7, 8], _greedy(2), admission="wait")
+
+    async with anyio.create_task_group() as tg, engine:
+        tg.start_soon(tokenizing)
+        await wait_until(lambda: engine.stats()["num_waiting"] == 1)
+        tg.start_soon(held)
+        await wait_until(lambda: engine._loop.requests.num_held() == 1)
+        release.set()
+    assert result["out"].finish_reason == "length"
+
+
+async def test_report_queue_must_be_a_bool(tiny_llama_dir, make_engine):
+    engine = make_engine(tiny_llama_dir, **SMALL)
+    async with engine:
+        with pytest.raises(InvalidRequestError, match="report_queue"):
+            async for _ in engine.stream([5] * 4, _greedy(1), report_queue="yes"):  # type: ignore[arg-type]
+                pass

@@ -211,3 +211,14 @@ def test_a_tenant_holding_every_block_yields_blocks_too():
     assert b.output_token_ids == [5] and sched.num_preemptions >= 1
     assert all(r.tenant == "A" for r in sched.waiting)
     _drain(sched)
+
+
+def test_the_config_and_the_scheduler_bound_weights_alike():
+    from asyncllm.config import MAX_TENANT_WEIGHT, EngineConfig
+    from asyncllm.core.fair_share import MAX_WEIGHT
+
+    assert MAX_TENANT_WEIGHT == MAX_WEIGHT
+    FairShare(64, {"a": MAX_WEIGHT, "b": MAX_WEIGHT}).refresh([], [_req("x", "a")])
+    for bad in ({"a": MAX_WEIGHT * 10}, {5: 1.0}, {"x" * 300: 1.0}, [("a", 1.0)]):
+        with pytest.raises(ValueError, match="tenant_weights"):
+            EngineConfig(tenant_weights=bad)  # type: ignore[arg-type]

@@ -36,13 +36,14 @@ def test_the_tenant_comes_from_the_header_else_the_api_key(tiny_llama_dir: Any) 
     app = create_app(engine, MODEL, api_keys=["k1"], tenant_header="X-Tenant")
     key = {"Authorization": "Bearer k1"}
     with serving(app) as base:
-        for headers in (key, {**key, "X-Tenant": "bot-7"}):
+        for headers in (key, {**key, "X-Tenant": "bot-7"}, {**key, "X-Tenant": ""}):
             r = httpx.post(f"{base}/v1/completions", json=BODY, headers=headers, timeout=30)
             assert r.status_code == 200, r.text
         long = {**key, "X-Tenant": "x" * 300}
         r = httpx.post(f"{base}/v1/completions", json=BODY, headers=long, timeout=30)
         assert r.status_code == 400 and "X-Tenant" in r.json()["error"]["message"]
-    assert seen[:2] == ["apikey:" + hashlib.sha256(b"k1").hexdigest(), "bot-7"]
+    by_key = "apikey:" + hashlib.sha256(b"k1").hexdigest()
+    assert seen[:3] == [by_key, "bot-7", by_key]  # an empty header names no tenant
     check_pool_whole(engine)
 
 

@@ -32,10 +32,13 @@ from collections.abc import Mapping, Sequence
 
 from asyncllm.core.request import Request, RequestStatus
 
-__all__ = ["DEFAULT_TENANT", "FairShare"]
+__all__ = ["DEFAULT_TENANT", "MAX_WEIGHT", "FairShare"]
 
 DEFAULT_TENANT = ""
 """The tenant of every request that names none."""
+
+MAX_WEIGHT = 1e6
+"""The largest tenant weight (shares are ratios of weights: a bound keeps them finite)."""
 
 # Idle tenants' counters kept beyond this many (plus the active ones) are pruned.
 _MAX_IDLE_COUNTERS = 256
@@ -72,8 +75,8 @@ class FairShare:
         """
         if not isinstance(weight, (int, float)) or isinstance(weight, bool):
             raise ValueError(f"tenant weight must be a number, got {weight!r}")
-        if not 0 < weight < float("inf"):
-            raise ValueError(f"tenant weight must be positive and finite, got {weight!r}")
+        if not 0 < weight <= MAX_WEIGHT:
+            raise ValueError(f"tenant weight must be in (0, {MAX_WEIGHT:g}], got {weight!r}")
         self.weights[tenant] = float(weight)
 
     def weight(self, tenant: str) -> float:
@@ -134,7 +137,7 @@ class FairShare:
             tenants.setdefault(r.tenant, set()).add(r.group_id or r.request_id)
         total = sum(self.weight(t) for t in tenants)
         self._tenant_share = {
-            t: max(1, int(self.max_num_seqs * self.weight(t) / total)) for t in tenants
+            t: max(1, int(self.max_num_seqs * (self.weight(t) / total))) for t in tenants
         }
         if not self._call_running:  # no call of several samples runs: none is above
             self._call_share = {}

@@ -91,8 +91,8 @@ class StepLoop:
             while True:
                 self._apply()
                 if not self.core.has_unfinished():
-                    if self.closing:
-                        return
+                    if self.closing and not self.requests.num_held():
+                        return  # held calls are in flight too: a drain serves them
                     self.wakeup.clear()
                     await self.wakeup.wait()
                     continue

@@ -27,6 +27,7 @@ from asyncllm.engine.output_processor import RequestState, TokenTextCache
 from asyncllm.engine.parallel_sampling import num_samples
 from asyncllm.engine.request_table import Call, check_timeout
 from asyncllm.engine.step_loop import StepLoop
+from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine core imports torch; the front end does not
@@ -85,6 +86,7 @@ class Submission:
             tokenizing[tenant] -= num_requests
             if not tokenizing[tenant]:
                 del tokenizing[tenant]
+            self._loop.wakeup.set()  # places freed: a held call may fit now
         self._check_running()
         return result
 
@@ -124,6 +126,8 @@ class Submission:
         check_timeout(timeout)
         tenant = check_tenant(tenant)
         wait = check_admission_mode(admission)
+        if not isinstance(report_queue, bool):
+            raise InvalidRequestError(f"report_queue must be a bool, got {report_queue!r}")
         start_by = check_deadline(deadline, time.monotonic())
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:

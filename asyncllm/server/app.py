@@ -188,7 +188,7 @@ class OpenAIServer:
         tenant = request.scope.get(TENANT_KEY) or ""
         if self.tenant_header is not None:
             named = request.headers.get(self.tenant_header)
-            if named is not None:
+            if named:  # an empty header names no tenant
                 if len(named) > 256:
                     raise APIError(f"the {self.tenant_header} header is over 256 characters")
                 tenant = named
@@ -277,6 +277,7 @@ class OpenAIServer:
             self._check_model(req.model)
             call = ep.completion_call(req, self.client_priority_range)
             self._check_admissible(call)
+            kwargs = self._engine_kwargs(request, call.kwargs, req.cache_salt, call.stream)
             echoed = [await self._echo_text(x) for x in call.prompts] if req.echo else None
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
@@ -291,7 +292,6 @@ class OpenAIServer:
         shape = ep.CompletionShape(
             rid, int(time.time()), self.model_name, req.logprobs, call.include_usage
         )
-        kwargs = self._engine_kwargs(request, call.kwargs, req.cache_salt, call.stream)
         method = functools.partial(self.engine.stream, params=call.params)
         return self._generate(prompts, method, kwargs, shape, call.stream)
 
@@ -308,6 +308,7 @@ class OpenAIServer:
                 server_template=self.chat_template,
             )
             self._check_admissible(call)
+            kwargs = self._engine_kwargs(request, call.kwargs, req.cache_salt, call.stream)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
@@ -318,7 +319,6 @@ class OpenAIServer:
             rid, int(time.time()), self.model_name, bool(req.logprobs), req.top_logprobs or 0,
             call.include_usage,
         )  # fmt: skip
-        kwargs = self._engine_kwargs(request, call.kwargs, req.cache_salt, call.stream)
         method = functools.partial(self.engine.chat, params=call.params)
         return self._generate(make_prompts(call.prompts, call.n, rid), method, kwargs, shape,
                               call.stream)  # fmt: skip
@@ -335,6 +335,7 @@ class OpenAIServer:
                 self._reserved_template_options,
                 self.chat_template,
             )
+            kwargs = self._engine_kwargs(request, call.kwargs, req.cache_salt, call.stream)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
@@ -342,7 +343,6 @@ class OpenAIServer:
             return json_response(err.body(), err.status)
         shape = ResponsesShape(req, self.model_name, conversation, self.response_store,
                                keep=req.store is not False)  # fmt: skip
-        kwargs = self._engine_kwargs(request, call.kwargs, req.cache_salt, call.stream)
         method = functools.partial(self.engine.chat, params=call.params)
         return self._generate(make_prompts(call.prompts, 1, shape.id), method, kwargs, shape,
                               call.stream)  # fmt: skip
