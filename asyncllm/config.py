@@ -12,7 +12,7 @@ import msgspec
 MAX_TENANT_WEIGHT = 1e6
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 _QUANTIZATION = ("auto", None, "int8", "int4", "gguf")
 _KV_CACHE_DTYPES = ("auto", "int8")
 _GROUP_SIZES = (32, 64, 128)  # asyncllm.layers.quant_linear.GROUP_SIZES (no torch import here)
@@ -82,12 +82,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             the least recently used ones are deleted.
         num_threads: torch intra-op threads on CPU; None: one per core the process may run
             on (see docs/tuning.md for the measurement behind it, and when 1 is safer).
-        attention_backend: "auto" (the Triton kernels of docs/kernels.md on CUDA; on CPU the
-            torch path with the C++ decode and chunk kernels of
-            ``asyncllm.attention.cpu_paged`` where they build, docs/benchmarks.md), "torch"
-            (the plain torch path) or "triton";
-            "triton" on a CPU raises ValueError when the engine is built unless
-            ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests).
+        attention_backend: "auto" ("triton" on CUDA; on CPU "cpu" where its kernels are
+            installed, else "torch"), "cpu" (the C++ decode and chunk kernels of
+            ``asyncllm.attention.cpu_paged``, docs/kernels.md), "torch" (the plain torch
+            path, the reference) or "triton" (docs/kernels.md). When the engine is built,
+            "cpu" raises ValueError on another device or where its kernels are not
+            installed, and "triton" on a CPU unless ``TRITON_INTERPRET=1`` (Triton's
+            interpreter, for tests).
         compile: compile the model's forward with ``torch.compile`` (Inductor; paged
             attention and the packed and int4 linears as opaque ops). The first engine of a
             model serves eagerly while a low-priority child process compiles it (about a
@@ -161,7 +162,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     preemption_mode: Literal["offload", "recompute"] = "offload"
     cpu_offload_bytes: int | None = None
     num_threads: int | None = None
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     compile: Literal["auto"] | bool = "auto"
     max_waiting: int | None = 1024
     max_waiting_per_tenant: int | None = None

@@ -62,9 +62,6 @@ VARS: dict[str, EnvVar] = {
                "caps the native kernels' CPU variant (e.g. `avx2` on an AVX-512 machine), to "
                "run another CPU kind's paths; unset or a name not built here: the best this "
                "CPU runs", read_by="asyncllm.kernels.native"),
-        EnvVar("ASYNCLLM_CPU_ATTENTION_KERNEL", "switch", "1",
-               "`0`: paged attention on CPU runs torch's path instead of the C++ kernels",
-               read_by="asyncllm.kernels.native"),
         EnvVar("ASYNCLLM_INT4_DEQUANT_KERNEL", "switch", "1",
                "`0`: int4 linears run torch's path instead of the C++ kernels",
                read_by="asyncllm.kernels.native"),

@@ -11,7 +11,7 @@ W1's prompts (64 chat-templated "Write a short story about a robot number {i}.")
 128 tokens, on the default model. The prompts are prefilled first; the profile then covers
 decode steps only, where every request of the batch computes one token. ``--ab`` builds two
 engines on two copies of the model, one with the optimization switched off
-(``ASYNCLLM_CPU_PACKED_LINEAR=0``, ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``,
+(``ASYNCLLM_CPU_PACKED_LINEAR=0``, ``attention_backend="torch"``,
 read at each call, so set around each of its steps; for ``int4rows``,
 ``quant_linear.INT4_KERNEL_MAX_ROWS`` raised past any batch around the "off" steps; or
 ``compile=False``; the compiled engine is waited for until its compile ended; for ``dtype``,
@@ -47,6 +47,7 @@ def engine_at_batch(
     dtype: str = "auto",
     compile: bool = False,
     quantization: str | None = "auto",
+    attention_backend: str = "auto",
 ) -> LLMEngine:
     """An engine with ``batch`` W1 requests whose prompts are computed and which decoded
     until their contexts hold ``context`` tokens (at least 2 decode steps)."""
@@ -58,6 +59,7 @@ def engine_at_batch(
             dtype=dtype,  # type: ignore[arg-type]
             compile=compile,
             quantization=quantization,  # type: ignore[arg-type]
+            attention_backend=attention_backend,  # type: ignore[arg-type]
         )
     )
     compiled = eng.runner.compiled
@@ -108,7 +110,7 @@ def main() -> None:
     elif args.ab:
         var = {
             "packed": "ASYNCLLM_CPU_PACKED_LINEAR",
-            "attention": "ASYNCLLM_CPU_ATTENTION_KERNEL",
+            "attention": "ASYNCLLM_UNUSED",  # attention_backend="torch" below
             "compile": "ASYNCLLM_UNUSED",
             "int4rows": "ASYNCLLM_UNUSED",
         }
@@ -122,6 +124,7 @@ def main() -> None:
                 args.dtype,
                 compile=args.ab == "compile" and flag == "1",
                 quantization=quant,
+                attention_backend="torch" if args.ab == "attention" and flag == "0" else "auto",
             )
         os.environ.pop(var[args.ab])
     if args.ab:

@@ -535,6 +535,8 @@ async def test_engine_greedy_matches_torch_backend(tiny_llama_dir, make_engine):
     for backend in ("torch", "auto"):  # "auto" is "cpu" where the kernel builds
         engine = chunked_engine(make_engine, tiny_llama_dir, backend)
         assert engine.core.runner.attention_backend.name == backend.replace("auto", "cpu")
+        kernels = dict(kv.split("=") for kv in str(engine.stats()["cpu_kernels"]).split())
+        assert (kernels["attention"] == "off") == (backend == "torch")
         async with engine:
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
             first = await engine.generate([*shared, 7, 8], params)

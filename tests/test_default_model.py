@@ -89,17 +89,18 @@ async def test_greedy_chat_matches_transformers(default_model_dir, make_engine, 
         assert compiled is not None and compiled.calls == engine.core.num_steps
 
 
-@pytest.mark.parametrize("switch_off", [None, *SWITCHES.values()])
+@pytest.mark.parametrize("switch_off", [None, "--attention-backend=torch", *SWITCHES.values()])
 def test_cli_generate_answers_paris_on_every_path(default_model_dir, switch_off):
     """The README's question with the defaults, and with each C++ kernel switched off (the
     torch path a machine without the kernels runs): "Paris" every time. The first token is a
     near tie of the model ("The" leads "L" by 0.06 in float32): bfloat16 activations, the
     default on AVX-512 BF16 CPUs until dtype "auto" took the GGUF file's float32, flipped it
     to "L'Étoile, la Marseillaise..." on some paths (issue: the fidelity of every path)."""
-    env = {**os.environ, **({switch_off: "0"} if switch_off else {})}
+    option = [switch_off] if switch_off and switch_off.startswith("--") else []
+    env = {**os.environ, **({switch_off: "0"} if switch_off and not option else {})}
     proc = subprocess.run(
         [sys.executable, "-m", "asyncllm", "generate", "What is the capital of France?",
-         "--max-tokens", "24"],
+         "--max-tokens", "24", *option],
         capture_output=True,
         text=True,
         timeout=300,

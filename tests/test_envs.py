@@ -51,6 +51,6 @@ def test_non_default_names_what_changed_and_hides_secrets(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert envs.non_default() == {}
     monkeypatch.setenv("ASYNCLLM_Q8_KERNEL", "1")  # the default: not listed
-    monkeypatch.setenv("ASYNCLLM_CPU_ATTENTION_KERNEL", "0")
+    monkeypatch.setenv("ASYNCLLM_INT4_DEQUANT_KERNEL", "0")
     monkeypatch.setenv("ASYNCLLM_API_KEY", "sk-secret")
-    assert envs.non_default() == {"ASYNCLLM_CPU_ATTENTION_KERNEL": "0", "ASYNCLLM_API_KEY": "***"}
+    assert envs.non_default() == {"ASYNCLLM_INT4_DEQUANT_KERNEL": "0", "ASYNCLLM_API_KEY": "***"}

@@ -92,11 +92,12 @@ def test_unknown_family_is_refused():
 
 
 def test_callers_follow_the_switches(monkeypatch):
-    """The layers' own accessors answer None / False while their family is off."""
-    monkeypatch.setenv(native.SWITCHES["attention"], "0")
+    """The layers' own accessors answer None / False while their family is off; the
+    attention has no switch of its own (``EngineConfig.attention_backend`` is it)."""
+    assert set(native.SWITCHES) == {"int4", "q8"}
     monkeypatch.setenv(native.SWITCHES["int4"], "0")
     monkeypatch.setenv(native.SWITCHES["q8"], "0")
-    assert cpu_paged.load() is None and not cpu_paged.available() and not cpu_paged.enabled()
+    assert native.status()["int4"] == native.status()["q8"] == "off"
     assert int4_dequant.kernel() is None and not int4_dequant.op_available()
     assert not int4_dequant.fused_available() and not int4_dequant.gemv_available()
     assert int4_dequant.path_calls() == (0, 0, 0)

@@ -441,6 +441,22 @@ def test_backend_selection(monkeypatch):
         EngineConfig(attention_backend="flash")
 
 
+def test_cpu_backend_is_asked_for_by_name(monkeypatch):
+    """ "cpu" (the C++ kernels, which "auto" picks on CPU) is refused on another device and
+    where the kernels are not installed, naming why; "torch" keeps the plain path."""
+    cpu = torch.device("cpu")
+    assert select_attention_backend("torch", cpu).name == "torch"
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        select_attention_backend("cpu", torch.device("cuda"))
+    if cpu_paged.available():
+        assert select_attention_backend("cpu", cpu) is cpu_paged.CPU_BACKEND
+    monkeypatch.setattr(cpu_paged, "available", lambda: False)
+    monkeypatch.setattr(cpu_paged, "failure", lambda: "no variant built")
+    with pytest.raises(ValueError, match=r"not installed \(no variant built\)"):
+        select_attention_backend("cpu", cpu)
+    assert select_attention_backend("auto", cpu).name == "torch"
+
+
 def test_import_does_not_load_the_kernels():
     """The kernel modules (their ``@triton.jit``) load on first use, never with the package."""
     assert KERNELS_LOADED_AT_IMPORT == []

@@ -50,8 +50,8 @@ tile (elsewhere portable, auto-vectorized C++ computes the same, up to summation
 
 The kernels (``csrc/paged_attention.cpp``) are built when the package is installed, in each
 instruction-set variant (:mod:`asyncllm.kernels.native` imports the one this CPU runs).
-Where they are not installed, or with ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``, the engine keeps
-the torch path (one warning).
+Where they are not installed the engine keeps the torch path (one warning);
+``EngineConfig.attention_backend="torch"`` chooses it.
 """
 
 from __future__ import annotations
@@ -78,17 +78,10 @@ from asyncllm.attention.torch_paged import (
 from asyncllm.kernels import native
 from asyncllm.kernels.native import cpu_flags
 
-ENV_SWITCH = native.SWITCHES["attention"]
-
-
-def enabled() -> bool:
-    """Not switched off with ``ASYNCLLM_CPU_ATTENTION_KERNEL=0``."""
-    return native.enabled("attention")
-
 
 def load() -> Any:
-    """The kernel module (best installed variant), or None where it is switched off or not
-    installed (the reason in :func:`failure`)."""
+    """The kernel module (best installed variant), or None where it is not installed (the
+    reason in :func:`failure`)."""
     return native.module("attention")
 
 
@@ -98,7 +91,7 @@ def failure() -> str | None:
 
 
 def available() -> bool:
-    """The kernel is enabled and installed."""
+    """The kernel is installed."""
     return load() is not None
 
 
@@ -506,7 +499,6 @@ __all__ = [
     "available",
     "chunk_attention",
     "decode_attention",
-    "enabled",
     "failure",
     "load",
     "paged_attention_cpu",

@@ -61,12 +61,12 @@ class FidelityPath:
 
 
 #: Every asyncllm path the harness measures, in report order. The one place that names the
-#: kernels' off switches: update it when they move (e.g. to one registry).
+#: kernels' off switches (the attention's is an engine setting, the others variables).
 PATHS: tuple[FidelityPath, ...] = (
     FidelityPath("default", "engine defaults (dtype, quantization and compile \"auto\")"),
     FidelityPath("eager", "defaults, compile off", {"compile": False}),
     FidelityPath("no-attention-kernel", "defaults, C++ paged attention kernel off",
-                 env={"ASYNCLLM_CPU_ATTENTION_KERNEL": "0"}),
+                 {"attention_backend": "torch"}),
     FidelityPath("no-int4-kernel", "defaults, C++ int4 dequant/GEMV kernel off",
                  env={"ASYNCLLM_INT4_DEQUANT_KERNEL": "0"}),
     FidelityPath("no-q8-kernel", "defaults, C++ Q8_0 head kernel off",

@@ -262,8 +262,8 @@ class LLMEngine:
         def build() -> LLMEngine:
             set_cpu_threads(device, config.num_threads)
             dtype = resolve_dtype(config.dtype, device, stored_dtype(config.model))
-            # Checked before the load; on a fresh machine the CPU attention kernel builds
-            # in the background meanwhile.
+            # Checked before the load: a backend that cannot run here fails before the
+            # weights are read.
             select_attention_backend(config.attention_backend, device)
             loaded = load_model(
                 config.model,
@@ -453,6 +453,16 @@ class LLMEngine:
                 started[chunk.request_id] = RequestStart(now, request.num_cached_tokens)
         return started
 
+    def _cpu_kernels(self) -> str:
+        """What runs per C++ kernel family on CPU ("" elsewhere); attention "off" when the
+        engine's backend is not the C++ one."""
+        if self.device.type != "cpu":
+            return ""
+        status = native.status()
+        if self.runner.attention_backend.name != "cpu":
+            status["attention"] = "off"
+        return " ".join(f"{k}={v}" for k, v in status.items())
+
     def stats(self) -> dict[str, int | float | str]:
         """Counters: requests running and waiting; KV blocks free and total; preemptions,
         blocks swapped out and in, bytes they moved and tokens dropped for recompute; CPU pool
@@ -516,9 +526,7 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "compile": compiled.state if compiled else "off",
             "compile_seconds": compiled.seconds if compiled else 0.0,
-            "cpu_kernels": " ".join(f"{k}={v}" for k, v in native.status().items())
-            if self.device.type == "cpu"
-            else "",
+            "cpu_kernels": self._cpu_kernels(),
             "kv_layout": f"{bm.groups.describe()}, {bm.num_total_blocks} blocks of "
             f"{bm.block_size}, {self.kv_cache.spec.kv_dtype_name}",
             "kv_cache_dtype": self.kv_cache.spec.kv_dtype_name,

@@ -9,9 +9,10 @@ nothing is ever compiled at run time and no process is started. Where no variant
 installed (no compiler at install time, another torch than the one it was built against),
 the callers keep torch's paths; one warning says why, once per process.
 
-Each family has a switch, read on every call (tests and benchmarks flip it):
-``ASYNCLLM_CPU_ATTENTION_KERNEL``, ``ASYNCLLM_INT4_DEQUANT_KERNEL``, ``ASYNCLLM_Q8_KERNEL``;
-``0``/``false``/``no``/``off`` runs torch's path instead.
+The weight families have a switch, read on every call (tests and benchmarks flip it):
+``ASYNCLLM_INT4_DEQUANT_KERNEL``, ``ASYNCLLM_Q8_KERNEL``; ``0``/``false``/``no``/``off`` runs
+torch's path instead. The attention's is ``EngineConfig.attention_backend`` ("torch"), an
+engine's setting rather than the process's.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ __all__ = ["SWITCHES", "cpu_flags", "enabled", "failure", "import_variant", "mod
 
 logger = logging.getLogger("asyncllm")
 
-#: Family -> the environment variable that switches it off.
+#: Family -> the environment variable that switches it off (attention: none, see above).
 SWITCHES = {
-    "attention": "ASYNCLLM_CPU_ATTENTION_KERNEL",
     "int4": "ASYNCLLM_INT4_DEQUANT_KERNEL",
     "q8": "ASYNCLLM_Q8_KERNEL",
 }
@@ -86,8 +86,8 @@ def _runnable_variants() -> list[str]:
 
 
 def enabled(family: str) -> bool:
-    """The family is not switched off (its :data:`SWITCHES` variable)."""
-    return envs.switch(SWITCHES[family])
+    """The family is not switched off (its :data:`SWITCHES` variable, where it has one)."""
+    return family not in SWITCHES or envs.switch(SWITCHES[family])
 
 
 def import_variant(family: str, name: str) -> Any:

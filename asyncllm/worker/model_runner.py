@@ -41,12 +41,13 @@ from asyncllm.worker.step_timing import StepTimings
 def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
     """The backend for ``EngineConfig.attention_backend``; "auto" is Triton on CUDA (when
     installed), on CPU the torch path with the C++ decode and chunk kernels of
-    :mod:`asyncllm.attention.cpu_paged` ("cpu", when they are built or being built: its
-    steps take the torch path until they are there), torch elsewhere.
+    :mod:`asyncllm.attention.cpu_paged` ("cpu", where they are installed), torch elsewhere.
 
     Raises:
-        ValueError: an unknown name, or "triton" without Triton, or on a device other than
-            CUDA unless Triton's CPU interpreter is on (``TRITON_INTERPRET=1`` from the start).
+        ValueError: an unknown name; "cpu" on another device or without its installed
+            kernels (naming why they do not load); "triton" without Triton, or on a device
+            other than CUDA unless Triton's CPU interpreter is on (``TRITON_INTERPRET=1``
+            from the start).
     """
     has_triton = importlib.util.find_spec("triton") is not None
     if requested == "auto":
@@ -57,9 +58,18 @@ def select_attention_backend(requested: str, device: torch.device) -> AttentionB
         return TORCH_BACKEND
     if requested == "torch":
         return TORCH_BACKEND
+    if requested == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU, not {device}")
+        if not cpu_paged.available():
+            raise ValueError(
+                "attention_backend='cpu': the C++ attention kernels are not installed "
+                f"({cpu_paged.failure()}); reinstall with a compiler (README) or use 'auto'"
+            )
+        return cpu_paged.CPU_BACKEND
     if requested != "triton":
         raise ValueError(
-            f"attention_backend must be 'auto', 'torch' or 'triton', not {requested!r}"
+            f"attention_backend must be 'auto', 'cpu', 'torch' or 'triton', not {requested!r}"
         )
     if not has_triton:
         raise ValueError("attention_backend='triton' needs the triton package")
@@ -80,7 +90,7 @@ class ModelRunner:
             switched to the paged one.
         kv_cache: the engine's KV cache.
         seed: seeds sampling for requests without their own seed.
-        attention_backend: "auto", "torch" or "triton" (:func:`select_attention_backend`).
+        attention_backend: "auto", "cpu", "torch" or "triton" (:func:`select_attention_backend`).
         compile: compile the forward with ``torch.compile`` in the background and switch to
             it between two steps once ready (:mod:`asyncllm.worker.compiled`).
         model_source: how a child process loads the same model to compile it there (None:
