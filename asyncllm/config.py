@@ -49,11 +49,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             model's ``max_position_embeddings``. A value above the model's limit raises
             ValueError (naming both) when the engine is built, as in vLLM.
         seed: seeds the sampling of requests that carry no seed of their own.
-        preemption_mode: what happens to a preempted request's KV blocks: "offload" copies
-            them to a CPU block pool and back (no recomputation; falls back to recompute when
-            the pool is full), "recompute" drops them and prefills again on resumption.
-        cpu_offload_bytes: bytes of the CPU block pool for "offload"; None: as many bytes as
-            the device KV cache; 0: no pool (always recompute). Pinned memory on CUDA.
+        preemption_mode: what happens to a preempted request's KV blocks, the one switch
+            for it: "offload" copies them to a CPU block pool and back (no recomputation;
+            falls back to recompute when the pool is full), "recompute" drops them and
+            prefills again on resumption.
+        cpu_offload_bytes: bytes of the CPU block pool for "offload" (at least 1); None: as
+            many bytes as the device KV cache. Pinned memory on CUDA. 0 is refused: no pool
+            is ``preemption_mode="recompute"``.
         enable_prefix_caching: share the KV blocks of prompt prefixes that were computed
             before (full blocks only, matched by a chained SHA-256 of their tokens).
         host_prefix_cache_bytes: the host tier of the prefix cache
@@ -206,8 +208,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 "EngineConfig.preemption_mode must be 'offload' or 'recompute', "
                 f"got {self.preemption_mode!r}"
             )
+        if self.cpu_offload_bytes == 0 and not isinstance(self.cpu_offload_bytes, bool):
+            raise ValueError(
+                "EngineConfig.cpu_offload_bytes=0: no offload pool is "
+                "preemption_mode='recompute' (and host_prefix_cache_bytes=0 for no host tier)"
+            )
         if self.cpu_offload_bytes is not None:
-            positive("cpu_offload_bytes", self.cpu_offload_bytes, 0)
+            positive("cpu_offload_bytes", self.cpu_offload_bytes, 1)
         self._check_prefix_tiers(positive)
         positive("block_size", self.block_size)
         positive("max_num_seqs", self.max_num_seqs)
@@ -292,12 +299,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         """The host and disk tiers' fields (see the class docstring)."""
         if self.host_prefix_cache_bytes is not None:
             positive("host_prefix_cache_bytes", self.host_prefix_cache_bytes, 0)
-            if self.host_prefix_cache_bytes > 0 and self.cpu_offload_bytes == 0:
-                raise ValueError(
-                    "EngineConfig.host_prefix_cache_bytes lives in the CPU offload pool: "
-                    "cpu_offload_bytes=0 leaves it none (set host_prefix_cache_bytes=0 or "
-                    "give cpu_offload_bytes)"
-                )
         positive("prefix_cache_dir_bytes", self.prefix_cache_dir_bytes, 1)
         if isinstance(self.prefix_cache_dir, os.PathLike):  # a pathlib.Path is a path too
             self.prefix_cache_dir = os.fspath(self.prefix_cache_dir)
@@ -307,8 +308,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                     "EngineConfig.prefix_cache_dir must be a directory path or None, "
                     f"got {self.prefix_cache_dir!r}"
                 )
-            if self.host_prefix_cache_bytes == 0 or self.cpu_offload_bytes == 0:
+            if self.host_prefix_cache_bytes == 0:
                 raise ValueError(
                     "EngineConfig.prefix_cache_dir reads blocks through the host tier: it "
-                    "needs host_prefix_cache_bytes and cpu_offload_bytes other than 0"
+                    "needs host_prefix_cache_bytes other than 0"
                 )

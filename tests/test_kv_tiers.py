@@ -408,9 +408,16 @@ async def test_recompute_mode_gets_a_pool_for_the_store_alone(tiny_llama_dir, ma
     assert plain.core.block_manager.host_store is None and plain.core.offload is None
 
 
-def test_config_refuses_a_host_tier_without_a_pool():
+def test_config_has_one_switch_for_recompute():
+    """No offload pool is ``preemption_mode="recompute"``, never ``cpu_offload_bytes=0``
+    (which once meant the same); the disk tier needs the host tier."""
     with pytest.raises(ValueError, match="host_prefix_cache_bytes"):
         EngineConfig(host_prefix_cache_bytes=-1)
-    with pytest.raises(ValueError, match="cpu_offload_bytes=0"):
-        EngineConfig(host_prefix_cache_bytes=1 << 20, cpu_offload_bytes=0)
-    EngineConfig(host_prefix_cache_bytes=0, cpu_offload_bytes=0)
+    for host in (None, 0, 1 << 20):
+        with pytest.raises(ValueError, match="preemption_mode='recompute'"):
+            EngineConfig(host_prefix_cache_bytes=host, cpu_offload_bytes=0)
+    with pytest.raises(ValueError, match="cpu_offload_bytes must be an integer >= 1"):
+        EngineConfig(cpu_offload_bytes=-5)
+    with pytest.raises(ValueError, match="needs host_prefix_cache_bytes other than 0"):
+        EngineConfig(prefix_cache_dir="/tmp/x", host_prefix_cache_bytes=0)
+    EngineConfig(preemption_mode="recompute", host_prefix_cache_bytes=0)
