@@ -7,9 +7,11 @@ line and ``stats()["env"]`` name the ones set to something other than their defa
 Settings of an engine are :class:`~asyncllm.config.EngineConfig` fields; these variables
 are for what is not one engine's choice: where caches live, switching a native kernel family
 off to compare it with torch's path, the server's API keys, and the build (read by
-``setup.py`` itself, which cannot import the package it builds). The one variable asyncllm
-writes is torch's ``TORCHINDUCTOR_CACHE_DIR`` (unless already set: to asyncllm's cache
-directory) when it compiles or loads a compiled forward, as torch itself sets it on first use.
+``setup.py`` itself, which cannot import the package it builds). asyncllm leaves the
+process's environment as it found it: torch's ``TORCHINDUCTOR_CACHE_DIR`` is set (to
+asyncllm's cache directory, unless already set) only while a compiled forward is built or
+loaded, and restored after (torch itself writes its default there whenever Inductor runs
+with none set).
 
 Pure Python; no torch.
 """

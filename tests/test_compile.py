@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import pathlib
 import subprocess
 import sys
@@ -131,15 +132,19 @@ def test_compiled_tokens_equal_eager(compiled_engine: LLMEngine, config: dict[st
         e.stop_compute_thread()
 
 
-def test_second_engine_loads_the_artifact(compiled_engine: LLMEngine) -> None:
+def test_second_engine_loads_the_artifact(
+    compiled_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fixture's engine compiled in a child process into an artifact file; a new engine
     of the same model finds it, loads it without compiling (no child) and computes the
-    eager tokens."""
+    eager tokens. The load leaves ``TORCHINDUCTOR_CACHE_DIR`` as it was (unset here)."""
     first = compiled_engine.runner.compiled
     assert first is not None and first.path.is_file()
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     again = LLMEngine.from_config(compiled_engine.config)
     cf = again.runner.compiled
     assert cf is not None and cf.wait(600) and cf.ready, cf.error
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     assert cf.path == first.path and cf._child is None
     eager = twin(compiled_engine, compiled=False)
     assert run(again) == run(eager)
@@ -522,3 +527,24 @@ def test_artifact_key_follows_the_kernel_switches(monkeypatch: pytest.MonkeyPatc
         monkeypatch.delenv(var)
     assert len(keys) == 1 + len(SWITCHES)
     assert artifact_key(model, 2) in keys
+
+
+def test_inductor_cache_env_restores_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside the block Inductor's variable names asyncllm's directory; after the last of
+    overlapping blocks (two engines loading on two threads) it is what it was, unset or a
+    value of the caller's, which is also the directory used."""
+    name = "TORCHINDUCTOR_CACHE_DIR"
+    monkeypatch.delenv(name, raising=False)
+    ours = str(compiled_mod.inductor_cache_dir())
+    outer = compiled_mod.inductor_cache_env()
+    outer.__enter__()
+    with compiled_mod.inductor_cache_env():
+        assert os.environ[name] == ours
+        assert str(compiled_mod.inductor_cache_dir()) == ours
+    assert os.environ[name] == ours  # the other block still runs
+    outer.__exit__(None, None, None)
+    assert name not in os.environ
+    monkeypatch.setenv(name, "/tmp/callers-inductor")
+    with compiled_mod.inductor_cache_env():
+        assert os.environ[name] == "/tmp/callers-inductor"
+    assert os.environ[name] == "/tmp/callers-inductor"

@@ -34,8 +34,10 @@ same kind of artifact. Any failure leaves the engine eager with one warning.
 
 Inductor keeps its own caches (compiled kernels) under ``TORCHINDUCTOR_CACHE_DIR``; unless
 that is set, :func:`inductor_cache_dir` (``~/.cache/asyncllm/inductor``). The artifact names
-kernels there: with them present a load takes ~3 s, without them (cache deleted) Inductor
-compiles the kernels again from the artifact's source (~15 s).
+kernels there: with them present a load is quick, without them (cache deleted) Inductor
+compiles the kernels again from the artifact's source. The variable is set only while a
+compile or a load (with its dry runs) runs, then restored (:func:`inductor_cache_env`): the
+host application's environment is left as asyncllm found it.
 """
 
 from __future__ import annotations
@@ -146,15 +148,46 @@ def rotary_computed_once(model: torch.nn.Module) -> Iterator[None]:
             h.remove()
 
 
+_INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
 def inductor_cache_dir() -> pathlib.Path:
     """Where Inductor's on-disk caches go: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
     ``inductor/`` in asyncllm's cache directory (:func:`asyncllm.cache_dirs.cache_dir`)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    env = _env_saved if _env_users else os.environ.get(_INDUCTOR_ENV)
     if env == default_cache_dir():  # torch writes its default there once it used it
         env = None
     return pathlib.Path(env) if env else cache_dir() / "inductor"
+
+
+_env_lock = threading.Lock()
+_env_users = 0
+_env_saved: str | None = None
+
+
+@contextlib.contextmanager
+def inductor_cache_env() -> Iterator[None]:
+    """``TORCHINDUCTOR_CACHE_DIR`` is :func:`inductor_cache_dir` inside the block (Inductor
+    reads it from the environment only), and what it was before (unset included) once the
+    last of any concurrent blocks exits."""
+    global _env_users, _env_saved
+    with _env_lock:
+        if _env_users == 0:
+            _env_saved = os.environ.get(_INDUCTOR_ENV)
+            os.environ[_INDUCTOR_ENV] = str(inductor_cache_dir())
+        _env_users += 1
+    try:
+        yield
+    finally:
+        with _env_lock:
+            _env_users -= 1
+            if _env_users == 0:
+                if _env_saved is None:
+                    os.environ.pop(_INDUCTOR_ENV, None)
+                else:
+                    os.environ[_INDUCTOR_ENV] = _env_saved
 
 
 def _source_digest() -> str:
@@ -222,14 +255,18 @@ def build_artifact(model: torch.nn.Module, path: pathlib.Path, num_threads: int)
     Raises:
         Exception: whatever Dynamo or Inductor raise (a graph break, a compiler error...).
     """
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     path.parent.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
     if device.type == "cpu":  # the graph takes the kernels there are: all of them
         load_kernels(model)
     # Under inference mode, as the runner's steps (the input guards check it); T != K, so
     # that Dynamo gives them separate symbols. No metadata: a dry run.
-    with torch.inference_mode(), step_metadata(None), rotary_computed_once(model):
+    with (
+        inductor_cache_env(),
+        torch.inference_mode(),
+        step_metadata(None),
+        rotary_computed_once(model),
+    ):
         compiler = torch.compile(
             forward,
             backend=BACKEND,
@@ -268,10 +305,10 @@ def load_artifact(path: pathlib.Path, key: str) -> Callable[..., torch.Tensor]:
     head, _, body = data.partition(b"\n")
     if head != _HEADER + key.encode():
         raise ValueError(f"{path} is not the compiled forward of this model (key {key})")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     # The kernels the graph calls, their ops registered.
     load_kernels()
-    fn: Callable[..., torch.Tensor] = torch.compiler.load_compiled_function(io.BytesIO(body))
+    with inductor_cache_env():
+        fn: Callable[..., torch.Tensor] = torch.compiler.load_compiled_function(io.BytesIO(body))
     return fn
 
 
@@ -465,14 +502,15 @@ class CompiledForward:
 
     def _load(self) -> Callable[..., torch.Tensor]:
         """The artifact loaded and run once (dry runs of two shapes)."""
-        fn = load_artifact(self.path, self.key)
-        with torch.inference_mode(), step_metadata(None):
-            for t, k in ((MIN_ROWS, MIN_ROWS), (5, 4)):
-                fn(self.model, *_example(t, k, self.device, False))
+        with inductor_cache_env():  # kernels Inductor loads at their first call
+            fn = load_artifact(self.path, self.key)
+            with torch.inference_mode(), step_metadata(None):
+                for t, k in ((MIN_ROWS, MIN_ROWS), (5, 4)):
+                    fn(self.model, *_example(t, k, self.device, False))
         return fn
 
     def _build_in_child(self, source: ModelSource) -> None:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir())}
+        env = {**os.environ, _INDUCTOR_ENV: str(inductor_cache_dir())}
         args = [sys.executable, "-m", "asyncllm.worker.compile_worker"]
         spec = json.dumps({**asdict(source), "num_threads": self.num_threads})
         with self._child_lock:
