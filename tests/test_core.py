@@ -58,10 +58,13 @@ def _fake_next_token(tokens: list[int]) -> int:
 
 
 def _run(scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000):
-    """Drive the scheduler with a fake model; check every plan against the limits."""
+    """Drive the scheduler with a fake model; check every plan against the limits, and that
+    a request's first chunk ever (only it, preemptions notwithstanding) tells the front end
+    its prefix-cache hit."""
     for r in requests:
         scheduler.add_request(r)
     outputs = {r.request_id: r for r in requests}
+    started: dict[str, int] = {}
     plans = []
     for _ in range(max_steps):
         if not scheduler.num_unfinished:
@@ -72,6 +75,8 @@ def _run(scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000)
         sampled = {}
         for c in plan.chunks:
             r = outputs[c.request_id]
+            assert (c.first_num_cached_tokens is not None) == (c.request_id not in started)
+            started.setdefault(c.request_id, c.first_num_cached_tokens or 0)
             assert c.token_ids == r.token_ids(c.start_pos, c.start_pos + len(c.token_ids))
             bs = scheduler.block_manager.block_size
             assert len(c.block_table) * bs >= c.start_pos + len(c.token_ids)
@@ -81,6 +86,7 @@ def _run(scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000)
         scheduler.block_manager.check_invariants()
         plans.append(plan)
     assert not scheduler.num_unfinished
+    assert started == {r.request_id: r.num_cached_tokens for r in requests}
     return plans
 
 
@@ -220,10 +226,15 @@ def test_a_block_computed_in_this_step_is_waited_for_not_computed_again():
     reqs = requests()
     for r in reqs:
         sched.add_request(r)
-    steps = []
+    steps, first = [], {}
     while sched.num_unfinished:
         plan = sched.schedule()
         steps.append([(c.request_id, len(c.token_ids)) for c in plan.chunks])
+        first.update(
+            (c.request_id, c.first_num_cached_tokens)
+            for c in plan.chunks
+            if c.first_num_cached_tokens is not None
+        )
         sampled = {c.request_id: 5 for c in plan.chunks if c.sample}
         sched.update_from_output(plan, sampled)
         sched.block_manager.check_invariants()
@@ -232,6 +243,7 @@ def test_a_block_computed_in_this_step_is_waited_for_not_computed_again():
     assert steps[1] == [("r0", 9), ("r3", 5)]
     assert steps[2] == [("r0", 1), ("r3", 1), ("r1", 5), ("r2", 5)]
     assert [r.num_cached_tokens for r in reqs] == [0, 20, 20, 0]
+    assert first == {"r0": 0, "r1": 20, "r2": 20, "r3": 0}  # what each first chunk told
 
     outs = {}
     for caching in (True, False):

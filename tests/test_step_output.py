@@ -42,7 +42,7 @@ def test_a_state_reads_no_live_core_request():
     state = _state(request)
     # The core mutates its request on the compute thread: the state must not see it.
     request.num_cached_tokens, request.num_preemptions = 99, 7
-    request.first_scheduled_time = 10.5
+    request.started = True
     request.prompt_token_ids.append(8)
     m = state.metrics()
     assert (m.num_cached_tokens, m.num_preemptions, m.queue_time) == (0, 0, None)

@@ -40,6 +40,9 @@ class ScheduledChunk:
         spec_token_ids: speculative decoding's proposals, the last ``k`` of ``token_ids``
             (:mod:`asyncllm.core.speculation`): all ``1 + k`` rows are sampled and verified;
             () for a plain chunk.
+        first_num_cached_tokens: on the request's first chunk ever, the prompt tokens its
+            prefix-cache hit covered (the front end stamps the request started, for its
+            queue time and ``num_cached_tokens``); None on every later chunk.
     """
 
     request_id: str
@@ -53,6 +56,7 @@ class ScheduledChunk:
     output_token_ids: Sequence[int] = ()
     stop_token_ids: frozenset[int] = frozenset()
     spec_token_ids: tuple[int, ...] = ()
+    first_num_cached_tokens: int | None = None
 
     @property
     def block_table(self) -> list[int]:

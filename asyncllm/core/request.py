@@ -80,6 +80,9 @@ class Request:
         admitted: the request has been admitted once (or forked from its admitted
             prefix); prefix-cache counters and ``num_cached_tokens`` are set then only, not
             again when it is readmitted after a preemption.
+        started: a step's plan has carried a chunk of it (its first chunk carries
+            ``num_cached_tokens`` for the front end: :class:`~asyncllm.core.plan.
+            ScheduledChunk`).
     """
 
     __slots__ = (
@@ -88,7 +91,6 @@ class Request:
         "cache_salt",
         "cpu_blocks",
         "deadline",
-        "first_scheduled_time",
         "group_id",
         "max_model_len",
         "max_tokens",
@@ -103,6 +105,7 @@ class Request:
         "prompt_token_ids",
         "request_id",
         "spec",
+        "started",
         "status",
         "stop_token_ids",
         "tenant",
@@ -134,8 +137,7 @@ class Request:
         self.stop_token_ids = stop_token_ids
         self.min_tokens = min_tokens
         self.max_model_len = max_model_len
-        # Seconds (time.monotonic()) when a step first computed any of its tokens.
-        self.first_scheduled_time: float | None = None
+        self.started = False
         self.arrival_time = arrival_time
         self.priority = priority
         self.params = params

@@ -505,6 +505,8 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        first = not request.started
+        request.started = True
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.token_ids(start, start + n),
@@ -516,6 +518,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             stop_token_ids=request.stop_token_ids,
+            first_num_cached_tokens=request.num_cached_tokens if first else None,
         )
 
     def _fork(self, prefix: Request) -> None:

@@ -441,17 +441,14 @@ class LLMEngine:
         return StepOutput.of(updates, out, started, plan.preempted)
 
     def _mark_started(self, plan: SchedulerOutput) -> dict[str, RequestStart] | None:
-        """Stamp the requests scheduled for the first time; their :class:`RequestStart`."""
-        started = None
+        """The :class:`RequestStart` of the requests the plan starts (their first chunks)."""
         now = time.monotonic()
-        for chunk in plan.chunks:
-            request = self.scheduler.requests.get(chunk.request_id)
-            if request is not None and request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-                if started is None:
-                    started = {}
-                started[chunk.request_id] = RequestStart(now, request.num_cached_tokens)
-        return started
+        started = {
+            c.request_id: RequestStart(now, c.first_num_cached_tokens)
+            for c in plan.chunks
+            if c.first_num_cached_tokens is not None
+        }
+        return started or None
 
     def _cpu_kernels(self) -> str:
         """What runs per C++ kernel family on CPU ("" elsewhere); attention "off" when the
