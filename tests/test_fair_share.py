@@ -222,3 +222,34 @@ def test_the_config_and_the_scheduler_bound_weights_alike():
     for bad in ({"a": MAX_WEIGHT * 10}, {5: 1.0}, {"x" * 300: 1.0}, [("a", 1.0)]):
         with pytest.raises(ValueError, match="tenant_weights"):
             EngineConfig(tenant_weights=bad)  # type: ignore[arg-type]
+
+
+def test_a_steady_tenant_finds_a_free_slot_instead_of_preempting():
+    """A's burst fills the slots nobody wants, but leaves one free for each other active
+    tenant below its share: B and C, each with a request running, start their next ones in
+    the step they arrive with no preemption (without the headroom each arrival swapped out
+    one of A's). Alone again, A takes every slot."""
+    sched = _sched(max_num_seqs=8, cpu=4096)
+    b0, c0 = _req("b0", "B", max_tokens=30), _req("c0", "C", max_tokens=30)
+    sched.add_request(b0)
+    sched.add_request(c0)
+    a = [_req(f"a{i}", "A", max_tokens=4, arrival_time=i) for i in range(40)]
+    for r in a:
+        sched.add_request(r)
+    for _ in range(3):
+        _step(sched)
+        # B and C run one each and keep one free slot each: A holds the other 4.
+        assert sum(r.tenant == "A" for r in sched.running) == 4 and len(sched.running) == 6
+    for t in ("B", "C"):
+        late = _req(f"{t.lower()}1", t, max_tokens=2)
+        sched.add_request(late)
+        assert late.request_id in _step(sched) and late.output_token_ids == [5]
+    assert sched.num_preemptions == 0
+    while not (b0.status.is_finished and c0.status.is_finished):
+        _step(sched)
+    _step(sched)  # A alone: its share is every slot
+    left = [r for r in a if not r.status.is_finished]
+    assert len(left) > 8 and len(sched.running) == 8
+    _drain(sched)
+    assert sched.num_preemptions == 0
+    assert all(len(r.output_token_ids) == 4 for r in a)

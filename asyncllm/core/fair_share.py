@@ -11,8 +11,10 @@ Two levels share the running slots (``max_num_seqs``), within a priority band:
   of its own and never above its share.
 
 A request whose tenant or call holds (or, once admitted, would hold) more than its share is
-*over share*: it is admitted after the other waiting requests of its priority, and the
-scheduler preempts such requests for waiting ones within their share
+*over share*: it is admitted after the other waiting requests of its priority, only into
+slots beyond one kept free for each other active tenant below its share
+(:meth:`FairShare.headroom`: that tenant's next request starts at once, with no preemption),
+and the scheduler preempts such requests for waiting ones within their share
 (:meth:`FairShare.victim`).
 
 The token budget and the order of admission within a priority band follow each tenant's
@@ -65,6 +67,7 @@ class FairShare:
         self._tenant_running: Counter[str] = Counter()
         self._call_running: Counter[str] = Counter()
         self._tenant_share: dict[str, int] = {}
+        self._tenant_priority: dict[str, int] = {}
         self._call_share: dict[str, int] = {}
 
     def set_weight(self, tenant: str, weight: float) -> None:
@@ -133,8 +136,11 @@ class FairShare:
         self._tenant_running = Counter(r.tenant for r in running)
         self._call_running = Counter(r.group_id for r in running if r.group_id)
         tenants: dict[str, set[str]] = {}  # tenant -> its calls that want slots
+        best: dict[str, int] = {}  # tenant -> its best (lowest) priority
         for r in (*running, *waiting):
             tenants.setdefault(r.tenant, set()).add(r.group_id or r.request_id)
+            best[r.tenant] = min(best.get(r.tenant, r.priority), r.priority)
+        self._tenant_priority = best
         total = sum(self.weight(t) for t in tenants)
         self._tenant_share = {
             t: max(1, int(self.max_num_seqs * (self.weight(t) / total))) for t in tenants
@@ -164,6 +170,19 @@ class FairShare:
             return False
         call_share = self._call_share.get(tenant, self.max_num_seqs)
         return self._call_running[request.group_id] + extra > call_share
+
+    def headroom(self, request: Request) -> int:
+        """Slots an over-share ``request`` leaves free: one for each other active tenant of
+        the same or a better priority holding fewer running requests than its share.
+        Without them every arrival of a steady tenant finds the slots full and preempts
+        (swaps out) a request of a tenant that filled them, which then finishes in smaller
+        batches."""
+        running, best = self._tenant_running, self._tenant_priority
+        return sum(
+            1
+            for t, share in self._tenant_share.items()
+            if t != request.tenant and running[t] < share and best[t] <= request.priority
+        )
 
     def admitted(self, request: Request) -> bool:
         """Count a newly admitted request; True when its tenant or call just reached its

@@ -295,6 +295,14 @@ class Scheduler:
             if (computing or bm.reads_disk) and self._waits_for_computing(request, computing):
                 i += 1
                 continue
+            if (
+                fair.contended
+                and fair.over_share(request)
+                and len(self.running) + 1 + fair.headroom(request) > self.max_num_seqs
+            ):
+                # The free slots left are other tenants' headroom; what follows in the
+                # order is over share too, or of a worse priority.
+                break
             n = self._admit(request, step.budget, step.out)
             if n == 0:
                 if self._release_waiting_blocks(request):
