@@ -25,7 +25,8 @@ Run from the repository root::
 Prints one JSON object: per variant and round the quiet requests' TTFT (p50, p90, p99,
 max, seconds), the burst's, generated tokens per second over the wall (first arrival to
 last token), the mean step time, and the ratios the issue's targets name: quiet p99 TTFT
-over idle p99, and tokens per second over W1's. ``--budget``: ``max_num_batched_tokens``.
+over idle p99, and tokens per second over W1's; preemptions per variant.
+``--budget``: ``max_num_batched_tokens``; ``--no-one-tenant`` leaves that variant out.
 """
 
 from __future__ import annotations
@@ -90,12 +91,13 @@ async def run(engine: AsyncEngine, reqs: list[Any], use_tenants: bool) -> dict[s
             tokens += len(out.token_ids)
         last = max(last, time.perf_counter())
 
-    steps = engine.core.num_steps
+    steps, preempted = engine.core.num_steps, engine.core.scheduler.num_preemptions
     await asyncio.gather(*(one(*r) for r in reqs))
     steps = engine.core.num_steps - steps
     res: dict[str, Any] = {
         "tokens_per_s": round(tokens / (last - start), 1),
         "mean_step_ms": round(1000 * (last - start) / max(steps, 1), 1),
+        "preemptions": engine.core.scheduler.num_preemptions - preempted,
     }
     for kind, xs in ttft.items():
         if xs:
@@ -116,7 +118,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     core = engine.core
     if core.runner.compiled is not None:  # measure the steady state, not the compile
         core.runner.compiled.wait(900)
-    variants = ["idle", "tenants", "one tenant", "W1"]
+    variants = ["idle", "tenants", *(["one tenant"] if args.one_tenant else []), "W1"]
     rounds: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     async with engine:
         # Warm-up: every prompt once, a few tokens.
@@ -137,7 +139,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         out["ratios"].append({
             v: {"quiet_p99_over_idle_p99": round(rounds[v][r]["quiet_ttft_s"]["p99"] / idle, 2),
                 "tokens_per_s_over_w1": round(rounds[v][r]["tokens_per_s"] / w1, 3)}
-            for v in ("tenants", "one tenant")
+            for v in variants if v not in ("idle", "W1")
         })  # fmt: skip
     return out
 
@@ -152,6 +154,8 @@ def main() -> None:
     ap.add_argument("--burst-new", type=int, default=128)
     ap.add_argument("--quiet-new", type=int, default=16)
     ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--no-one-tenant", dest="one_tenant", action="store_false",
+                    help="leave out the first-come-first-served variant")  # fmt: skip
     args = ap.parse_args()
     print(json.dumps(asyncio.run(main_async(args)), indent=1))
 
