@@ -18,7 +18,7 @@ from asyncllm.bench.fidelity import run as fidelity_run
 from asyncllm.bench.fidelity.workers import window_figures
 from asyncllm.outputs import Logprob
 
-PACKAGE = pathlib.Path(fid.__file__).resolve().parents[1]
+PACKAGE = pathlib.Path(fid.__file__).resolve().parents[2]
 
 
 def test_metrics_on_hand_made_inputs():
