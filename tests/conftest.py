@@ -28,7 +28,7 @@ from asyncllm.bench.tiny_model import TINY_CONFIG, save_tiny_llama
 from asyncllm.core.request import SAMPLE_ID_SEP, Request
 from asyncllm.models.loader import resolve_model_dir
 from asyncllm.worker.device import COMPILE_ENV
-from asyncllm.worker.sampler import SamplerOutput
+from asyncllm.worker.sampling.sampler import SamplerOutput
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup

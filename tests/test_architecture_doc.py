@@ -45,8 +45,8 @@ def test_every_package_module_is_named() -> None:
 
 
 def test_a_module_left_out_is_found() -> None:
-    text = DOC.read_text().replace("`worker/sampler.py`", "the sampler")
-    assert _unnamed(text) == ["asyncllm.worker.sampler"]
+    text = DOC.read_text().replace("`worker/sampling/sampler.py`", "the sampler")
+    assert _unnamed(text) == ["asyncllm.worker.sampling.sampler"]
 
 
 def test_the_rows_import_only_rows_below_them() -> None:

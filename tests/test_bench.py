@@ -65,7 +65,8 @@ def test_w1j_is_w1_under_one_json_schema():
 
 
 def test_grammar_share_and_its_report_section():
-    from asyncllm.bench import report, summary
+    from asyncllm.bench.reporting import markdown as report
+    from asyncllm.bench.reporting import summary
 
     def step(batch, fill, mask, accept=0.0005, step=0.1):
         return {"batch": batch, "tokens": batch, "step": step, "sample": 0.004,
@@ -308,7 +309,7 @@ def test_vllm_dtype_columns():
 
 
 def test_output_agreement():
-    from asyncllm.bench.summary import output_agreement
+    from asyncllm.bench.reporting.summary import output_agreement
 
     a = output_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 9], [5, 6]])
     assert a == {"identical": 0.5, "prefix": pytest.approx((0.5 + 1.0) / 2)}
@@ -316,7 +317,7 @@ def test_output_agreement():
 
 
 def test_precision_targets_compare_the_right_columns():
-    from asyncllm.bench import summary
+    from asyncllm.bench.reporting import summary
 
     def eng(dtype, quant=None, precision=None):
         return {"failed": None, "info": {"dtype": dtype, "quantization": quant,

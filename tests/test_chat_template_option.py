@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 
 from asyncllm import AsyncEngine
 from asyncllm.chat_templates import BUILTIN_TEMPLATES, load_chat_template
-from asyncllm.engine.tool_calls import HERMES, detect_format, template_messages
 from asyncllm.server import add_serve_arguments, app_options_from_args, create_app
+from asyncllm.tool_calling.tool_calls import HERMES, detect_format, template_messages
 from tests.conftest import check_pool_whole, script_output
 from tests.test_cli_preflight import HEAVY, run_cli
 from tests.test_server import serving

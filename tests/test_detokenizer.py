@@ -1,4 +1,4 @@
-"""Tests for asyncllm.engine.detokenizer.IncrementalDetokenizer.
+"""Tests for asyncllm.output_processing.detokenizer.IncrementalDetokenizer.
 
 Tokenizers (all offline):
 * ``smollm2``: the default model's byte-level BPE tokenizer ("Ġ"), read from the GGUF file that
@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncllm.engine.detokenizer import (
+from asyncllm.output_processing.detokenizer import (
     MAX_HELD_TOKENS,
     IncrementalDetokenizer,
     _incomplete_utf8_tail,
@@ -564,7 +564,7 @@ def test_property_arbitrary_token_ids_byte_level(smollm2, data, chunks):
 def test_token_bytes_byte_level(smollm2):
     """SmolLM2 token 177 ("æ") is the byte 0xE6, not U+FFFD's bytes; every token that decodes
     to whole characters has exactly the bytes of its text."""
-    from asyncllm.engine.output_processor import TokenTextCache
+    from asyncllm.output_processing.output_processor import TokenTextCache
 
     assert smollm2.decode([177]) == FFFD
     assert token_bytes(smollm2, 177) == b"\xe6"
@@ -585,7 +585,7 @@ def test_token_bytes_byte_level(smollm2):
 
 @pytest.mark.parametrize("style", ["metaspace", "llama"])
 def test_token_bytes_byte_fallback(style):
-    from asyncllm.engine.output_processor import TokenTextCache
+    from asyncllm.output_processing.output_processor import TokenTextCache
 
     sp = _build_sp_tokenizer(style)
     e6 = sp.convert_tokens_to_ids("<0xE6>")

@@ -11,12 +11,14 @@ import pathlib
 
 import pytest
 
-from asyncllm.bench import fidelity as fid
-from asyncllm.bench import fidelity_reference, fidelity_report, fidelity_run
-from asyncllm.bench.fidelity_engine import window_figures
+from asyncllm.bench.fidelity import measures as fid
+from asyncllm.bench.fidelity import reference as fidelity_reference
+from asyncllm.bench.fidelity import report as fidelity_report
+from asyncllm.bench.fidelity import run as fidelity_run
+from asyncllm.bench.fidelity.workers import window_figures
 from asyncllm.outputs import Logprob
 
-PACKAGE = pathlib.Path(fid.__file__).resolve().parents[1]
+PACKAGE = pathlib.Path(fid.__file__).resolve().parents[2]
 
 
 def test_metrics_on_hand_made_inputs():
@@ -170,7 +172,7 @@ def test_llamacpp_worker_scores_windows_and_answers_greedily():
 
     import numpy as np
 
-    from asyncllm.bench.fidelity_engine import llamacpp_class
+    from asyncllm.bench.fidelity.workers import llamacpp_class
 
     vocab = 5
 

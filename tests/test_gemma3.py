@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from asyncllm import SamplingParams
-from asyncllm.bench.fidelity import perplexity, relative
-from asyncllm.bench.fidelity_engine import score_windows
-from asyncllm.bench.fidelity_reference import greedy_answer, load_reference_model, score_window
+from asyncllm.bench.fidelity.measures import perplexity, relative
+from asyncllm.bench.fidelity.reference import greedy_answer, load_reference_model, score_window
+from asyncllm.bench.fidelity.workers import score_windows
 from asyncllm.models.loader import resolve_model_dir
 
 TEXT = pathlib.Path(__file__).parent / "data" / "public_domain.txt"

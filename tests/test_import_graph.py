@@ -2,9 +2,10 @@
 torch-free core and front end.
 
 The core (``asyncllm.core``: scheduler, block manager) is pure Python; the async front end
-(``asyncllm.engine`` but the engine core ``llm_engine``, and the plain-data modules it
-shares with callers) must not load torch either: it runs on the event loop and owns no
-model state (docs/architecture.md). Only the engine core and the worker import torch.
+(``asyncllm.engine`` but the engine core ``llm_engine``, its ``asyncllm.tool_calling`` and
+``asyncllm.output_processing``, and the plain-data modules it shares with callers) must not
+load torch either: it runs on the event loop and owns no model state (docs/architecture.md).
+Only the engine core and the worker import torch.
 
 Folders depend one way (docs/architecture.md): counting every import, at any depth (inside
 functions, under ``if TYPE_CHECKING``), the graph of the package's folders has no cycle, and
@@ -21,7 +22,14 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "asyncllm"
 
-#: Front-end and plain-data modules besides asyncllm.core and asyncllm.engine.
+#: The folders whose every module is torch-free (asyncllm.engine's but ENGINE_CORE).
+TORCH_FREE_FOLDERS = (
+    "asyncllm.core",
+    "asyncllm.engine",
+    "asyncllm.tool_calling",
+    "asyncllm.output_processing",
+)
+#: Front-end and plain-data modules besides those of TORCH_FREE_FOLDERS.
 TORCH_FREE_EXTRA = [
     "asyncllm",
     "asyncllm.config",
@@ -138,9 +146,9 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 
 def _folder(module: str) -> str:
-    """The folder a module belongs to: ``asyncllm.worker.sampler`` -> ``worker``; a module
-    at the package's top (``asyncllm.config``) is its own node, the package itself
-    ``asyncllm``."""
+    """The folder a module belongs to: ``asyncllm.worker.sampling.sampler`` -> ``worker`` (a
+    sub-package is its folder's); a module at the package's top (``asyncllm.config``) is its
+    own node, the package itself ``asyncllm``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "asyncllm"
 
@@ -186,7 +194,7 @@ def test_the_folders_under_the_worker_import_only_below_them() -> None:
 def _torch_free_modules() -> list[str]:
     inside = [
         m for m in MODULES
-        if m.startswith(("asyncllm.core", "asyncllm.engine")) and m not in ENGINE_CORE
+        if m.startswith(TORCH_FREE_FOLDERS) and m not in ENGINE_CORE
     ]  # fmt: skip
     return sorted(inside) + TORCH_FREE_EXTRA
 
@@ -210,3 +218,17 @@ def test_the_engine_core_does_import_torch() -> None:
     code = "import sys, asyncllm.engine.llm_engine; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+#: The most modules (``.py`` files, ``__init__.py`` included) one folder holds (issue 37): a
+#: folder that grows past it is split by job into well-named folders or sub-packages.
+MAX_FOLDER_MODULES = 12
+
+
+def test_no_folder_holds_too_many_modules() -> None:
+    sizes = {
+        str(folder.relative_to(PACKAGE.parent)): n
+        for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir())]
+        if (n := len(list(folder.glob("*.py")))) > MAX_FOLDER_MODULES
+    }
+    assert sizes == {}

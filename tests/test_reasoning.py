@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from asyncllm import SamplingParams
 from asyncllm.engine.async_engine import collect
-from asyncllm.engine.reasoning import ReasoningParser, prompt_opens_thinking, thinks
+from asyncllm.tool_calling.reasoning import ReasoningParser, prompt_opens_thinking, thinks
 from tests.conftest import script_output
 from tests.test_tool_chat import ASK, SMALL, TOOLS, _with_template
 

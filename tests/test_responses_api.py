@@ -15,10 +15,10 @@ import openai
 import pytest
 
 from asyncllm import AsyncEngine
-from asyncllm.engine.tool_calls import HERMES_TEMPLATE
 from asyncllm.server import create_app
 from asyncllm.server.protocol import APIError
 from asyncllm.server.responses_api import ResponsesRequest, ResponseStore, responses_call
+from asyncllm.tool_calling.tool_calls import HERMES_TEMPLATE
 from tests.conftest import check_pool_whole, script_output
 from tests.test_reasoning import ANSWER, QWEN3_TEMPLATE, THOUGHT
 from tests.test_server import serving

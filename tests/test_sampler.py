@@ -11,14 +11,11 @@ from hypothesis import strategies as st
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from asyncllm import SamplingParams
-from asyncllm.worker.argmax import row_argmax
-from asyncllm.worker.sampler import (
-    Sampler,
-    SamplingBatch,
-    apply_penalties,
-    compute_logprobs,
-    top_k_top_p,
-)
+from asyncllm.worker.sampling.batch import SamplingBatch
+from asyncllm.worker.sampling.logits_processors import apply_penalties
+from asyncllm.worker.sampling.logprobs import compute_logprobs
+from asyncllm.worker.sampling.pick import row_argmax, top_k_top_p
+from asyncllm.worker.sampling.sampler import Sampler
 
 CPU = torch.device("cpu")
 
@@ -250,7 +247,7 @@ def test_request_tensors_are_built_once_per_request(tiny_llama_dir, monkeypatch)
 
 
 def test_request_tensors_cache_evicts_least_recently_used():
-    from asyncllm.worker.sampler import RequestTensors
+    from asyncllm.worker.sampling.batch import RequestTensors
 
     cache = RequestTensors(max_elements=10)
     a, b, c = {1: 1.0}, {2: 2.0}, {3: 3.0}

@@ -21,8 +21,8 @@ from asyncllm.config import EngineConfig
 from asyncllm.core.ngram import NgramIndex
 from asyncllm.core.request import Request
 from asyncllm.core.speculation import RequestSpeculation, SpecConfig
-from asyncllm.worker.sampler import Sampler
-from asyncllm.worker.speculative import accept_prefix, verify_chunks
+from asyncllm.worker.sampling.sampler import Sampler
+from asyncllm.worker.sampling.speculative import accept_prefix, verify_chunks
 from tests.test_preemption import TINY_BLOCK_BYTES
 
 # ---------------------------------------------------------------------------- proposer

@@ -14,8 +14,8 @@ import pytest
 from asyncllm import SamplingParams
 from asyncllm.core.plan import RequestUpdate
 from asyncllm.core.request import Request
-from asyncllm.engine.output_processor import RequestState, TokenTextCache, process_step
-from asyncllm.engine.step_output import RequestStart, StepOutput
+from asyncllm.output_processing.output_processor import RequestState, TokenTextCache, process_step
+from asyncllm.output_processing.step_output import RequestStart, StepOutput
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

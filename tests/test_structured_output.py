@@ -119,7 +119,7 @@ def test_a_repeated_schema_is_compiled_once(tiny_llama_dir, monkeypatch):
     W1J report prints them)."""
     from transformers import AutoTokenizer
 
-    from asyncllm.bench.report import compile_lines
+    from asyncllm.bench.reporting.markdown import compile_lines
     from asyncllm.structured_output import GrammarCompiler
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)

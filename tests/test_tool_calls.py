@@ -1,4 +1,4 @@
-"""Tool-call parsing (asyncllm.engine.tool_calls) on fixed model outputs: whole, split at
+"""Tool-call parsing (asyncllm.tool_calling.tool_calls) on fixed model outputs: whole, split at
 every (hypothesis-drawn) set of points, parallel calls, malformed JSON; and the checks of
 ``tools``, ``tool_choice`` and assistant ``tool_calls`` messages."""
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncllm.engine import tool_calls as tc
 from asyncllm.errors import InvalidRequestError
+from asyncllm.tool_calling import tool_calls as tc
 
 WEATHER = {"city": "Paris", "unit": "°C"}
 HERMES_TWO = (
@@ -455,7 +455,7 @@ _VALUES = st.recursive(
 def test_json_canon_stream(obj, ascii_, indent, data):
     """JsonCanonStream: any JSON text of an object, in any pieces, gives json.dumps of its
     value, and every emitted prefix stays a prefix (nothing is taken back)."""
-    from asyncllm.engine.json_stream import JsonCanonStream
+    from asyncllm.tool_calling.json_stream import JsonCanonStream
 
     raw = json.dumps(obj, ensure_ascii=ascii_, indent=indent)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12)))
@@ -472,7 +472,7 @@ def test_json_canon_stream(obj, ascii_, indent, data):
 @pytest.mark.parametrize("raw", ['{"a": }', '{"a":1,}', '{"a" 1}', '{"a": [1}', '{"a": tru }',
                                  '{"a": "\\x"}', "{,}", '{"a": 1]'])  # fmt: skip
 def test_json_canon_stream_stops_on_bad_json(raw):
-    from asyncllm.engine.json_stream import JsonCanonStream
+    from asyncllm.tool_calling.json_stream import JsonCanonStream
 
     stream = JsonCanonStream()
     for c in raw:

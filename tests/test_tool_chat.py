@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from asyncllm import InvalidRequestError, SamplingParams
 from asyncllm.engine.async_engine import collect
-from asyncllm.engine.tool_calls import HERMES_TEMPLATE
+from asyncllm.tool_calling.tool_calls import HERMES_TEMPLATE
 from tests.conftest import script_output
 from tests.test_tool_calls import _join_deltas
 

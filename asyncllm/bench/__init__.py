@@ -5,7 +5,6 @@ Modules: :mod:`~asyncllm.bench.workloads` (W1-W6 as request lists),
 asyncllm's in :mod:`~asyncllm.bench.asyncllm_engine`, transformers' in
 :mod:`~asyncllm.bench.hf_engines`), :mod:`~asyncllm.bench.ceilings` (the
 machine's copy bandwidth and matmul FLOP/s), :mod:`~asyncllm.bench.runner` (the run),
-:mod:`~asyncllm.bench.report` (tables and plots); the fidelity harness (``--fidelity``):
-:mod:`~asyncllm.bench.fidelity` (its paths and metrics), ``fidelity_reference``,
-``fidelity_engine``, ``fidelity_run`` and ``fidelity_report``.
+:mod:`~asyncllm.bench.reporting` (a run's ``summary.json``, ``report.md`` and plots); the
+fidelity harness (``--fidelity``): :mod:`~asyncllm.bench.fidelity`.
 """

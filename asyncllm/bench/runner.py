@@ -468,7 +468,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
 
     args.argv = argv
     if args.fidelity:
-        from asyncllm.bench.fidelity_run import run as run_fidelity
+        from asyncllm.bench.fidelity.run import run as run_fidelity
 
         return run_fidelity(args)
     if not args.no_plots:
@@ -540,9 +540,9 @@ def _write_outputs(
     bench: Bench, wls: list[Workload], cold: dict[str, Any], elapsed: float, model_dir: str
 ) -> None:
     """summary.json, the plots and report.md (also printed)."""
-    from asyncllm.bench import plots as plotting
-    from asyncllm.bench import report
-    from asyncllm.bench.summary import build_summary
+    from asyncllm.bench.reporting import markdown as report
+    from asyncllm.bench.reporting import plots as plotting
+    from asyncllm.bench.reporting.summary import build_summary
 
     summary = build_summary(bench, wls, cold, elapsed, model_dir)
     (bench.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

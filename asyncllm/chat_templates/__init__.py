@@ -7,7 +7,7 @@ Built in (``<name>.jinja`` beside this module):
   Qwen and Hermes models) with Hermes-style tool calling: the tools' JSON schemas in the
   system turn inside ``<tools></tools>``, each call the model makes as
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the "hermes" format of
-  :mod:`asyncllm.engine.tool_calls`), each result sent back in a user turn as
+  :mod:`asyncllm.tool_calling.tool_calls`), each result sent back in a user turn as
   ``<tool_response>...</tool_response>``. For a ChatML model whose own template has no tool
   support, such as the default model: ``serve --model default --chat-template hermes``.
   How well a model calls tools depends on its training (the default 135M model rarely does

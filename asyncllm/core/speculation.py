@@ -3,10 +3,10 @@
 A decoding request whose n-gram index (:class:`~asyncllm.core.ngram.NgramIndex`) proposes
 tokens computes, in one step, its last sampled token followed by the ``k`` proposals: a chunk
 of ``1 + k`` tokens whose rows are all sampled (``ScheduledChunk.spec_token_ids``). The
-worker verifies them (:mod:`asyncllm.worker.speculative`) and returns the tokens it accepted:
-the proposals that equal what the model samples at their position, then the model's own token
-at the first mismatch (or a bonus token after all ``k``), ``1 + a`` tokens for ``a`` accepted
-proposals (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative
+worker verifies them (:mod:`asyncllm.worker.sampling.speculative`) and returns the tokens it
+accepted: the proposals that equal what the model samples at their position, then the model's
+own token at the first mismatch (or a bonus token after all ``k``), ``1 + a`` tokens for ``a``
+accepted proposals (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative
 Decoding", with a point-mass draft).
 
 Then (:meth:`Speculation.apply`) the request appends them one by one, stopping at the first

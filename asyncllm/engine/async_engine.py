@@ -8,8 +8,8 @@ why one) so the event loop stays free while the model computes. Admission (the w
 queue's limits, callers that wait for a place, tenants, deadlines, queue positions) is in
 :mod:`asyncllm.engine.admission`. Leaving a stream early (cancelled, timed out, ``break`` in
 ``async with``, ``aclose()``) aborts its request, which frees its KV blocks before the next
-step. A request's :class:`~asyncllm.engine.output_processor.RequestState` holds its unread
-output: a slow reader gets several steps merged into one item, not an unbounded queue.
+step. A request's :class:`~asyncllm.output_processing.output_processor.RequestState` holds
+its unread output: a slow reader gets several steps merged into one item, not an unbounded queue.
 
 Text prompts and chat templates are tokenized on an anyio worker thread (never the loop or
 the compute thread, which alone does torch work), after a length check
@@ -38,16 +38,16 @@ from asyncllm.engine.admission import (
     check_admission_mode,
     check_tenant,
 )
-from asyncllm.engine.chat_tool_setup import ChatOutputs, ChatToolSetup, render_chat_call
 from asyncllm.engine.input_processor import PromptType
-from asyncllm.engine.parallel_sampling import num_samples
 from asyncllm.engine.request_table import check_token_ids
 from asyncllm.engine.step_loop import StepLoop
 from asyncllm.engine.streams import RequestStream, collect, stream_method
 from asyncllm.engine.submission import Submission
 from asyncllm.errors import EngineNotRunningError
+from asyncllm.output_processing.parallel_sampling import num_samples
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.tool_calling.chat_tool_setup import ChatOutputs, ChatToolSetup, render_chat_call
 
 if TYPE_CHECKING:  # the engine core imports torch; the front end does not
     from asyncllm.engine.llm_engine import LLMEngine
@@ -303,7 +303,7 @@ class AsyncEngine:
 
         Tool calling (OpenAI's, vLLM's parsers the reference): ``tools`` are rendered by the
         template and the model's calls parsed out of its output into ``tool_calls`` (and
-        ``tool_call_deltas``); :mod:`asyncllm.engine.chat_tool_setup` tells what items carry
+        ``tool_call_deltas``); :mod:`asyncllm.tool_calling.chat_tool_setup` tells what items carry
         and how "required" or a named ``tool_choice`` constrain the output. Output that is not
         a valid call stays in ``text`` and is described in ``tool_call_error``; it never raises.
 

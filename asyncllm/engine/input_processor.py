@@ -20,10 +20,10 @@ from typing import Any, NoReturn
 import msgspec
 
 from asyncllm.core.request import Request
-from asyncllm.engine.parallel_sampling import check_num_samples, make_samples
-from asyncllm.engine.tool_calls import check_message_tool_calls, template_messages
 from asyncllm.errors import InvalidRequestError
+from asyncllm.output_processing.parallel_sampling import check_num_samples, make_samples
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.tool_calling.tool_calls import check_message_tool_calls, template_messages
 
 __all__ = ["InputProcessor", "PromptType", "max_token_chars"]
 
@@ -355,8 +355,8 @@ class InputProcessor:
         strict_max_tokens: bool = False,
     ) -> list[Request]:
         """The core requests of one call: one, or one per parallel sample when
-        ``params.n > 1`` (:func:`~asyncllm.engine.parallel_sampling.make_samples`). Validates
-        as :meth:`make_request` does.
+        ``params.n > 1`` (:func:`~asyncllm.output_processing.parallel_sampling.make_samples`).
+        Validates as :meth:`make_request` does.
 
         Raises:
             InvalidRequestError: as :meth:`make_request`; ``params.n`` above

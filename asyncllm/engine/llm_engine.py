@@ -26,12 +26,12 @@ from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.speculation import RequestSpeculation, SpecConfig, Speculation
 from asyncllm.engine.input_processor import InputProcessor, PromptType
-from asyncllm.engine.parallel_sampling import shares_prompt
-from asyncllm.engine.step_output import IDLE_STEP, RequestStart, StepOutput
 from asyncllm.kernels import native
 from asyncllm.layers.quant_linear import holds_experts
 from asyncllm.models.fingerprint import fingerprints
 from asyncllm.models.loader import LoadedModel, load_model, stored_dtype
+from asyncllm.output_processing.parallel_sampling import shares_prompt
+from asyncllm.output_processing.step_output import IDLE_STEP, RequestStart, StepOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_output import GrammarCompiler, GrammarMatchers
 from asyncllm.worker.compiled import ModelSource
@@ -336,7 +336,7 @@ class LLMEngine:
 
     def add_parallel_requests(self, samples: Sequence[Request], grammar: Any = None) -> None:
         """Queue the samples of one call made by ``inputs.make_requests``, sharing the
-        prompt's KV blocks when :func:`~asyncllm.engine.parallel_sampling.shares_prompt`
+        prompt's KV blocks when :func:`~asyncllm.output_processing.parallel_sampling.shares_prompt`
         (each with a grammar matcher of its own when constrained; ``grammar`` as in
         :meth:`add_request`)."""
         self._add_matchers(samples, grammar)

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from asyncllm.core.request import SAMPLE_ID_SEP, Request, RequestStatus
-from asyncllm.engine.output_processor import RequestState, process_step
-from asyncllm.engine.step_output import StepOutput
 from asyncllm.errors import InvalidRequestError
+from asyncllm.output_processing.output_processor import RequestState, process_step
+from asyncllm.output_processing.step_output import StepOutput
 
 if TYPE_CHECKING:  # the engine core imports torch; the front end does not
     from asyncllm.engine.llm_engine import LLMEngine

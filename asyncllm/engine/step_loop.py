@@ -18,9 +18,9 @@ import anyio.lowlevel
 
 from asyncllm.engine.admission import AdmissionLimits, StartRate
 from asyncllm.engine.request_table import Call, RequestTable
-from asyncllm.engine.step_output import StepOutput
-from asyncllm.engine.wakeup import Wakeup, wait_future
 from asyncllm.errors import EngineDeadError
+from asyncllm.output_processing.step_output import StepOutput
+from asyncllm.output_processing.wakeup import Wakeup, wait_future
 
 if TYPE_CHECKING:  # the engine core imports torch; the front end does not
     from asyncllm.engine.llm_engine import LLMEngine

@@ -17,8 +17,8 @@ from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
 from typing import ParamSpec
 
-from asyncllm.engine.output_processor import merge_outputs
-from asyncllm.engine.parallel_sampling import merge_samples
+from asyncllm.output_processing.output_processor import merge_outputs
+from asyncllm.output_processing.parallel_sampling import merge_samples
 from asyncllm.outputs import RequestOutput
 
 __all__ = ["RequestStream", "collect", "stream_method"]

@@ -23,11 +23,11 @@ import msgspec
 
 from asyncllm.engine.admission import check_admission_mode, check_deadline, check_tenant
 from asyncllm.engine.input_processor import PromptType
-from asyncllm.engine.output_processor import RequestState, TokenTextCache
-from asyncllm.engine.parallel_sampling import num_samples
 from asyncllm.engine.request_table import Call, check_timeout
 from asyncllm.engine.step_loop import StepLoop
 from asyncllm.errors import InvalidRequestError
+from asyncllm.output_processing.output_processor import RequestState, TokenTextCache
+from asyncllm.output_processing.parallel_sampling import num_samples
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine core imports torch; the front end does not

@@ -132,7 +132,7 @@ def routing_token_ids(
     rendered here, so a tool request's key is its messages' prefix).
     """
     from asyncllm.engine.input_processor import _without_added_bos
-    from asyncllm.engine.tool_calls import template_messages
+    from asyncllm.tool_calling.tool_calls import template_messages
 
     try:
         if method == "stream":

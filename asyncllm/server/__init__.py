@@ -79,7 +79,7 @@ Endpoints:
   a name no tool has answers 400, ``param`` "tool_choice") and ``parallel_tool_calls``; the
   conversation may hold assistant messages with ``tool_calls`` and ``role: "tool"`` messages
   with ``tool_call_id``. The model's calls are parsed from its output in its chat template's
-  format (see ``asyncllm.engine.tool_calls``; a template without tool support answers 400;
+  format (see ``asyncllm.tool_calling.tool_calls``; a template without tool support answers 400;
   ``--chat-template hermes``, a built-in ChatML template with Hermes-style tool calling,
   gives it to a model such as the default one, :mod:`asyncllm.chat_templates`):
   ``message.tool_calls`` (``content`` null when the message was only calls) and

@@ -20,10 +20,10 @@ from typing import Any
 
 import msgspec
 
-from asyncllm.engine import tool_calls
 from asyncllm.errors import EngineDeadError, EngineNotRunningError, InvalidRequestError, QueueFull
 from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncllm.server.responses import ErrorBody, ErrorInfo
+from asyncllm.tool_calling import tool_calls
 
 logger = logging.getLogger("asyncllm.server")
 
@@ -169,7 +169,7 @@ class ChatCompletionRequest(_RequestBase, kw_only=True):
 
 
 def check_tools(req: ChatCompletionRequest) -> None:
-    """Check ``tools`` and ``tool_choice`` (``asyncllm.engine.tool_calls``) before the
+    """Check ``tools`` and ``tool_choice`` (``asyncllm.tool_calling.tool_calls``) before the
     request reaches the engine.
 
     Raises:

@@ -30,11 +30,11 @@ from asyncllm.layers.quant_linear import load_kernels
 from asyncllm.layers.sibling_linears import fuse_siblings
 from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
 from asyncllm.worker.kv_cache import KVCache
-from asyncllm.worker.logprobs import PromptRows, prompt_logprobs
 from asyncllm.worker.paged_check import check_paged_forward
 from asyncllm.worker.runner_output import RunnerOutput
-from asyncllm.worker.sampler import Sampler, sample_chunks
-from asyncllm.worker.speculative import verify_chunks
+from asyncllm.worker.sampling.logprobs import PromptRows, prompt_logprobs
+from asyncllm.worker.sampling.sampler import Sampler, sample_chunks
+from asyncllm.worker.sampling.speculative import verify_chunks
 from asyncllm.worker.step_timing import StepTimings
 
 
@@ -148,7 +148,7 @@ class ModelRunner:
         """Run one step.
 
         Logits are kept for the sampled rows (every row of a speculative chunk:
-        :mod:`asyncllm.worker.speculative` verifies them) and, for requests with
+        :mod:`asyncllm.worker.sampling.speculative` verifies them) and, for requests with
         ``prompt_logprobs``, for the rows of their chunk that score prompt tokens.
 
         Args:

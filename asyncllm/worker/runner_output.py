@@ -2,7 +2,7 @@
 
 These types cross from the worker to the engine core and on to the async front end, which
 must not import torch (``tests/test_import_graph.py``), so they live apart from
-:mod:`asyncllm.worker.sampler`, which computes them.
+:mod:`asyncllm.worker.sampling.sampler`, which computes them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class RunnerOutput:
         prompt_logprobs: request id -> (index in the prompt of the first token scored, one
             :data:`TokenLogprobs` per prompt token scored this step).
         spec_tokens: request id -> the tokens a speculative chunk yields (its first is also
-            in ``sampled``; :mod:`asyncllm.worker.speculative`), or None.
+            in ``sampled``; :mod:`asyncllm.worker.sampling.speculative`), or None.
         spec_logprobs: request id -> one :data:`TokenLogprobs` per token of ``spec_tokens``,
             for speculative requests that ask for logprobs, or None.
     """

@@ -1,5 +1,5 @@
 """Reading tool calls out of generated text, whole or streamed: the formats'
-markers and :class:`ToolCallParser` (see :mod:`asyncllm.engine.tool_calls` for the formats,
+markers and :class:`ToolCallParser` (see :mod:`asyncllm.tool_calling.tool_calls` for the formats,
 how one is chosen from a chat template, and the checks of OpenAI's ``tools``).
 
 Streaming: :class:`ToolCallParser` is fed text deltas and returns the content outside calls
@@ -7,7 +7,7 @@ as it comes (holding back only text that could still begin a call marker) and ea
 once its JSON is complete; meanwhile it streams each call as OpenAI does
 (:meth:`ToolCallParser.take_deltas`: id and name once the name is complete, then the
 arguments text as it grows, canonical JSON from
-:class:`~asyncllm.engine.json_stream.JsonCanonStream`, so the pieces join to the call's
+:class:`~asyncllm.tool_calling.json_stream.JsonCanonStream`, so the pieces join to the call's
 ``arguments``). Output the model gets wrong is never an error raised: a call whose JSON
 does not parse, or that is not an object with a string ``name`` and object arguments, is
 kept as content (its raw text, markers included) and described in
@@ -22,13 +22,13 @@ from __future__ import annotations
 import json
 import uuid
 
-from asyncllm.engine.json_stream import JsonCanonStream
 from asyncllm.outputs import ToolCall, ToolCallDelta
+from asyncllm.tool_calling.json_stream import JsonCanonStream
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
 #: The formats :class:`ToolCallParser` reads (the others are
-#: :mod:`asyncllm.engine.tool_formats`').
+#: :mod:`asyncllm.tool_calling.tool_formats`').
 JSON_FORMATS = (HERMES, LLAMA3_JSON)
 
 HERMES_START = "<tool_call>"

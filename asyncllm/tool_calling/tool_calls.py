@@ -13,13 +13,13 @@ of the same names are the reference):
   "parameters": {...}}`` (optionally after ``<|python_tag|>``; several objects separated by
   ``;``). Chosen when the template renders ``"parameters"`` and mentions ``tools``.
 - ``"mistral"``, ``"pythonic"`` and ``"qwen3_coder"``: see
-  :mod:`asyncllm.engine.tool_formats`. Their calls stream whole (one delta per call, when
+  :mod:`asyncllm.tool_calling.tool_formats`. Their calls stream whole (one delta per call, when
   it is complete), and ``tool_choice`` "required" or a named function is refused for them
   (no grammar of their call syntax yet).
 
 A template that never mentions ``tools`` has no tool support: passing tools raises
 :class:`~asyncllm.errors.InvalidRequestError` (the model would never see them).
-Parsing the model's output (whole or streamed) is :mod:`asyncllm.engine.tool_parser`'s
+Parsing the model's output (whole or streamed) is :mod:`asyncllm.tool_calling.tool_parser`'s
 (:class:`ToolCallParser`, re-exported here with the formats' names).
 
 Pure Python (``json``); no torch.
@@ -34,7 +34,10 @@ from typing import Any
 
 import msgspec
 
-from asyncllm.engine.tool_formats import (
+from asyncllm.errors import InvalidRequestError
+from asyncllm.outputs import RequestOutput
+from asyncllm.sampling_params import StructuredOutputsParams
+from asyncllm.tool_calling.tool_formats import (
     FORMATS,
     MARKERS,
     MISTRAL,
@@ -44,7 +47,7 @@ from asyncllm.engine.tool_formats import (
     make_parser,
     parse_tool_calls,
 )
-from asyncllm.engine.tool_parser import (
+from asyncllm.tool_calling.tool_parser import (
     HERMES,
     HERMES_END,
     HERMES_START,
@@ -55,9 +58,6 @@ from asyncllm.engine.tool_parser import (
     ToolCallParser,
     new_call_id,
 )
-from asyncllm.errors import InvalidRequestError
-from asyncllm.outputs import RequestOutput
-from asyncllm.sampling_params import StructuredOutputsParams
 
 __all__ = [
     "FORMATS",

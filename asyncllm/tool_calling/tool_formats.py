@@ -33,7 +33,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from asyncllm.engine.tool_parser import (
+from asyncllm.outputs import ToolCall, ToolCallDelta
+from asyncllm.tool_calling.tool_parser import (
     HERMES,
     HERMES_END,
     HERMES_START,
@@ -42,7 +43,6 @@ from asyncllm.engine.tool_parser import (
     held_prefix,
     new_call_id,
 )
-from asyncllm.outputs import ToolCall, ToolCallDelta
 
 MISTRAL = "mistral"
 PYTHONIC = "pythonic"
@@ -144,7 +144,7 @@ def _arguments(args: object) -> str | None:
 
 def _decode(text: str) -> tuple[Any, int] | None:
     """``raw_decode`` of the JSON value at the start of ``text`` (lenient strings, see
-    :mod:`asyncllm.engine.tool_parser`), or None when it is incomplete, malformed or nested
+    :mod:`asyncllm.tool_calling.tool_parser`), or None when it is incomplete, malformed or nested
     past Python's recursion limit."""
     try:
         return json.JSONDecoder(strict=False).raw_decode(text)

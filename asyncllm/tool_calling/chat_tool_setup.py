@@ -2,13 +2,13 @@
 parameters tool parsing needs, and the grammar of a forced call ("required", a named tool).
 
 :meth:`AsyncEngine.chat` calls these before rendering the prompt; parsing the model's calls
-out of its output is :class:`~asyncllm.engine.tool_calls.ChatTools`'s job.
+out of its output is :class:`~asyncllm.tool_calling.tool_calls.ChatTools`'s job.
 
 What a chat call with tools returns (OpenAI's tool calling; vLLM's tool parsers are the
 reference): ``tools`` are rendered by the template (transformers'
 ``apply_chat_template(tools=...)``) and the model's calls are parsed out of its output in the
 format its template uses (``<tool_call>`` JSON as Hermes/Qwen write it, or Llama 3's JSON;
-see :mod:`asyncllm.engine.tool_calls`): items carry them in ``tool_calls`` (a call is
+see :mod:`asyncllm.tool_calling.tool_calls`): items carry them in ``tool_calls`` (a call is
 delivered whole, on the item whose text completed it; ``text`` holds only the content outside
 calls); with ``output_kind`` "delta" they also stream in ``tool_call_deltas`` (id and name,
 then the arguments text in pieces, as OpenAI streams ``delta.tool_calls``), and the last item
@@ -31,11 +31,11 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from asyncllm.engine.reasoning import THINK_END, ReasoningSplit, thinks
-from asyncllm.engine.tool_calls import ChatTools
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
+from asyncllm.tool_calling.reasoning import THINK_END, ReasoningSplit, thinks
+from asyncllm.tool_calling.tool_calls import ChatTools
 
 __all__ = ["ChatOutputs", "ChatToolSetup", "constrain_to_calls", "render_chat_call"]
 
@@ -124,8 +124,8 @@ def _special(tokenizer: Any, marker: str) -> bool:
 
 class ChatOutputs:
     """What a chat call does to each output of its stream: the reasoning split off
-    (:class:`~asyncllm.engine.reasoning.ReasoningSplit`), then tool calls parsed from the
-    answer alone (:class:`~asyncllm.engine.tool_calls.ChatTools`)."""
+    (:class:`~asyncllm.tool_calling.reasoning.ReasoningSplit`), then tool calls parsed from the
+    answer alone (:class:`~asyncllm.tool_calling.tool_calls.ChatTools`)."""
 
     def __init__(self, reasoning: ReasoningSplit | None, calls: ChatTools | None) -> None:
         self.reasoning = reasoning

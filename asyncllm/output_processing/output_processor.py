@@ -6,7 +6,7 @@ stream has not read yet is merged, so a slow reader gets several steps in one it
 of an unbounded queue. Everything here runs on the event loop; nothing holds model state.
 A state reads its core request only when it is made (before the core has it); what the core
 learns later (first scheduling, prefix-cache hits, preemptions) arrives as plain data in each
-step's :class:`~asyncllm.engine.step_output.StepOutput` (:func:`process_step`).
+step's :class:`~asyncllm.output_processing.step_output.StepOutput` (:func:`process_step`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 import anyio
 
 from asyncllm.core.request import Request
-from asyncllm.engine.detokenizer import IncrementalDetokenizer, token_bytes
-from asyncllm.engine.step_output import StepOutput
-from asyncllm.engine.stop_checker import StopChecker
-from asyncllm.engine.wakeup import Wakeup
+from asyncllm.output_processing.detokenizer import IncrementalDetokenizer, token_bytes
+from asyncllm.output_processing.step_output import StepOutput
+from asyncllm.output_processing.stop_checker import StopChecker
+from asyncllm.output_processing.wakeup import Wakeup
 from asyncllm.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.runner_output import TokenLogprobs

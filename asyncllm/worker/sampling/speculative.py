@@ -2,8 +2,8 @@
 
 A speculative chunk (``ScheduledChunk.spec_token_ids``: ``x_1 .. x_k`` after the request's
 last token) has ``k + 1`` logits rows; row ``i`` predicts the token after ``x_1 .. x_i``.
-Each row is sampled by the ordinary :class:`~asyncllm.worker.sampler.Sampler`, as the row of
-a request whose output already holds ``x_1 .. x_i``: penalties count those tokens, the
+Each row is sampled by the ordinary :class:`~asyncllm.worker.sampling.sampler.Sampler`, as
+the row of a request whose output already holds ``x_1 .. x_i``: penalties count those tokens, the
 ``min_tokens`` mask and the noise of a seeded request use token index ``len(output) + i``.
 Row ``i``'s token ``t_i`` is then what plain decoding would sample at that position had the
 proposals before it been generated. The chunk yields ``t_0 .. t_j``, ``j`` the first row
@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from asyncllm.worker.runner_output import RunnerOutput
-from asyncllm.worker.sampler import Sampler, SamplingBatch
+from asyncllm.worker.sampling.batch import SamplingBatch
+from asyncllm.worker.sampling.sampler import Sampler
 
 __all__ = ["accept_prefix", "verify_chunks"]
 

@@ -1,5 +1,5 @@
 """The fidelity harness's ``fidelity.json`` (:func:`summary`) and its report section
-``fidelity.md`` (:func:`markdown`); see :mod:`asyncllm.bench.fidelity`."""
+``fidelity.md`` (:func:`markdown`); see :mod:`asyncllm.bench.fidelity.measures`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def summary(
     the questions with the reference's answers, and every path's record."""
     import transformers
 
-    from asyncllm.bench.fidelity import perplexity
+    from asyncllm.bench.fidelity.measures import perplexity
 
     ref = data["ref"]
     tok = data["tokenizer"]

@@ -7,7 +7,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from asyncllm.bench.summary import _fig, _order, _ratio
+from asyncllm.bench.reporting.summary import _fig, _order, _ratio
 
 
 def _f(x: Any, digits: int = 1, unit: str = "") -> str:
@@ -75,8 +75,8 @@ def _cell(
 
 
 def markdown(s: dict[str, Any], plots: Sequence[str], out: pathlib.Path) -> str:
-    """``report.md`` from a summary (:func:`asyncllm.bench.summary.build_summary`); ``plots``
-    are the plot files, linked relative to ``out``."""
+    """``report.md`` from a summary (:func:`asyncllm.bench.reporting.summary.build_summary`);
+    ``plots`` are the plot files, linked relative to ``out``."""
     engines = _order(
         [e for e in s["engines"] if not s["engines"][e]["failed"] and e in s["figures"]]
     )

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from asyncllm.bench.options import base_engine
-from asyncllm.bench.summary import _order
+from asyncllm.bench.reporting.summary import _order
 
 
 def make_plots(s: dict[str, Any], bench: Any, img: pathlib.Path) -> list[str]:

@@ -1,14 +1,14 @@
 """The fidelity harness's run (``python -m asyncllm bench --fidelity``; what it measures is
-described in :mod:`asyncllm.bench.fidelity`).
+described in :mod:`asyncllm.bench.fidelity.measures`).
 
     python -m asyncllm bench --fidelity [--quick] [--fidelity-paths default,float32,...]
                              [--model default] [--threads N] [--peers llamacpp|none]
                              [--fidelity-text FILE] [--out bench-results]
 
 The reference is computed first, in this process (or read from ``fidelity_reference.json``),
-and its model freed; then each path of :data:`asyncllm.bench.fidelity.PATHS` runs in an
-engine process of its own, one after the other (the benchmark's
-:class:`~asyncllm.bench.processes.WorkerProc` and :mod:`asyncllm.bench.fidelity_engine`),
+and its model freed; then each path of :data:`asyncllm.bench.fidelity.measures.PATHS` runs
+in an engine process of its own, one after the other (the benchmark's
+:class:`~asyncllm.bench.processes.WorkerProc` and :mod:`asyncllm.bench.fidelity.workers`),
 with its configuration and switches; then llama.cpp, when its venv is found
 (``../shared/bench/peers/llamacpp_setup.sh``), else it is reported as not installed. A path
 that fails to start or to run is reported with the reason; the run goes on.
@@ -26,8 +26,8 @@ import sys
 import time
 from typing import Any
 
-from asyncllm.bench import fidelity as fid
-from asyncllm.bench import fidelity_reference as reference
+from asyncllm.bench.fidelity import measures as fid
+from asyncllm.bench.fidelity import reference
 from asyncllm.bench.processes import (
     NO_VENV,
     REPO,
@@ -38,7 +38,7 @@ from asyncllm.bench.processes import (
     peer_env,
 )
 
-ENGINE = pathlib.Path(__file__).with_name("fidelity_engine.py")
+ENGINE = pathlib.Path(__file__).with_name("workers.py")
 #: torch threads of the reference: one. It runs once per model, and on a busy 2-core
 #: machine a 2-thread OpenMP forward waits on its descheduled partner: 32 greedy tokens of the
 #: default model took 34 s with 2 threads and 4 s with 1 (load average 4).
@@ -105,7 +105,7 @@ def asyncllm_command(
     cfg = {"max_model_len": data["max_model_len"], "kv_cache_bytes": args.kv_gib * 2**30,
            **path.config}  # fmt: skip
     model = args.model if cfg.get("quantization", "auto") is not None else str(data["model_dir"])
-    cmd = [sys.executable, "-m", "asyncllm.bench.fidelity_engine", "--engine", "asyncllm",
+    cmd = [sys.executable, "-m", "asyncllm.bench.fidelity.workers", "--engine", "asyncllm",
            "--threads", str(threads), "--config", json.dumps(cfg), "--max-batch", "64",
            "--max-model-len", str(data["max_model_len"]), "--model", model]  # fmt: skip
     env = dict(os.environ)
@@ -157,8 +157,9 @@ def record(
     name: str, label: str, info: dict[str, Any], res: dict[str, Any], data: dict[str, Any],
     common: dict[str, Any], path: fid.FidelityPath | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One ``fidelity.jsonl`` line: the path's figures (:func:`asyncllm.bench.fidelity.score`)
-    or why it was skipped, what ran, and the machine."""
+    """One ``fidelity.jsonl`` line: the path's figures
+    (:func:`asyncllm.bench.fidelity.measures.score`) or why it was skipped, what ran, and the
+    machine."""
     rec: dict[str, Any] = {"engine": name, "label": label, "workload": "fidelity",
                            "variant": path.name if path else name, "run": 0, **common}  # fmt: skip
     if path is not None:
@@ -178,7 +179,8 @@ def record(
 
 def run(args: argparse.Namespace) -> int:
     """Run the fidelity harness; returns the exit code (0 when every asyncllm path ran)."""
-    from asyncllm.bench import ceilings, fidelity_report
+    from asyncllm.bench import ceilings
+    from asyncllm.bench.fidelity import report as fidelity_report
     from asyncllm.worker.device import default_num_threads
 
     started = time.perf_counter()

@@ -4,7 +4,7 @@ precision path, and llama.cpp on the same GGUF file, is from the model's exact w
 Reference: transformers' own model in float32 with eager attention, built from the model's
 weights as its file defines them (a GGUF file dequantized to float32 by gguf-py through
 transformers' ``from_pretrained(..., gguf_file=...)``: the converted directory asyncllm's
-loader keeps under its cache is exactly that; :mod:`asyncllm.bench.fidelity_reference`).
+loader keeps under its cache is exactly that; :mod:`asyncllm.bench.fidelity.reference`).
 
 Measured for every path of :data:`PATHS` (one engine process each) and the llama.cpp peer:
 
@@ -24,7 +24,7 @@ Outputs in ``--out``: ``fidelity.jsonl`` (one line per path, in the shape of the
 workloads' ``results.jsonl`` lines, workload ``"fidelity"``), ``fidelity.json`` (the summary),
 ``fidelity.md`` (the report section) and ``fidelity_reference.json`` (the reference's
 figures, reused by later runs on the same model). The run is
-:func:`asyncllm.bench.fidelity_run.run`.
+:func:`asyncllm.bench.fidelity.run.run`.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 #: The text perplexity is measured on (2,009 tokens with the default model's tokenizer).
 TEXT_FILE = REPO / "tests" / "data" / "public_domain.txt"
 #: The chat questions greedy agreement is measured on (shipped with the package).
-QUESTIONS_FILE = pathlib.Path(__file__).with_name("fidelity_questions.json")
+QUESTIONS_FILE = pathlib.Path(__file__).with_name("questions.json")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from asyncllm.engine.tool_parser import held_prefix
 from asyncllm.outputs import RequestOutput
+from asyncllm.tool_calling.tool_parser import held_prefix
 
 __all__ = ["THINK_END", "THINK_START", "ReasoningParser", "ReasoningSplit", "thinks"]
 

@@ -6,12 +6,12 @@ for each token after the first, its log-prob and the most likely token there (te
 forced); per question, its first ``max_tokens`` greedy tokens (EOS ignored). Other specs run
 as the plain workers run them.
 
-    python -m asyncllm.bench.fidelity_engine --engine asyncllm --model DIR [--config JSON]
-    VENV/bin/python path/to/asyncllm/bench/fidelity_engine.py --engine llamacpp --model F.gguf
+    python -m asyncllm.bench.fidelity.workers --engine asyncllm --model DIR [--config JSON]
+    VENV/bin/python path/to/asyncllm/bench/fidelity/workers.py --engine llamacpp --model F.gguf
 
 The module's top level uses the standard library only: the llama.cpp worker runs it by path
 with its venv's interpreter, where asyncllm is not installed (``engine_process.py`` is then
-loaded from this folder).
+loaded from the folder above).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Any
 
 @functools.cache
 def _engine_process() -> Any:
-    """:mod:`asyncllm.bench.engine_process`: from the package, else from this folder."""
+    """:mod:`asyncllm.bench.engine_process`: from the package, else from the folder above."""
     try:
         from asyncllm.bench import engine_process
     except ImportError:
-        path = pathlib.Path(__file__).with_name("engine_process.py")
+        path = pathlib.Path(__file__).parent.parent / "engine_process.py"
         spec = importlib.util.spec_from_file_location("engine_process", path)
         assert spec is not None and spec.loader is not None
         engine_process = importlib.util.module_from_spec(spec)
