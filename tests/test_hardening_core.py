@@ -13,6 +13,7 @@ import pytest
 
 from asyncllm import InvalidRequestError, SamplingParams
 from asyncllm.core.block_manager import BlockManager
+from asyncllm.core.preemption import release_waiting_blocks
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from tests.conftest import wait_until
@@ -107,7 +108,7 @@ async def test_prefix_cache_counts_first_admissions_only(mode, tiny_llama_dir, m
 
 
 def test_readmitted_forked_sample_counts_nothing_again():
-    """A waiting forked sample whose blocks were dropped (``_release_waiting_blocks``) is
+    """A waiting forked sample whose blocks were dropped (``preemption.release_waiting_blocks``) is
     readmitted through the prefix-cache lookup: no new query, its cached count kept."""
     bm = BlockManager(64, 4, enable_caching=True)
     sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64)
@@ -120,7 +121,7 @@ def test_readmitted_forked_sample_counts_nothing_again():
         plan = sched.schedule()
         sched.update_from_output(plan, {c.request_id: 7 for c in plan.chunks if c.sample})
         if bm.block_table("s1") and samples[1].status is RequestStatus.WAITING:
-            assert sched._release_waiting_blocks(samples[0])
+            assert release_waiting_blocks(sched, samples[0])
     assert sched.prefix_cache_queries == 9  # the shared prefix: the prompt but its last token
     assert [r.num_cached_tokens for r in samples] == [0, 0]
 

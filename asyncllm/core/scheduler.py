@@ -16,21 +16,10 @@ Priorities: a lower ``priority`` value is served first, ties by fair share and t
 arrival (vLLM's convention); the waiting queue is admitted in that order and running requests
 get the budget in that order.
 
-Preemption: when a running request needs a block and none is free, or when the best waiting
-request has a better priority than some running request and cannot be admitted (too few free
-blocks for its first chunk, or ``max_num_seqs`` running), running requests are preempted,
-worst first: unprotected before protected, then the largest priority value, then the latest
-arrival. A victim's KV blocks are either
-
-* swapped out (offload): copied to a CPU block pool and freed on the device; on readmission
-  they are copied back into new device blocks and decoding continues where it stopped; or
-* dropped (recompute), when there is no CPU pool or it is full: ``num_computed_tokens`` goes
-  back to 0 and the prompt and generated tokens are prefilled again on readmission.
-
-Either way the request's output is unchanged. The copies of one step are listed in its plan
-(``swap_out`` before ``swap_in``) and done by the worker before the forward pass. The host
-tier of the prefix cache (:mod:`asyncllm.core.host_store`) shares the CPU pool: its copies
-join the same lists, and it gives up slots whenever a swap out needs them.
+Preemption (:mod:`asyncllm.core.preemption`): when a running request needs a block and none
+is free, when a better priority waits, or when a tenant within its share waits for a slot
+held above another's share, running requests are preempted, their KV blocks swapped out to a
+CPU block pool or dropped for recompute; either way the request's output is unchanged.
 
 Layer groups (models with sliding-window layers, :mod:`asyncllm.core.kv_groups`): a request
 holds one block table per group, and every count of blocks here is over all of them. After
@@ -81,6 +70,12 @@ from asyncllm.core.block_manager import BlockManager, BlockPool
 from asyncllm.core.fair_share import FairShare
 from asyncllm.core.parallel import SampleGroups
 from asyncllm.core.plan import RequestUpdate, ScheduledChunk, SchedulerOutput
+from asyncllm.core.preemption import (
+    allocate_or_preempt,
+    preempt_for_fairness,
+    preempt_for_priority,
+    release_waiting_blocks,
+)
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.speculation import Speculation
 
@@ -207,7 +202,11 @@ class Scheduler:
             or self.clock() - request.arrival_time >= self.protect_after_wait_s
         )
 
-    def _admission_key(self, request: Request) -> tuple[bool, int, bool, float, float, float]:
+    def admission_key(self, request: Request) -> tuple[bool, int, bool, float, float, float]:
+        """The waiting queue's order (smallest first): protected (by preemptions or age)
+        first, then priority, within share before over share, the tenant's virtual token
+        counter, deadline (earliest first), arrival. The largest is the worst victim for
+        preemption (:data:`victim_key`)."""
         # Age protects no request above its tenant's or call's share: they keep theirs.
         over = self.fair.over_share(request)
         return (
@@ -224,9 +223,9 @@ class Scheduler:
         deadline = math.inf if request.deadline is None else request.deadline
         return request.priority, self.fair.counter(request), deadline, request.arrival_time
 
-    # The worst request is the max; ties go to the most recently admitted (callers pass the
-    # running list reversed).
-    _victim_key = _admission_key
+    #: The worst request to preempt is the max; ties go to the most recently admitted
+    #: (callers pass the running list reversed).
+    victim_key = admission_key
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy)."""
@@ -235,9 +234,9 @@ class Scheduler:
         if store is not None:
             store.new_step()
         self.fair.refresh(self.running, self.waiting)
-        self.waiting.sort(key=self._admission_key)
-        self._preempt_for_priority(out)
-        self._preempt_for_fairness(out)
+        self.waiting.sort(key=self.admission_key)
+        preempt_for_priority(self, out)
+        preempt_for_fairness(self, out)
         order = sorted(self.running, key=self._running_key)
         decodes = [r for r in order if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in order if r.num_tokens - r.num_computed_tokens > 1]
@@ -280,14 +279,14 @@ class Scheduler:
                     step.budget -= len(chunk.token_ids)
                     self.fair.charge(request, len(chunk.token_ids))
                     continue
-            if self._allocate_or_preempt(request, n, step.scheduled, out):
+            if allocate_or_preempt(self, request, n, step.scheduled, out):
                 self._add_chunk(request, n, step)
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit waiting requests in order while the budget, the slots and the blocks allow."""
         bm, fair = self.block_manager, self.fair
         if fair.num_active_tenants > 1:  # the running chunks moved the counters
-            self.waiting.sort(key=self._admission_key)
+            self.waiting.sort(key=self.admission_key)
         i = 0
         while i < len(self.waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
@@ -305,7 +304,7 @@ class Scheduler:
                 break
             n = self._admit(request, step.budget, step.out)
             if n == 0:
-                if self._release_waiting_blocks(request):
+                if release_waiting_blocks(self, request):
                     continue
                 break
             del self.waiting[i]
@@ -314,7 +313,7 @@ class Scheduler:
             self._add_chunk(request, n, step)
             if fair.admitted(request) or fair.num_active_tenants > 1:
                 # Its tenant or call reached its share, or its counter moved: others first.
-                self.waiting.sort(key=self._admission_key)
+                self.waiting.sort(key=self.admission_key)
                 i = 0
 
     def _deferred_prefills(self, prefills: list[Request]) -> list[Request]:
@@ -394,68 +393,10 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         return n
 
-    def _release_waiting_blocks(self, head: Request) -> bool:
-        """Drop the blocks a waiting forked sample holds (the worst one first), so that the
-        head of the queue can be admitted; the sample recomputes later. False: none held."""
-        bm = self.block_manager
-        holders = [r for r in self.waiting if r is not head and bm.block_table(r.request_id)]
-        if not holders:
-            return False
-        victim = max(holders, key=self._victim_key)
-        bm.free(victim.request_id)
-        self.num_recomputed_tokens += victim.num_computed_tokens
-        victim.num_computed_tokens = 0
-        return True
-
     @property
     def num_waiting(self) -> int:
         """Requests waiting: queued, plus parallel samples waiting for their prefix."""
         return len(self.waiting) + self.groups.num_unforked
-
-    def _wanted(self, request: Request) -> int:
-        """Blocks for the request's next chunk (at most a full budget, no prefix hits)."""
-        start = request.num_computed_tokens
-        n = min(request.num_tokens - start, self.max_num_batched_tokens)
-        return self.block_manager.blocks_needed(request.request_id, start + n, start)
-
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """Preempt running requests of worse priority until the best waiting request fits
-        beside what the remaining running requests need this step."""
-        if not self.waiting:
-            return
-        head = self.waiting[0]
-        bm = self.block_manager
-        while len(self.running) >= self.max_num_seqs or (
-            self._wanted(head) + sum(self._wanted(r) for r in self.running) > bm.num_free_blocks
-        ):
-            victims = [
-                r for r in self.running
-                if r.priority > head.priority and not self.is_protected(r)
-            ]  # fmt: skip
-            if not victims:
-                return
-            self._preempt(max(reversed(victims), key=self._victim_key), out)
-
-    def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
-        """Preempt requests above their tenant's or call's share until the waiting requests
-        within theirs fit, slots and blocks (see the module docstring)."""
-        fair, bm = self.fair, self.block_manager
-        if not self.waiting or not fair.contended:
-            return
-        slots, blocks, tokens = len(self.running), sum(map(self._wanted, self.running)), 0
-        for head in list(self.waiting):
-            if tokens >= self.max_num_batched_tokens:
-                return  # these cannot all start this step anyway
-            if fair.over_share(head):
-                continue
-            slots, blocks = slots + 1, blocks + self._wanted(head)
-            while slots > self.max_num_seqs or blocks > bm.num_free_blocks:
-                victim = fair.victim(head, self.running, self.protect_after_preemptions)
-                if victim is None:
-                    return  # later waiting requests have no better priority
-                slots, blocks = slots - 1, blocks - self._wanted(victim)
-                self._preempt(victim, out)
-            tokens += head.num_tokens - head.num_computed_tokens
 
     def update_from_output(
         self,
@@ -532,55 +473,9 @@ class Scheduler:
     def _fork(self, prefix: Request) -> None:
         """The prefix is computed: its samples share its blocks and join the waiting queue."""
         self.waiting.extend(self.groups.fork(prefix, self.block_manager))
-        self.waiting.sort(key=self._admission_key)
+        self.waiting.sort(key=self.admission_key)
         self.running.remove(prefix)
         self._finish(prefix, RequestStatus.FINISHED_STOPPED)
-
-    def _allocate_or_preempt(
-        self, request: Request, n: int, scheduled: set[str], out: SchedulerOutput
-    ) -> bool:
-        """Allocate blocks for ``n`` more tokens, preempting the worst running requests not
-        yet scheduled this step if needed. Returns False when ``request`` itself was preempted.
-        """
-        start = request.num_computed_tokens
-        while not self.block_manager.allocate(
-            request.request_id, start + n, write_from=start, copies=out.copies
-        ):
-            candidates = [r for r in reversed(self.running) if r.request_id not in scheduled]
-            victim = max(candidates, key=self._victim_key)
-            self._preempt(victim, out)
-            if victim is request:
-                return False
-        return True
-
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Swap the request out to the CPU pool if it has room, else drop its KV."""
-        bm = self.block_manager
-        rid = request.request_id
-        start = request.num_computed_tokens
-        valid = bm.live_blocks(rid, start, -(-start // bm.block_size)) if start else []
-        cpu, store = self.cpu_pool, bm.host_store
-        if (
-            cpu is not None
-            and valid
-            and (store.make_room(len(valid)) if store is not None else len(valid) <= cpu.num_free)
-        ):
-            cpu_blocks = cpu.allocate(len(valid))
-            out.swap_out.extend(zip(valid, cpu_blocks, strict=True))
-            request.cpu_blocks = cpu_blocks
-            self.num_swapped_out_blocks += len(valid)
-        else:
-            self.num_recomputed_tokens += request.num_computed_tokens
-            request.num_computed_tokens = 0
-        bm.free(rid)
-        self.running.remove(request)
-        request.num_preemptions += 1
-        out.preempted.append(rid)
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
-        self.fair.refresh(self.running, self.waiting)
-        self.waiting.sort(key=self._admission_key)
-        self.num_preemptions += 1
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
