@@ -8,7 +8,7 @@ skipped (masked loads and stores, no branch). An int8 cache (:mod:`asyncllm.atte
 gets each row quantized on the way, bit for bit as the torch path writes: its float16 scale
 ``s = float16(min(absmax * (1/127), 65504))`` (round to nearest even) after its codes
 ``round(x * (1 / s))`` (ties to even, by adding and subtracting 1.5 * 2**23 in float32;
-``1 / s`` IEEE-rounded, ``div_rn``; 0 where ``s`` is 0).
+``1 / s`` IEEE-rounded, ``div_rn``; the product rounded before, no FMA; 0 where ``s`` is 0).
 """
 
 from __future__ import annotations
@@ -161,4 +161,7 @@ def kv_cache_write(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1],
         QUANT=quant,
+        # no fused multiply-add on CUDA: the codes round the float32 product x * (1 / s), as
+        # torch does (an FMA with the rounding constant would round the exact product)
+        enable_fp_fusion=False,
     )
