@@ -33,12 +33,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         block_size: tokens per KV cache block.
         kv_cache_dtype: how the KV cache stores K and V: "auto" in ``dtype`` (the model's);
-            "int8" as int8 codes with a float32 scale per token and KV head (symmetric,
+            "int8" as int8 codes with a float16 scale per token and KV head (symmetric,
             ``absmax / 127``; :mod:`asyncllm.attention.kv_int8`), dequantized inside the
-            attention kernels (C++ on CPU, Triton, the torch path): ``head_dim + 4`` bytes a
+            attention kernels (C++ on CPU, Triton, the torch path): ``head_dim + 2`` bytes a
             row instead of ``2 * head_dim`` (bfloat16), so the same ``kv_cache_bytes`` holds
-            about twice the tokens (1.9x at head_dim 64), at a small cost in fidelity
-            (docs/tuning.md). "fp8" is not offered. ValueError for any other value.
+            about twice the tokens (1.94x at head_dim 64; 2x the 2,048-token sequences of the
+            default model), at a small cost in fidelity (docs/tuning.md). An even
+            ``head_dim`` is needed. "fp8" is not offered. ValueError for any other value.
         kv_cache_bytes: bytes for the K and V caches of all layers. None: on CUDA 80% of the
             memory left free after loading the weights; on CPU 20% of the available memory;
             either capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens need.

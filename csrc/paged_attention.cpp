@@ -21,21 +21,55 @@ static inline T from_f(float x) { return static_cast<T>(x); }
 constexpr int64_t TILE = 16;
 
 // An int8 KV cache (asyncllm/attention/kv_int8.py): a token's row of one KV head is D int8
-// codes followed by its float32 scale (4 bytes), the value code * scale. Caches of type C =
+// codes followed by its float16 scale (2 bytes), the value code * scale. Caches of type C =
 // int8_t are read in that layout: row_extra<C>() more elements per row, each row's values
 // widened with its scale (K) or its scale folded into the softmax weight (V).
 template <typename C>
 constexpr bool is_q8 = std::is_same<C, int8_t>::value;
 template <typename C>
-constexpr int64_t row_extra() { return is_q8<C> ? 4 : 0; }
+constexpr int64_t row_extra() { return is_q8<C> ? 2 : 0; }
 static inline float to_f(int8_t x) { return static_cast<float>(x); }
+
+// IEEE float16 bits -> float (exact). Integer arithmetic and one exact product: this file
+// builds with -ffast-math, which must not change the bits of a scale.
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) {  // zero or subnormal: m * 2^-24, a normal float (exact)
+    const float v = static_cast<float>(m) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  const uint32_t bits = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// A float -> IEEE float16 bits, rounded to nearest even (as torch's .to(torch.float16));
+// at least 65520 in magnitude gives infinity. Integer arithmetic only (see half_to_float).
+static inline uint16_t half_bits(float f) {
+  uint32_t w;
+  std::memcpy(&w, &f, sizeof w);
+  const uint16_t sign = static_cast<uint16_t>((w >> 16) & 0x8000u);
+  w &= 0x7fffffffu;
+  if (w > 0x7f800000u) return sign | 0x7e00u;                // NaN
+  if (w >= 0x477ff000u) return sign | 0x7c00u;               // rounds past 65504: infinity
+  if (w >= 0x38800000u)                                      // >= 2^-14: a normal half
+    return sign | static_cast<uint16_t>((w + 0xfffu + ((w >> 13) & 1u) - 0x38000000u) >> 13);
+  const int shift = 126 - static_cast<int>(w >> 23);         // subnormal: mant * 2^-shift
+  if (shift > 24) return sign;                               // below 2^-25 (2^-25 ties to 0)
+  const uint32_t mant = (w & 0x7fffffu) | 0x800000u;
+  const uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  return sign | static_cast<uint16_t>(q + (rem > half || (rem == half && (q & 1u))));
+}
+
 // The scale of the row at x (D codes): 1 for a float or bfloat16 cache.
 template <typename C>
 static inline float row_scale(const C* x, int64_t D) {
   if constexpr (is_q8<C>) {
-    float s;
+    uint16_t s;
     std::memcpy(&s, x + D, sizeof s);
-    return s;
+    return half_to_float(s);
   } else {
     (void)x;
     (void)D;
@@ -574,7 +608,7 @@ struct RowTiles {
 };
 
 // The KV tiles of KV heads h0 .. h1 - 1 over positions [j0 * bs, len) of one sequence (its
-// block table row bt; caches [N, bs, Hkv, hs], tok = Hkv * hs: hs = D, or D + 4 for an int8
+// block table row bt; caches [N, bs, Hkv, hs], tok = Hkv * hs: hs = D, or D + 2 for an int8
 // cache's codes and scale), block by block (a block's rows read
 // whole and in order) with the next block's rows prefetched: f(h, k, v, kp, vp, n, p0) for
 // a tile of n <= TILE positions from p0 whose rows of head h start at k and v (kp, vp: the
@@ -659,7 +693,7 @@ constexpr int64_t PREFILL_GEMM_MIN = 64;
 // (rows may be strided: qs0, qs1, qs2), caches [N, bs, Hkv, D] contiguous (tok = Hkv * D
 // elements a position), tables [B, M] int64, lens [B] int64, out [R, H, D] contiguous; q,
 // caches and out all of type T (float or bfloat16), or the caches int8 codes with scales
-// (C = int8_t: rows of hs = D + 4 elements), all the arithmetic in float32. DC > 0
+// (C = int8_t: rows of hs = D + 2 elements), all the arithmetic in float32. DC > 0
 // fixes D at compile time (unrolled loops, and the AVX-512 tiles where DC is a multiple of 16
 // and the compiler targets AVX-512); 0 reads it.
 template <typename T, int64_t DC, typename C = T>
@@ -1059,7 +1093,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
               "paged_prefill: q and out float32 or bfloat16, the caches q's dtype or int8");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous() &&
                   out.sizes() == q.sizes() && q.dim() == 3 &&
-                  q.size(2) + (q8 ? 4 : 0) == key_cache.size(3) &&
+                  q.size(2) + (q8 ? row_extra<int8_t>() : 0) == key_cache.size(3) &&
                   key_cache.sizes() == value_cache.sizes() && q.size(1) % key_cache.size(2) == 0,
               "paged_prefill: shapes do not match");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
@@ -1129,12 +1163,12 @@ static void write_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* S,
 }
 
 // Rows 0..n-1 of x [R, Hkv, D] (any strides) quantized to the flat slots S of an int8 cache
-// [N, bs, Hkv, D + 4] (contiguous; a negative slot is skipped): per row and head, codes
-// round(x * 127 / absmax) (ties to even) and the float32 scale absmax * (1 / 127) after
-// them, as kv_int8.quantize computes.
+// [N, bs, Hkv, D + 2] (contiguous; a negative slot is skipped): per row and head, the
+// float16 scale s = half(min(absmax * (1 / 127), 65504)) after the codes round(x * (1 / s))
+// (ties to even, clamped to +-127; 0 where s is 0), as kv_int8.quantize computes.
 template <typename T>
 static void write_rows_q8(const at::Tensor& x, at::Tensor& cache, const int64_t* S, int64_t n) {
-  const int64_t Hkv = x.size(1), D = x.size(2), hs = D + 4;
+  const int64_t Hkv = x.size(1), D = x.size(2), hs = D + 2;
   const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
   const T* X = x.data_ptr<T>();
   int8_t* C = cache.data_ptr<int8_t>();
@@ -1144,14 +1178,15 @@ static void write_rows_q8(const at::Tensor& x, at::Tensor& cache, const int64_t*
       const T* src = X + i * s0 + h * s1;
       float amax = 0.f;
       for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_f(src[d * s2])));
-      const float scale = amax * (1.f / 127.f);
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const uint16_t s16 = half_bits(std::min(amax * (1.f / 127.f), 65504.f));
+      const float scale = half_to_float(s16);
+      const float inv = scale > 0.f ? 1.f / scale : 0.f;
       int8_t* row = C + (S[i] * Hkv + h) * hs;
       for (int64_t d = 0; d < D; ++d) {
         const float c = std::nearbyint(to_f(src[d * s2]) * inv);
         row[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
       }
-      std::memcpy(row + D, &scale, sizeof scale);
+      std::memcpy(row + D, &s16, sizeof s16);
     }
   }
 }
@@ -1177,7 +1212,7 @@ void paged_write_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                   k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
                   k.size(0) >= n && R >= n && out.sizes() == q.sizes() &&
                   key_cache.sizes() == value_cache.sizes() && k.size(1) == key_cache.size(2) &&
-                  k.size(2) + (q8 ? 4 : 0) == key_cache.size(3),
+                  k.size(2) + (q8 ? row_extra<int8_t>() : 0) == key_cache.size(3),
               "paged_write_decode: shapes do not match");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() >= n,
               "paged_write_decode: slots must be int64 with a slot per sequence");

@@ -11,8 +11,8 @@ from tests.test_speculative import SPEC, _repetitive_prompts
 
 BS = 4
 #: One block of the tiny Llama's int8 cache: 2 layers x K and V x 2 KV heads x (16 codes + a
-#: 4-byte scale) x 4 tokens.
-INT8_BLOCK_BYTES = BS * 2 * 2 * 2 * (16 + 4)
+#: 2-byte scale) x 4 tokens.
+INT8_BLOCK_BYTES = BS * 2 * 2 * 2 * (16 + 2)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 INT8 = dict(dtype="float32", kv_cache_dtype="int8", block_size=BS, max_num_batched_tokens=16,
             max_model_len=96, kv_cache_bytes=24 * INT8_BLOCK_BYTES, compile=False)  # fmt: skip

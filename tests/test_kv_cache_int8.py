@@ -38,25 +38,30 @@ def _prompts(lens, seed=11):
 
 
 def test_quantize_round_trip_bounds():
-    """Codes in [-127, 127], the scale absmax / 127, each value within half a step of its
-    row's scale, an all-zero row exact; bfloat16 rows too."""
+    """Codes in [-127, 127], the float16 scale within half a float16 step of absmax / 127,
+    each value within the bound kv_int8 proves (``s * (1/2 + 2**-15)``, or 3.8e-6 for a
+    subnormal scale), an all-zero row exact; bfloat16 rows too."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-4, 3, 50)[:, None, None]
     x[7, 1] = 0.0
     x[9, 2, 5] = 1e4  # one outlier: the rest of its row rounds coarsely
     for src in (x, x.bfloat16()):
         packed = kv_int8.quantize(src)
-        assert packed.dtype == torch.int8 and packed.shape == (50, 3, 68)
+        assert packed.dtype == torch.int8 and packed.shape == (50, 3, 66)
         codes = packed[..., :64]
         assert int(codes.min()) >= -127 and int(codes.max()) <= 127
         scale = kv_int8.scales(packed)
         amax = src.float().abs().amax(-1)
-        torch.testing.assert_close(scale, amax / 127, rtol=1e-6, atol=0)
-        assert bool((codes.abs().amax(-1) == 127)[amax > 0].all())  # the absmax maps to 127
-        err = (kv_int8.dequantize(packed) - src.float()).abs()
-        assert bool((err <= scale[..., None] * 0.5 * (1 + 1e-5)).all())
+        exact = amax.double() / 127
+        normal = exact >= 2**-14
+        step = torch.where(normal, exact * 2**-11, torch.full_like(exact, 2**-25))
+        assert bool(((scale.double() - exact).abs() <= step * (1 + 1e-6)).all())
+        assert bool((codes.abs().amax(-1) == 127)[normal].all())  # the absmax maps to 127
+        err = (kv_int8.dequantize(packed).double() - src.double()).abs()
+        bound = torch.clamp_min(scale.double() * (0.5 + 2**-15), 3.8e-6)
+        assert bool((err <= torch.where(normal, scale * (0.5 + 2**-15), bound)[..., None]).all())
         assert not kv_int8.dequantize(packed)[7, 1].any() and float(scale[7, 1]) == 0.0
-    assert kv_int8.head_dim_of(packed) == 64 and kv_int8.row_dim(64, True) == 68
+    assert kv_int8.head_dim_of(packed) == 64 and kv_int8.row_dim(64, True) == 66
 
 
 def _int8_step(query_lens, seq_lens, bs, hkv, heads, dim, dtype, seed=0):
@@ -185,7 +190,7 @@ def _spec(kv_cache_dtype: str, dtype=torch.bfloat16) -> KVCacheSpec:
 
 
 def test_pool_holds_about_twice_the_blocks(tiny_llama_dir):
-    """The same KV bytes hold 2 x head_dim / (head_dim + 4) times the bfloat16 blocks (the
+    """The same KV bytes hold 2 x head_dim / (head_dim + 2) times the bfloat16 blocks (the
     scales counted), 4 x as many as float32 less the scales."""
     from transformers import AutoConfig
 
@@ -194,13 +199,13 @@ def test_pool_holds_about_twice_the_blocks(tiny_llama_dir):
     cpu = torch.device("cpu")
     bf, n_bf = size_kv_cache(config, torch.bfloat16, cpu, **kw)
     q8, n_q8 = size_kv_cache(config, torch.bfloat16, cpu, kv_cache_dtype="int8", **kw)
-    assert bf.bytes_per_token == 2 * 2 * 2 * 16 * 2 and q8.bytes_per_token == 2 * 2 * 2 * 20
+    assert bf.bytes_per_token == 2 * 2 * 2 * 16 * 2 and q8.bytes_per_token == 2 * 2 * 2 * 18
     assert n_bf == 2**20 // bf.bytes_per_block and n_q8 == 2**20 // q8.bytes_per_block
-    assert n_q8 / n_bf == pytest.approx(2 * 16 / 20, rel=0.01)
-    # the default model's head size: 1.88x
-    assert _spec("auto").bytes_per_token / _spec("int8").bytes_per_token == pytest.approx(128 / 68)
+    assert n_q8 / n_bf == pytest.approx(2 * 16 / 18, rel=0.01)
+    # the default model's head size: 1.94x
+    assert _spec("auto").bytes_per_token / _spec("int8").bytes_per_token == pytest.approx(128 / 66)
     cache = KVCache(_spec("int8"), 3, cpu)
-    assert cache.key_slots[0].shape == (3, 16, 2, 68) and cache.key_slots[0].dtype == torch.int8
+    assert cache.key_slots[0].shape == (3, 16, 2, 66) and cache.key_slots[0].dtype == torch.int8
     assert cache.num_bytes == 3 * _spec("int8").bytes_per_block
 
 
@@ -209,11 +214,11 @@ def test_invalid_kv_cache_dtype_is_refused():
         EngineConfig(kv_cache_dtype="fp8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="head_dim divisible by 4"):
-        from transformers import LlamaConfig
+    with pytest.raises(ValueError, match="needs an even head_dim, got 31"):
+        from transformers import GPT2Config  # no RoPE: an odd head size is a valid config
 
         size_kv_cache(
-            LlamaConfig(hidden_size=60, num_attention_heads=2, num_hidden_layers=1),
+            GPT2Config(n_embd=62, n_head=2, n_layer=1),
             torch.float32, torch.device("cpu"), block_size=4, max_model_len=16,
             max_num_seqs=1, kv_cache_bytes=2**20, kv_cache_dtype="int8",
         )  # fmt: skip
@@ -231,7 +236,7 @@ def test_block_copies_carry_the_scales():
     for t, b in zip(cache.block_tensors(), before, strict=True):
         assert torch.equal(t[4], b[1]) and torch.equal(t[5], b[2]) and torch.equal(t[:4], b[:4])
     pool = CPUOffloadPool(cache, 4)
-    assert pool.key_blocks[0].shape == (4, 16, 2, 68) and pool.num_bytes == 4 * 16 * 2 * 4 * 68 * 2
+    assert pool.key_blocks[0].shape == (4, 16, 2, 66) and pool.num_bytes == 4 * 16 * 2 * 4 * 66 * 2
     pool.swap([(0, 3), (4, 0)], [])
     for t in cache.block_tensors():
         t.zero_()
@@ -250,24 +255,50 @@ async def _greedy(engine, prompts, params=GREEDY):
     return [o.token_ids for o in outs], stats
 
 
+#: A top-2 gap (log-prob) of the model-dtype cache below which an int8 cache may pick the
+#: second token: on the tiny random models the int8 cache moves log-probs by ~5e-4 (their
+#: logits are nearly flat: top-2 gaps of 6e-5 occur).
+NEAR_TIE = 1e-3
+
+
+def _equal_up_to_near_ties(want, got) -> int:
+    """Each request's tokens equal the reference's until, at most, a near-tie (top-2 gap below
+    :data:`NEAR_TIE`) where the int8 cache took the reference's second token; returns the
+    tokens compared."""
+    compared = 0
+    for w, g in zip(want, got, strict=True):
+        for t, (a, b) in enumerate(zip(w.token_ids, g.token_ids, strict=True)):
+            compared += 1
+            if a != b:
+                top = sorted(w.logprobs[t].items(), key=lambda kv: -kv[1].logprob)
+                assert top[0][1].logprob - top[1][1].logprob < NEAR_TIE and b == top[1][0]
+                break
+    return compared
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 async def test_greedy_equals_the_model_dtype_cache(arch, backend, request, make_engine):
     """Chunked prefill with decodes (budget 16, blocks of 4): an int8 cache gives the
     float32 cache's tokens on the tiny Llama and the tiny Qwen2 (its second layer a sliding
-    window of 8, so a hybrid layout), whose top logits are not near-ties here; stats report
-    the int8 layout."""
+    window of 8, so a hybrid layout), up to a near-tie of the reference's top two log-probs
+    (the tiny Llama's third prompt: a gap of 4e-4 at its ninth token); stats report the int8
+    layout."""
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     prompts = _prompts([3, 9, 20, 30, 5, 17])
     kw = dict(block_size=4, max_num_batched_tokens=16, kv_cache_bytes=2**20, dtype="float32")
-    want, _ = await _greedy(make_engine(model_dir, attention_backend=backend, **kw), prompts)
-    got, stats = await _greedy(
-        make_engine(model_dir, attention_backend=backend, kv_cache_dtype="int8", **kw), prompts
-    )
-    assert got == want
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    engines = [make_engine(model_dir, attention_backend=backend, **kw, **kv)
+               for kv in ({}, {"kv_cache_dtype": "int8"})]  # fmt: skip
+    outs = []
+    for engine in engines:
+        async with engine:
+            outs.append(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))
+            stats = engine.stats()
+    assert _equal_up_to_near_ties(*outs) >= 60  # of 72
     assert stats["kv_cache_dtype"] == "int8" and stats["kv_layout"].endswith(", int8")
     slots = 2 if arch == "llama" else 1  # the hybrid layout: a block holds one layer's K/V
-    assert stats["kv_bytes_per_token"] == 2 * slots * 2 * (16 + 4)
+    assert stats["kv_bytes_per_token"] == 2 * slots * 2 * (16 + 2)
 
 
 async def test_preemption_swap_keeps_int8_outputs(tiny_llama_dir, make_engine):
@@ -276,7 +307,7 @@ async def test_preemption_swap_keeps_int8_outputs(tiny_llama_dir, make_engine):
     prompts = _prompts([3, 7, 12, 20, 1, 9, 30, 16] * 2)
     kw = dict(block_size=4, max_num_batched_tokens=32, max_model_len=48, kv_cache_dtype="int8")
     big, _ = await _greedy(make_engine(tiny_llama_dir, kv_cache_bytes=2**20, **kw), prompts)
-    block_bytes = 4 * 2 * 2 * 2 * 20  # 4 tokens, K and V, 2 layers, 2 heads, 16 + 4 bytes
+    block_bytes = 4 * 2 * 2 * 2 * 18  # 4 tokens, K and V, 2 layers, 2 heads, 16 + 2 bytes
     small, stats = await _greedy(
         make_engine(tiny_llama_dir, kv_cache_bytes=16 * block_bytes, **kw), prompts
     )
@@ -341,6 +372,23 @@ class TestTritonInt8UnderInterpreter:
                 )
                 torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_write_of_edge_rows_matches_torch(self, dtype):
+        """The Triton write's float16 scales and codes for every edge case of
+        tests/test_kv_int8_scales.py (zero, underflow, subnormal, saturated, float16 ties,
+        codes at .5), bit for bit as the torch write, heads of one token in one program."""
+        from tests.test_kv_int8_scales import _edge_rows
+
+        rows = _edge_rows(32).to(dtype)
+        m = len(rows) // 4  # tokens of 2 KV heads, K and V
+        key, value = rows[: 2 * m].view(m, 2, 32), rows[2 * m : 4 * m].view(m, 2, 32)
+        kc = torch.zeros(m, 4, 2, 34, dtype=torch.int8)
+        vc, kc_ref, vc_ref = kc.clone(), kc.clone(), kc.clone()
+        slots = torch.arange(m) * 4 + 1
+        torch_paged.write_kv_cache(key, value, kc_ref, vc_ref, slots)
+        triton_paged.write_kv_cache(key, value, kc, vc, slots)
+        assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
 
 def test_triton_int8_kernels():
     """Runs :class:`TestTritonInt8UnderInterpreter` in a child pytest with
@@ -352,7 +400,7 @@ def test_triton_int8_kernels():
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     summary = proc.stdout.strip().splitlines()[-1]
-    assert "2 passed" in summary and "skipped" not in summary, summary
+    assert "4 passed" in summary and "skipped" not in summary, summary
 
 
 test_triton_int8_kernels.__test__ = not INTERPRETED

@@ -19,6 +19,7 @@ import torch
 from asyncllm import EngineConfig, SamplingParams
 from asyncllm.core.block_manager import hash_block
 from asyncllm.worker.disk_tier import MAGIC, DiskPrefixCache, namespace_digest
+from asyncllm.worker.kv_cache import KVCacheSpec
 from tests.test_hybrid_kv import _prompt
 
 BS = 4
@@ -107,6 +108,32 @@ def test_a_block_of_several_tensors_is_written_from_its_snapshot(tmp_path):
         assert torch.equal(k_pool[slot], k) and torch.equal(v_pool[slot], v)
 
 
+def test_an_int8_file_of_float32_scales_is_never_read(tmp_path):
+    """The int8 rows held a float32 scale (``head_dim + 4``) before float16 scales
+    (``head_dim + 2``); files of that layout were keyed by the spec's repr without its
+    ``int8_layout``. The new repr names the layout, so such a file has another name and,
+    copied under the new one, fails the checks; a model-dtype cache's repr (and files) are
+    unchanged."""
+    spec = KVCacheSpec(2, 2, 16, torch.float32, BS, kv_cache_dtype="int8")
+    fields = ("num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=4, "
+              "groups=None, kv_cache_dtype={!r}")  # fmt: skip
+    old_repr = f"KVCacheSpec({fields.format('int8')})"
+    assert repr(spec) == f"KVCacheSpec({fields.format('int8')}, int8_layout=2)" != old_repr
+    auto = KVCacheSpec(2, 2, 16, torch.float32, BS)
+    assert repr(auto) == f"KVCacheSpec({fields.format('auto')})"
+    old_pool = torch.zeros(2, BS, 2, 16 + 4, dtype=torch.int8)
+    old = DiskPrefixCache(tmp_path, namespace_digest(kv=old_repr), [old_pool], 1 << 20)
+    key = (0, hash_block(None, [1, 2, 3, 4]))
+    old.save([torch.ones(1, BS, 2, 16 + 4, dtype=torch.int8)], [(0, key)])
+    old.close()
+    assert old.has(key)
+    new_pool = torch.zeros(2, *spec.block_shape, dtype=torch.int8)
+    new = DiskPrefixCache(tmp_path, namespace_digest(kv=repr(spec)), [new_pool], 1 << 20)
+    assert not new.has(key) and new.block_bytes == BS * 2 * 18
+    os.replace(old.path(key), new.path(key))
+    assert not _load(new, key, 0) and new.num_invalid == 1 and not new_pool.any()
+
+
 def test_the_directory_stays_within_its_bound(tmp_path):
     pool = torch.zeros(2, 3, 5)
     disk = DiskPrefixCache(tmp_path, "ns", [pool], max_bytes=3 * 400)
@@ -146,13 +173,15 @@ async def test_a_new_engine_serves_the_system_prompt_from_disk(
 async def test_another_layout_or_model_never_reads_the_files(
     tiny_llama_dir, bos_llama_dir, make_engine, tmp_path
 ):
-    """Files of one model and KV layout are another's misses: the same weights in bfloat16
-    or with blocks of 8, or with another tokenizer (``bos_llama_dir``), name other files."""
+    """Files of one model and KV layout are another's misses: the same weights in bfloat16,
+    with blocks of 8 or an int8 cache, or with another tokenizer (``bos_llama_dir``), name
+    other files."""
     first = make_engine(tiny_llama_dir, **KW, prefix_cache_dir=str(tmp_path))
     await _generate(first, [[*SYSTEM, 5]])
     written = set(_valid_files(tmp_path))
     for model, kw in ((tiny_llama_dir, dict(KW, dtype="bfloat16")),
                       (tiny_llama_dir, dict(KW, block_size=8)),
+                      (tiny_llama_dir, dict(KW, kv_cache_dtype="int8")),
                       (bos_llama_dir, KW)):  # fmt: skip
         engine = make_engine(model, **kw, prefix_cache_dir=str(tmp_path))
         _, stats = await _generate(engine, [[*SYSTEM, 5]])

@@ -396,7 +396,7 @@ def chunk_attention(
     Args:
         query: ``[T, H, D]`` (rows may be strided).
         key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous (int8:
-            ``D + 4``, :mod:`~asyncllm.attention.kv_int8`).
+            ``D + 2``, :mod:`~asyncllm.attention.kv_int8`).
         block_tables: ``[B, M]`` int64.
         seq_lens, query_start, query_lens: ``[B]`` int64 (tokens, rows, rows).
         scale: softmax scale.

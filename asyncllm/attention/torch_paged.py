@@ -16,7 +16,7 @@ for the query at position ``p`` (transformers' ``sliding_window_overlay``: Mistr
 Qwen2's sliding layers), and attention logit soft-capping replaces each scaled score ``s`` by
 ``c * tanh(s / c)`` before the mask (Gemma 2; transformers' ``eager_attention_forward``).
 
-An int8 cache (:mod:`asyncllm.attention.kv_int8`: ``head_dim + 4`` int8 elements a row, codes
+An int8 cache (:mod:`asyncllm.attention.kv_int8`: ``head_dim + 2`` int8 elements a row, codes
 and scale) is quantized on write and its gathered rows dequantized to the query's dtype
 before the attention.
 """
@@ -46,7 +46,7 @@ def write_kv_cache(
         key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype (any float
             dtype for an int8 cache: quantized here, :func:`~asyncllm.attention.kv_int8.quantize`).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (int8:
-            ``head_dim + 4``).
+            ``head_dim + 2``).
         slot_mapping: ``[num_tokens]`` int64 flat slots (-1: do not store).
     """
     keep = slot_mapping >= 0
@@ -257,7 +257,7 @@ def paged_attention(
     Args:
         query: ``[num_tokens, num_heads, head_dim]``.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the
-            query's dtype, or int8 ``[..., head_dim + 4]`` (dequantized to the query's dtype).
+            query's dtype, or int8 ``[..., head_dim + 2]`` (dequantized to the query's dtype).
         plan: the step's :class:`PagedAttentionPlan`.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         window: a sliding window of this many positions (0: none), see the module's text.

@@ -169,7 +169,7 @@ def write_kv_cache(
         key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype (any float
             dtype for int8 caches, quantized on the way), head_dim contiguous.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, or int8
-            ``[..., head_dim + 4]`` (:mod:`asyncllm.attention.kv_int8`).
+            ``[..., head_dim + 2]`` (:mod:`asyncllm.attention.kv_int8`).
         slot_mapping: ``[num_tokens]`` int64 (or int32) flat slots (-1: do not store).
 
     Raises:
@@ -205,7 +205,7 @@ def paged_attention(
         query: ``[num_tokens, num_heads, head_dim]`` float16, bfloat16 or float32, head_dim
             contiguous.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the
-            query's dtype, or int8 ``[..., head_dim + 4]`` (codes and scales,
+            query's dtype, or int8 ``[..., head_dim + 2]`` (codes and scales,
             :mod:`asyncllm.attention.kv_int8`; dequantized in the kernels).
         plan: the step's :class:`TritonPagedPlan`.
         scale: softmax scale, usually ``head_dim ** -0.5``.

@@ -5,9 +5,10 @@ Large Language Model Serving with PagedAttention", SOSP 2023): one program per n
 its ``[num_kv_heads, head_dim]`` key and value rows to flat slot ``slot_mapping[t]`` of the
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` caches. Tokens with a negative slot are
 skipped (masked loads and stores, no branch). An int8 cache (:mod:`asyncllm.attention.kv_int8`)
-gets each row quantized on the way: its codes ``round(x * 127 / absmax)`` (ties to even, by
-adding and subtracting 1.5 * 2**23 in float32; ``127 / absmax`` IEEE-rounded, ``div_rn``) and
-its float32 scale ``absmax * (1/127)`` after them, as the torch path writes.
+gets each row quantized on the way, bit for bit as the torch path writes: its float16 scale
+``s = float16(min(absmax * (1/127), 65504))`` (round to nearest even) after its codes
+``round(x * (1 / s))`` (ties to even, by adding and subtracting 1.5 * 2**23 in float32;
+``1 / s`` IEEE-rounded, ``div_rn``; the product rounded before, no FMA; 0 where ``s`` is 0).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels.paged_common import scale_view
+from asyncllm.kernels.paged_common import SCALE_BYTES, scale_view
 
 
 @triton.jit
@@ -64,8 +65,8 @@ def _kv_cache_write_kernel(
         tl.store(key_cache_ptr + k_row[:, None] + d[None, :], k_codes, mask=mask)
         tl.store(value_cache_ptr + v_row[:, None] + d[None, :], v_codes, mask=mask)
         h_mask = keep & (h < NUM_KV_HEADS)
-        tl.store(key_scale_ptr + (k_row + HEAD_DIM) // 4, k_scale, mask=h_mask)
-        tl.store(value_scale_ptr + (v_row + HEAD_DIM) // 4, v_scale, mask=h_mask)
+        tl.store(key_scale_ptr + (k_row + HEAD_DIM) // 2, k_scale, mask=h_mask)
+        tl.store(value_scale_ptr + (v_row + HEAD_DIM) // 2, v_scale, mask=h_mask)
     else:
         tl.store(key_cache_ptr + k_row[:, None] + d[None, :], k, mask=mask)
         tl.store(value_cache_ptr + v_row[:, None] + d[None, :], v, mask=mask)
@@ -73,14 +74,17 @@ def _kv_cache_write_kernel(
 
 @triton.jit
 def _quantize_rows(x):
-    """Rows ``[BLOCK_H, BLOCK_D]`` (masked elements 0) -> (int8 codes, float32 scales
-    ``[BLOCK_H]``): kv_int8's per-row symmetric quantization."""
+    """Rows ``[BLOCK_H, BLOCK_D]`` (masked elements 0) -> (int8 codes, float16 scales
+    ``[BLOCK_H]``): kv_int8's per-row symmetric quantization, the codes from the rounded
+    scale."""
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
-    scale = amax * (1.0 / 127.0)
-    inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax), 0.0)
+    scale = tl.minimum(amax * (1.0 / 127.0), 65504.0).to(tl.float16)  # round to nearest even
+    s = scale.to(tl.float32)
+    one = tl.full(s.shape, 1.0, tl.float32)
+    inv = tl.where(s > 0.0, tl.math.div_rn(one, tl.where(s > 0.0, s, one)), 0.0)
     y = x * inv[:, None]
-    y = (y + 12582912.0) - 12582912.0  # to the nearest integer, ties to even (|y| <= 127)
+    y = (y + 12582912.0) - 12582912.0  # nearest integer, ties to even (|y| < 2**22; more clamps)
     y = tl.minimum(tl.maximum(y, -127.0), 127.0)
     return y.to(tl.int8), scale
 
@@ -102,7 +106,7 @@ def kv_cache_write(
         key, value: ``[num_tokens, num_kv_heads, head_dim]`` in the caches' dtype (any float
             dtype for an int8 cache).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the last
-            dimension contiguous; written in place. int8: ``head_dim + 4`` (codes and scale,
+            dimension contiguous; written in place. int8: ``head_dim + 2`` (codes and scale,
             :mod:`asyncllm.attention.kv_int8`).
         slot_mapping: ``[num_tokens]`` int32 or int64 flat slots
             (``block * block_size + offset``; negative: do not store).
@@ -117,10 +121,10 @@ def kv_cache_write(
             f"{tuple(key_cache.shape)}, value_cache {tuple(value_cache.shape)} do not match"
         )
     quant = key_cache.dtype == torch.int8
-    if key_cache.shape[2:] != (num_kv_heads, head_dim + (4 if quant else 0)):
+    if key_cache.shape[2:] != (num_kv_heads, head_dim + (SCALE_BYTES if quant else 0)):
         raise ValueError(f"key rows {tuple(key.shape)} do not fit cache {tuple(key_cache.shape)}")
-    if quant and (value_cache.dtype != torch.int8 or head_dim % 4):
-        raise ValueError(f"int8 caches need int8 values and head_dim % 4 == 0, got {head_dim}")
+    if quant and (value_cache.dtype != torch.int8 or head_dim % 2):
+        raise ValueError(f"int8 caches need int8 values and an even head_dim, got {head_dim}")
     if not quant and (key.dtype != key_cache.dtype or value.dtype != value_cache.dtype):
         raise ValueError(f"K/V dtype {key.dtype} differs from the cache's {key_cache.dtype}")
     if slot_mapping.shape != (num_tokens,):
@@ -157,4 +161,7 @@ def kv_cache_write(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1],
         QUANT=quant,
+        # no fused multiply-add on CUDA: the codes round the float32 product x * (1 / s), as
+        # torch does (an FMA with the rounding constant would round the exact product)
+        enable_fp_fusion=False,
     )

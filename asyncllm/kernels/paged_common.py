@@ -39,6 +39,11 @@ def load_kv_tile(
     )
 
 
+#: Bytes of an int8 KV row's float16 scale after its codes (``asyncllm.attention.kv_int8``'s
+#: ``SCALE_BYTES``, which the kernels cannot import; tests/test_kv_cache_int8.py checks).
+SCALE_BYTES = 2
+
+
 @triton.jit
 def load_kv(
     cache_ptr,
@@ -57,16 +62,17 @@ def load_kv(
     QUANT: tl.constexpr,
 ):
     """:func:`load_kv_tile`, or with ``QUANT`` an int8 cache's rows as float32 ``code *
-    scale``: ``cache_ptr`` the int8 codes (rows of ``HEAD_DIM + 4`` bytes), ``scale_ptr``
-    the same memory as float32, each row's scale at its byte ``HEAD_DIM``."""
+    scale``: ``cache_ptr`` the int8 codes (rows of ``HEAD_DIM + 2`` bytes), ``scale_ptr``
+    the same memory as float16, each row's scale at its byte ``HEAD_DIM`` (widened to float32
+    exactly)."""
     if QUANT:
         block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
         row = block * stride_b + (pos % BLOCK_SIZE) * stride_t + kv_head * stride_h
         codes = tl.load(
             cache_ptr + row[:, None] + d[None, :], mask=pos_mask[:, None] & d_mask[None, :], other=0
         )
-        scale = tl.load(scale_ptr + (row + HEAD_DIM) // 4, mask=pos_mask, other=0.0)
-        return codes.to(tl.float32) * scale[:, None]
+        scale = tl.load(scale_ptr + (row + HEAD_DIM) // 2, mask=pos_mask, other=0.0)
+        return codes.to(tl.float32) * scale.to(tl.float32)[:, None]
     else:
         return load_kv_tile(
             cache_ptr, block_table_ptr, pos, pos_mask, kv_head, d, d_mask,
@@ -75,9 +81,9 @@ def load_kv(
 
 
 def scale_view(cache: torch.Tensor) -> torch.Tensor:
-    """The float32 view of an int8 cache (its scales' pointer for :func:`load_kv`); the
-    cache itself otherwise (an unused argument)."""
-    return cache.view(torch.float32) if cache.dtype == torch.int8 else cache
+    """The float16 view of an int8 cache (its scales' pointer for :func:`load_kv` and the
+    int8 write); the cache itself otherwise (an unused argument)."""
+    return cache.view(torch.float16) if cache.dtype == torch.int8 else cache
 
 
 @triton.jit
@@ -123,7 +129,7 @@ def check_paged_inputs(
 ) -> tuple[int, int, int, int]:
     """Validate the query and caches shared by the attention kernels; returns their sizes.
 
-    The caches are the query's dtype, or int8 with rows of ``head_dim + 4`` (codes and
+    The caches are the query's dtype, or int8 with rows of ``head_dim + 2`` (codes and
     scale: :mod:`asyncllm.attention.kv_int8`).
 
     Returns:
@@ -140,15 +146,16 @@ def check_paged_inputs(
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_dim = key_cache.shape
     quant = key_cache.dtype == torch.int8
-    if value_cache.shape != key_cache.shape or cache_dim != head_dim + (4 if quant else 0):
+    row = head_dim + (SCALE_BYTES if quant else 0)  # an int8 row: codes and float16 scale
+    if value_cache.shape != key_cache.shape or cache_dim != row:
         raise ValueError(
             f"query {tuple(query.shape)}, key_cache {tuple(key_cache.shape)} and value_cache "
             f"{tuple(value_cache.shape)} do not match"
         )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if quant and head_dim % 4:
-        raise ValueError(f"an int8 cache needs a head_dim divisible by 4, got {head_dim}")
+    if quant and head_dim % 2:
+        raise ValueError(f"an int8 cache needs an even head_dim, got {head_dim}")
     if not (key_cache.dtype == value_cache.dtype and (quant or query.dtype == key_cache.dtype)):
         raise ValueError(
             f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} differ"

@@ -196,7 +196,7 @@ def paged_prefill(
         query: ``[num_tokens, num_heads, head_dim]`` float16, bfloat16 or float32, head_dim
             contiguous.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the query's
-            dtype, or int8 ``[..., head_dim + 4]`` (codes and scale,
+            dtype, or int8 ``[..., head_dim + 2]`` (codes and scale,
             :mod:`asyncllm.attention.kv_int8`; dequantized to the query's dtype per tile).
         out: like ``query`` (any strides with head_dim contiguous); written in place.
         tile_seqs: ``[num_tiles]`` int32 sequence of each query tile.

@@ -7,13 +7,14 @@ whose table holds it in slot ``s``. ``KVCache.key_caches[layer]`` is its slot's 
 the layers of one slot see the same tensor (each through its own group's block table).
 
 With ``kv_cache_dtype="int8"`` the tensors are int8, each token-head row ``head_dim`` codes
-and its float32 scale (:mod:`asyncllm.attention.kv_int8`): every per-block datum lives in
+and its float16 scale (:mod:`asyncllm.attention.kv_int8`): every per-block datum lives in
 the slot tensors (:meth:`KVCache.block_tensors`), so a block copy between two pools of the
 same spec (:func:`copy_blocks_between`) carries the scales with the codes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 import os
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from asyncllm.attention.kv_int8 import QUANTIZED_KV_DTYPES, row_dim
+from asyncllm.attention.kv_int8 import LAYOUT_VERSION, QUANTIZED_KV_DTYPES, row_dim
 from asyncllm.core.kv_groups import KVGroups
 
 CPU_MEMORY_FRACTION = 0.2
@@ -43,8 +44,12 @@ class KVCacheSpec:
         dtype: the model's dtype (the cache's element type unless quantized).
         block_size: tokens per block.
         groups: the layer groups (None: one group of all layers, full attention).
-        kv_cache_dtype: "auto" (K/V in ``dtype``) or "int8" (codes and a float32 scale
+        kv_cache_dtype: "auto" (K/V in ``dtype``) or "int8" (codes and a float16 scale
             per token and head: :mod:`asyncllm.attention.kv_int8`).
+
+    The repr names the int8 row layout's version (``kv_int8.LAYOUT_VERSION``) when
+    quantized: the disk tier keys its files by it, so files of another int8 layout (float32
+    scales, before version 2) are never read as this one.
     """
 
     num_layers: int
@@ -54,6 +59,11 @@ class KVCacheSpec:
     block_size: int
     groups: KVGroups | None = None
     kv_cache_dtype: str = "auto"
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        layout = f", int8_layout={LAYOUT_VERSION}" if self.quantized else ""
+        return f"KVCacheSpec({fields}{layout})"
 
     @property
     def quantized(self) -> bool:
@@ -68,7 +78,7 @@ class KVCacheSpec:
     @property
     def block_shape(self) -> tuple[int, int, int]:
         """One block of one slot tensor: ``(block_size, num_kv_heads, row)``; ``row`` is
-        ``head_dim``, or ``head_dim + 4`` int8 elements when quantized."""
+        ``head_dim``, or ``head_dim + 2`` int8 elements when quantized."""
         return (self.block_size, self.num_kv_heads, row_dim(self.head_dim, self.quantized))
 
     @property
@@ -90,7 +100,7 @@ class KVCacheSpec:
     def bytes_per_token(self) -> int:
         """Bytes of one token in one block table: ``2 (K and V) x slots x kv_heads x row x
         element bytes`` (slots: all layers, or a group's with layer groups; row: head_dim,
-        or head_dim + 4 int8 bytes with its scale when quantized)."""
+        or head_dim + 2 int8 bytes with its scale when quantized)."""
         elem = torch.empty((), dtype=self.storage_dtype).element_size()
         _, heads, row = self.block_shape
         return 2 * self.num_slots * heads * row * elem
@@ -157,15 +167,15 @@ def kv_cache_spec(
 
     Raises:
         ValueError: an unknown ``kv_cache_dtype``, or "int8" with a head size that is not
-            a multiple of 4 (the scale after the codes must stay 4-byte aligned).
+            even (the float16 scale after the codes must stay 2-byte aligned).
     """
     if kv_cache_dtype != "auto" and kv_cache_dtype not in QUANTIZED_KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {kv_cache_dtype!r}")
     heads = config.num_attention_heads  # type: ignore[attr-defined]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
-    if kv_cache_dtype != "auto" and head_dim % 4:
+    if kv_cache_dtype != "auto" and head_dim % 2:
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} needs a head_dim divisible by 4, got {head_dim}"
+            f"kv_cache_dtype={kv_cache_dtype!r} needs an even head_dim, got {head_dim}"
         )
     groups = KVGroups.of_windows(expected_windows(config), max_model_len)
     return KVCacheSpec(
@@ -309,7 +319,7 @@ def copy_blocks_between(
 
 class KVCache:
     """One K and one V tensor per slot, ``[num_blocks, block_size, num_kv_heads, row]``
-    (row: ``head_dim``, or ``head_dim + 4`` int8 codes and scale with an int8 cache; a slot
+    (row: ``head_dim``, or ``head_dim + 2`` int8 codes and scale with an int8 cache; a slot
     per layer without layer groups; see the module's text).
 
     Allocated once, zero-filled so that never-written slots read as finite numbers; on CPU
