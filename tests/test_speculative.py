@@ -18,9 +18,11 @@ import torch
 
 from asyncllm import SamplingParams
 from asyncllm.config import EngineConfig
+from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.ngram import NgramIndex
 from asyncllm.core.request import Request
-from asyncllm.core.speculation import RequestSpeculation, SpecConfig
+from asyncllm.core.scheduler import Scheduler
+from asyncllm.core.speculation import RequestSpeculation, SpecConfig, Speculation
 from asyncllm.worker.sampling.sampler import Sampler
 from asyncllm.worker.sampling.speculative import accept_prefix, verify_chunks
 from tests.test_preemption import TINY_BLOCK_BYTES
@@ -387,3 +389,30 @@ async def test_grammar_request_beside_speculating_ones(tiny_llama_dir, make_engi
     assert spec == plain
     assert re.fullmatch("(ab|cd){20}", spec[0][1])
     assert stats["spec_num_accepted_tokens"] > 0
+
+
+def test_rejected_proposals_give_their_blocks_back():
+    """A verification that rejects the proposals keeps only the blocks the accepted tokens
+    and the next position need; the pool stays whole (a rejected run's blocks were held
+    until the request ended)."""
+    bm = BlockManager(64, 2, enable_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    config = SpecConfig(num_tokens=8, min_n=1, max_n=2, disable_by_batch_size=8)
+    sched.spec = Speculation(config)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3  # repeats: prompt lookup proposes its next tokens
+    request = Request("r", prompt, max_tokens=40, max_model_len=200)
+    request.spec = RequestSpeculation(config)
+    sched.add_request(request)
+    plan = sched.schedule()
+    sched.update_from_output(plan, {"r": 1})  # prefill; the sampled 1 continues the pattern
+    plan = sched.schedule()
+    (chunk,) = plan.chunks
+    assert len(chunk.spec_token_ids) >= 2
+    held = bm.num_held_blocks("r")
+    assert held == -(-(request.num_tokens + len(chunk.spec_token_ids)) // 2)
+    sched.update_from_output(plan, {"r": 9}, spec_tokens={"r": [9]})  # all rejected
+    assert request.num_computed_tokens == len(prompt) + 1
+    assert bm.num_held_blocks("r") == -(-request.num_tokens // 2) < held
+    bm.check_invariants()
+    sched.abort_request("r")
+    assert bm.num_free_blocks == bm.num_total_blocks

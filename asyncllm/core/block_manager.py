@@ -417,6 +417,21 @@ class BlockManager:
                 live[g] = lo
                 self.pool.free(dead)
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """Return to the pool the request's blocks past those its first ``num_tokens``
+        tokens need: speculative decoding allocated them for proposals that were rejected
+        (they hold no accepted K/V and were never registered in the prefix cache)."""
+        tables = self._tables.get(request_id)
+        if not tables:
+            return
+        keep = -(-num_tokens // self.block_size)
+        for table, live in zip(tables, self._live[request_id], strict=True):
+            cut = max(keep, live)
+            if len(table) > cut:
+                tail = table[cut:]
+                del table[cut:]
+                self.pool.free(reversed(tail))
+
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
         """The request's physical block ids in ``group``, logical order (the live list; do
         not mutate; a sliding group's entries before :meth:`live_from` are placeholders)."""

@@ -166,7 +166,8 @@ class Speculation:
     ) -> None:
         """Append a verified chunk's ``tokens`` (stopping at the first stop condition), roll
         ``num_computed_tokens`` back to the accepted prefix, register its full blocks in the
-        prefix cache and free sliding groups' blocks behind the window."""
+        prefix cache, free the blocks allocated for rejected proposals and sliding groups'
+        blocks behind the window."""
         proposed = len(chunk.spec_token_ids)
         accepted = len(tokens) - 1
         self.num_spec_steps += 1
@@ -189,6 +190,8 @@ class Speculation:
         done = request.num_computed_tokens
         bm = sched.block_manager
         bm.cache_full_blocks(rid, request, request.cache_salt, done)
+        if accepted < proposed:  # the next step computes from position done on
+            bm.free_tail(rid, request.num_tokens)
         if bm.sliding:
             bm.free_behind_window(rid, done)
 
