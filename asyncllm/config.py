@@ -37,8 +37,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             ``absmax / 127``; :mod:`asyncllm.attention.kv_int8`), dequantized inside the
             attention kernels (C++ on CPU, Triton, the torch path): ``head_dim + 2`` bytes a
             row instead of ``2 * head_dim`` (bfloat16), so the same ``kv_cache_bytes`` holds
-            about twice the tokens (1.94x at head_dim 64; 2x the 2,048-token sequences of the
-            default model), at a small cost in fidelity (docs/tuning.md). An even
+            about twice the tokens (twice as many of the default model's 2,048-token
+            sequences), at a small cost in fidelity (docs/tuning.md). An even
             ``head_dim`` is needed. "fp8" is not offered. ValueError for any other value.
         kv_cache_bytes: bytes for the K and V caches of all layers. None: on CUDA 80% of the
             memory left free after loading the weights; on CPU 20% of the available memory;
@@ -98,7 +98,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             minute on 2 cores) and switches between two steps when ready; later engines load
             the saved result in seconds (:mod:`asyncllm.worker.compiled`); a failed compile
             leaves it eager with one warning. "auto": on on CPU (the compiled decode step
-            took 0.65x the eager one at batch 1 and 0.76x at batch 64; docs/tuning.md), off
+            measured faster than the eager one at batch 1 and 64; docs/tuning.md), off
             on CUDA (never measured) and for a mixture-of-experts model (its routing does
             not trace; docs/models.md); ``ASYNCLLM_COMPILE=0``/``1`` overrides "auto";
             True: always, False: never.

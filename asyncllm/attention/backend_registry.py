@@ -16,7 +16,8 @@ one compute thread, so engines on other threads do not see it). Dynamo treats th
 opaque (its fake implementation gives the output's shape), so the code around attention
 traces without a graph break and Inductor fuses it. A backend may arm a step for a native
 implementation of the op (``AttentionBackend.arm_step``; the CPU kernel's runs decode-only
-steps in C++ without calling back into Python: 1.07x a batch-1 step).
+steps in C++ without calling back into Python, which shortens a batch-1 step; docs/tuning.md,
+"The attention op in C++ for decode steps").
 """
 
 from __future__ import annotations

@@ -21,19 +21,19 @@ In a decode step, sequences whose block tables start with the same blocks (prefi
 requests after one system prompt) are attended over those shared blocks together first, as
 one work item per KV head and part of the group with all their query rows (cascade
 attention), so a shared block's K/V rows are read once per group instead of once per
-sequence; each sequence then goes on over its own blocks from that softmax state.
-``benchmarks/attention_kernel.py`` (1 thread, CPU time per call): W2's decode, 32 sequences
-of 570 tokens after a 528-token shared prompt, 1.23x faster in bfloat16, 1.32x in float32.
+sequence; each sequence then goes on over its own blocks from that softmax state (W2's
+decode, 32 sequences after a 528-token shared prompt, gains most; ``benchmarks/attention_kernel.py``
+measures it: docs/tuning.md, "Cascade attention over shared prefixes").
 Chunks of a bfloat16 step that share such a prefix (whole blocks cached before all of them)
 are cascaded too, the prefix part by torch's flash attention for all the group's rows at
 once (its bfloat16 GEMMs run on AMX), which returns the log-sum-exp the chunk kernel starts
-from (:class:`SharedChunks`, :data:`MIN_SHARED_PAIRS`): W2's second step 2.1x faster.
+from (:class:`SharedChunks`, :data:`MIN_SHARED_PAIRS`; W2's second step gains most:
+docs/tuning.md, "Cascade attention for prefill chunks").
 Bfloat16 chunks with ``q_len * seq_len >= TORCH_MIN_PAIRS`` stay on the torch path, whose
-flash attention (bfloat16 GEMMs) is faster there. ``benchmarks/prefill_attention.py``
-(bfloat16, one thread, us per layer call, torch path / kernel): 13 prompts of 40 tokens
-1821 / 551, one of 40 134 / 49, 32 x 12 after 528 cached 11849 / 7652, 28 after 512 cached
-472 / 410, 8 prompts of 40 with 56 decodes 2789 / 998; but one 512-token prompt
-2336 / 3899 (on torch); in float32 the kernel wins all of them (docs/tuning.md).
+flash attention (bfloat16 GEMMs) is faster there (a long prompt); many short prompts, chunks
+after a cached context and prefills mixed with decodes are faster in the kernel, and in
+float32 every case is (``benchmarks/prefill_attention.py``; docs/tuning.md, "C++ paged
+prefill (chunk) attention", has the times).
 
 Queries are float32 or bfloat16 (the engine's dtype), caches the same or int8 codes with a
 scale per row (:mod:`asyncllm.attention.kv_int8`: K rows widened times their scale, V scales
@@ -97,10 +97,9 @@ def available() -> bool:
 
 #: torch's flash attention outruns the chunk kernel on long bfloat16 chunks only where its
 #: GEMMs run on AMX tiles. On a 2-core AMD EPYC (Zen 5: AVX-512 BF16, no AMX) the kernel was
-#: the faster on every case of ``benchmarks/prefill_attention.py`` (2 threads, kernel's
-#: speed over the torch path: 1 x 512 new tokens 2.96x, 64 after 512 cached 2.09x, W2's
-#: 17 x 28 after 512 shared tokens 2.69x against 1.69x with the cascade below), so there
-#: neither routing below applies.
+#: the faster on every case of ``benchmarks/prefill_attention.py`` (2 threads; W2's shared
+#: prefix faster in the kernel alone than with the cascade below; docs/tuning.md, "A CPU
+#: without AMX"), so there neither routing below applies.
 _FLASH_PAYS = "amx_bf16" in cpu_flags()
 
 #: Where the kernel's shared-prefix GEMMs run (native bfloat16 brgemm without AMX).
@@ -110,12 +109,12 @@ _GEMM_PAYS = not _FLASH_PAYS and "avx512_bf16" in cpu_flags()
 #: through the torch path where ``q_len * seq_len`` (query-position pairs, causal mask
 #: aside) is at least this (on CPUs with AMX, :data:`_FLASH_PAYS`; elsewhere never): there
 #: ``scaled_dot_product_attention``'s flash kernel (bfloat16 GEMMs) outruns the C++ kernel's
-#: float32 FMAs. ``benchmarks/prefill_attention.py``, a 2-core Xeon with AMX, the engine's
-#: 2 threads, kernel's speed over the torch path: 1 x 512 new tokens 0.62x, 64
-#: after 512 cached 0.77x, 160 new 0.96x; 48 after 512 cached 1.17x, 40 after 512 1.30x,
-#: 128 new 1.15x, 17 x 30 after 512 (W2's second step) 1.49x, 32 x 12 after 528 2.3x,
-#: 40-token prompts 3.8x. In float32 the kernel is the faster on all of them (1 x 512: 1.5x),
-#: so every chunk goes through it.
+#: float32 FMAs. ``benchmarks/prefill_attention.py`` on a 2-core Xeon with AMX at the
+#: engine's 2 threads put the crossover here: torch faster on a 512-token prompt and on 64
+#: tokens after 512 cached, about even on 160 new tokens, the kernel faster on 48 after 512,
+#: 128 new, W2's second step and short prompts. In float32 the kernel is the faster on all
+#: of them, so every chunk goes through it (docs/tuning.md, "C++ paged prefill (chunk)
+#: attention", has the ratios).
 TORCH_MIN_PAIRS = 28_000 if _FLASH_PAYS else 1 << 62
 
 
@@ -123,17 +122,16 @@ TORCH_MIN_PAIRS = 28_000 if _FLASH_PAYS else 1 << 62
 #: before them, is attended for all their query rows at once by torch's flash attention
 #: (bfloat16 GEMMs on AMX) where ``rows x prefix tokens`` is at least this;
 #: the chunk kernel goes on from that state over each sequence's other positions (cascade
-#: attention). ``benchmarks/prefill_attention.py --cases shared``, 2 threads, kernel alone /
-#: cascade: 17 x 28 rows after 512 shared tokens (W2's second step) 2.08x, 14 x 14 after 528
-#: (its third) 1.79x, 8 x 12 after 512 1.42x, 16 x 3 after 512 1.65x; with the cascade forced,
-#: 32 x 2 after 256 1.00x, 4 x 16 after 256 0.72x, 8 x 5 after 256 0.83x. Float32 steps keep
-#: the kernel (no AMX: the cascade measured 0.5-0.9x), and so do CPUs without AMX.
+#: attention). ``benchmarks/prefill_attention.py --cases shared``, 2 threads: the cascade
+#: was the faster from W2's second and third steps (17 x 28 rows after 512 shared tokens,
+#: 14 x 14 after 528) down to 16 x 3 after 512 (24576 pairs); forced below that it was even
+#: or slower (32 x 2, 4 x 16 and 8 x 5 after 256). Float32 steps keep the kernel (no AMX:
+#: the cascade measured slower), and so do CPUs without AMX.
 #: Without AMX but with AVX-512 BF16 (:data:`_GEMM_PAYS`) the group's rows go through the
 #: kernel's own GEMMs instead (``shared_prefix_attention``: oneDNN's brgemm on
-#: ``vdpbf16ps``): on a 2-core Zen 5 (1 thread, kernel alone / cascade) 17 x 28 after 512
-#: 1.75x, 14 x 14 after 528 1.77x, 8 x 12 after 512 1.55x, 16 x 3 after 512 2.6x; forced
-#: below the threshold, 32 x 2 after 256 3.6x and 4 x 16 after 256 1.45x (the smallest
-#: measured: 16384 pairs).
+#: ``vdpbf16ps``), faster than the kernel alone on every case measured on a 2-core Zen 5,
+#: down to the smallest, 4 x 16 after 256 (16384 pairs). docs/tuning.md, "Cascade attention
+#: for prefill chunks", has the figures of both.
 MIN_SHARED_PAIRS = 24576 if _FLASH_PAYS else 16384 if _GEMM_PAYS else 1 << 62
 
 

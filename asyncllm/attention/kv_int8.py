@@ -26,10 +26,10 @@ one V tensor per slot: a block copy (copy-on-write, swap out and in, a host pref
 copies those tensors copies the scales with it.
 
 The bytes per token and KV head: ``head_dim + 2`` against ``2 * head_dim`` in bfloat16
-(0.52x at head_dim 64: 1.94x the tokens, 2x the 2,048-token sequences of the default model
-in a GiB) and ``4 * head_dim`` in float32. (Before float16 scales the row was
-``head_dim + 4`` with a float32 scale; the disk tier's file key, which names the layout,
-keeps such files from being read as this one.)
+(66 bytes against 128 at head_dim 64: nearly twice the tokens, and twice as many of the
+default model's 2,048-token sequences, in a GiB) and ``4 * head_dim`` in float32. (Before
+float16 scales the row was ``head_dim + 4`` with a float32 scale; the disk tier's file key,
+which names the layout, keeps such files from being read as this one.)
 
 The torch reference (:func:`quantize`, :func:`dequantize`) is what the C++ write
 (``csrc/paged_attention.cpp``) and the Triton write (:mod:`asyncllm.kernels.kv_cache_write`)

@@ -64,8 +64,9 @@ def padded_tables(
     tables: Sequence[Sequence[int]], width: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """``[len(tables), width]`` int64 block tables, each padded with block 0: filled through
-    an ``array`` (3x faster than ``torch.tensor`` of nested lists at 64 tables of 38 blocks,
-    a cost paid once per step and layer group)."""
+    an ``array`` (faster than ``torch.tensor`` of nested lists, a cost paid once per step and
+    layer group; docs/tuning.md, "Sliding-window layers (Gemma 3): the per-layer-type
+    pool")."""
     flat = array("q", bytes(8 * len(tables) * width))
     for i, t in enumerate(tables):
         flat[i * width : i * width + len(t)] = array("q", t)
@@ -295,7 +296,8 @@ def paged_attention(
         k = _gather(key_cache, p.blocks, query.dtype)[:, : p.ctx_len]
         v = _gather(value_cache, p.blocks, query.dtype)[:, : p.ctx_len]
         # 4-D inputs: CPU SDPA takes its flash kernel only for [B, H, L, D] (3-D ones go
-        # to the unfused math path, ~3x slower on a 512-token chunk).
+        # to the unfused math path, much slower on a long chunk: docs/tuning.md, "Costs
+        # behind smaller code choices").
         mask = p.mask_for(window)
         if softcap <= 0:
             o = F.scaled_dot_product_attention(

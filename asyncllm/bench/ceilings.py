@@ -1,7 +1,7 @@
 """The machine and its ceilings, measured by the harness where it runs.
 
-- copy bandwidth: ``dst.copy_(src)`` of a 256 MiB float32 tensor (8x the L3 of most
-  machines), bytes read + written per second, best of several;
+- copy bandwidth: ``dst.copy_(src)`` of a 256 MiB float32 tensor (far larger than the L3
+  of most machines), bytes read + written per second, best of several;
 - matmul FLOP/s: ``[m, k] @ [k, n]`` with m = k = n = 1024 (a large GEMM: the peak the BLAS
   reaches), best of several, in float32 (``matmul_gflops``) and bfloat16
   (``bf16_matmul_gflops``: an engine whose matmuls take bfloat16 activations, as the int4 and

@@ -46,9 +46,9 @@ def wait_until_quiet(
     seconds (or ``max_wait_s`` passed); returns the seconds waited.
 
     Before each counted run: an engine that just ran may keep its cores busy for a while
-    (vLLM-CPU's OpenMP threads spin after a step, ~200 ms; on 2 cores its worker took
-    30-50% of the CPUs during the first part of asyncllm's W3 run after it), which would
-    be charged to the next engine's run.
+    (vLLM-CPU's OpenMP threads spin for a while after a step, and on 2 cores its worker
+    took a good part of the CPUs at the start of asyncllm's W3 run after it: docs/benchmarks.md,
+    "Costs of the harness"), which would be charged to the next engine's run.
     """
     start = time.perf_counter()
     prev = _busy_jiffies()

@@ -310,9 +310,10 @@ class InputProcessor:
         The template is rendered to text first and the text's length checked
         (:meth:`check_prompt_chars`) before it is tokenized: a template also renders fields
         that :meth:`check_chat` does not count (roles, names, template variables), and
-        tokenizing costs far more than rendering (a 3.5 MB role: 8 ms to render, 3 s to
-        tokenize, holding the front end's one tokenizer thread). Then transformers' own
-        ``apply_chat_template(tokenize=True)`` tokenizes, so the ids are exactly its ids.
+        tokenizing costs far more than rendering, holding the front end's one tokenizer
+        thread meanwhile (docs/tuning.md, "Costs behind smaller code choices"). Then
+        transformers' own ``apply_chat_template(tokenize=True)`` tokenizes, so the ids are
+        exactly its ids.
 
         Raises:
             InvalidRequestError: a template that fails on the messages (the template's

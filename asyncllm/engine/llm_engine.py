@@ -254,7 +254,7 @@ class LLMEngine:
         that one thread. torch's OpenMP runtime (libgomp) gives each thread that runs a
         parallel region its own team of helper threads; once the process holds more of them
         than cores, it stops spin-waiting between parallel regions and a decode step, made of
-        hundreds of small ones, slows by a third (2 cores, 2 threads: 38 ms -> 52 ms per step).
+        hundreds of small ones, slows down markedly (docs/tuning.md, "Torch threads on CPU").
         """
         device = resolve_device(config.device)
         compute_thread = ComputeThread()

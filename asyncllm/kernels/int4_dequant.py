@@ -2,14 +2,15 @@
 torch's int4 kernel up to 8 rows, dequantize-and-GEMM for more.
 
 torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``) is a matrix-vector kernel: its
-cost grows linearly with the row count, so at a decode batch of 64 it is 4-5x slower than a
-plain bfloat16 matmul on the same weight (docs/tuning.md). For many rows,
+cost grows linearly with the row count, so at a decode batch of 64 it is several times
+slower than a plain bfloat16 matmul on the same weight (docs/tuning.md, "Many rows:
+dequantize then GEMM"). For many rows,
 :class:`asyncllm.layers.quant_linear.Int4Linear` therefore multiplies with the dequantized
 weight, keeping only the int4 weight in memory. The extension registers the whole layer as
 one op, ``asyncllm_cpu::int4_linear`` (reshape, cast, the row-count choice, kernel, bias): a
-decode step calls it 210 times with the default model, and the same steps in Python cost
-about 20 us per call (4 ms of a 23 ms step at batch 1); compiled graphs call it too (its fake
-implementation is registered by :func:`kernel`).
+decode step calls it 210 times with the default model, and the same steps in Python were a
+large share of a batch-1 step (docs/tuning.md, "Compiled forward"); compiled graphs call it
+too (its fake implementation is registered by :func:`kernel`).
 
 The many-row path (``int4_mm`` in the source) never writes the whole bfloat16 weight: a work
 item is one 64-column block of ``W^T`` (the packing's row block) times up to 64 rows, and
@@ -43,8 +44,8 @@ all of K and round once to bfloat16 (to nearest even); only their summation orde
 The few-row kernel (``int4_gemv.cpp``, appended to this source; AVX-512 BF16 and VBMI) reads
 the same packed codes: it pairs two columns' codes per output in registers and multiplies
 them with bfloat16 pairs of the row (``vdpbf16ps``), half the instructions per code of
-torch's kernel, which converts every code to float32 first; 1.3x at batch 1, see
-:data:`asyncllm.layers.quant_linear.INT4_GEMV_MAX_ROWS`.
+torch's kernel, which converts every code to float32 first, and so the faster at a few
+rows: see :data:`asyncllm.layers.quant_linear.INT4_GEMV_MAX_ROWS`.
 
 The C++ is ``csrc/int4_linear.cpp`` and ``csrc/int4_gemv.cpp``, built when the package is
 installed (:mod:`asyncllm.kernels.native`; ``ASYNCLLM_INT4_DEQUANT_KERNEL=0`` turns it

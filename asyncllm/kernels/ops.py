@@ -2,7 +2,8 @@
 
 Every op lives in the namespace ``asyncllm`` and is declared here with
 ``torch.library.Library`` (a plain definition: the attention op runs 30 times a decode step,
-and ``torch.library.custom_op``'s Python dispatch cost ~11 us more per call). Each has:
+and ``torch.library.custom_op``'s Python dispatch adds to every call: docs/tuning.md,
+"Costs behind smaller code choices"). Each has:
 
 * its fake implementation, for ``torch.compile`` (:mod:`asyncllm.worker.compiled`), which
   keeps the ops opaque in its graphs;
@@ -181,5 +182,6 @@ def materialize(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     run once into buffers, instead of being inlined into (recomputed by) every consumer.
     Inductor inlines a cheap pointwise result into each of its readers; for the rotary
     cos/sin (read by every layer's query and key) that meant ``cos``/``sin`` of the
-    positions once per layer and per head element, ~1.4 ms of a batch-64 decode step."""
+    positions once per layer and per head element (docs/tuning.md, "Compiled forward",
+    "Rotary cos/sin once per step")."""
     return [x.clone() for x in xs]

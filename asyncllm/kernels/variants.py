@@ -61,7 +61,8 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 #: Flags of every kernel. -g0: Python's own CFLAGS ask for debug info, which made the build
-#: ~1.7x slower (torch's headers are large) for symbols no user reads.
+#: markedly slower (torch's headers are large; docs/kernels.md has the times) for symbols no
+#: user reads.
 COMMON_FLAGS = ("-O3", "-g0", "-fopenmp")
 
 

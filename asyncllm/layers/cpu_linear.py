@@ -2,9 +2,8 @@
 
 On CPU, ``nn.Linear`` runs through MKL's sgemm on the weight as stored. oneDNN (bundled with
 torch as ``mkldnn``) can reorder a weight once into its blocked layout and multiply it with
-any number of rows afterwards; on the default model that is 1.2-1.7x faster at the shapes
-decoding uses (measured on a 2-core AVX-512 machine, one thread: the LM head at 64 rows 35
-ms instead of 60 ms, a whole decode step at batch 64 ~30% less matmul time, at batch 1 ~15%).
+any number of rows afterwards; on the default model that is faster at every shape decoding
+uses, the LM head at 64 rows most (docs/tuning.md, "CPU fast paths", oneDNN-packed linears).
 :func:`pack_linears` swaps each ``nn.Linear`` of a model for a :class:`PackedLinear` holding
 only the reordered weight (no second copy), so transformers' modeling code runs unchanged.
 
@@ -14,16 +13,17 @@ summation order), as MKL's own results differ between batch sizes.
 bfloat16 weights are reordered the same way and multiplied with bfloat16 rows (oneDNN
 accumulates in float32 and rounds the output to bfloat16, as ``F.linear`` does). On a CPU
 with AVX-512 BF16 / AMX this is where bfloat16 pays: half the weight bytes per decode step
-and native bfloat16 dot products (docs/tuning.md has the table: the LM head at 64 rows ~9x
-faster than float32); without them oneDNN emulates bfloat16 and
+and native bfloat16 dot products (docs/tuning.md, "Weight-only quantization kernels", has
+the table: the LM head at 64 rows gains most); without them oneDNN emulates bfloat16 and
 :func:`asyncllm.worker.device.resolve_dtype` keeps float32.
 
 Row buckets: oneDNN builds (JIT-compiles) a primitive for every input shape it meets and keeps
 it in two caches of 1024 entries each (oneDNN's primitive cache and ideep's, torch's wrapper;
-``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``), 0.6-2.5 MiB apiece with its
-scratchpad, growing with the row count. A server whose steps hold every token count from 1
-to the token budget filled them: RSS grew by hundreds of MiB over minutes of traffic (2048
-shapes of the default model's projections: +1.2 GiB), and each new shape cost ~1 ms to build.
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``), each entry with its scratchpad,
+growing with the row count. A server whose steps hold every token count from 1 to the token
+budget filled them: RSS grew by hundreds of MiB over minutes of traffic, and each new shape
+took a JIT build (docs/benchmarks.md, "Server soak: RSS under bursts of streaming clients",
+has the sizes and times).
 So a :class:`PackedLinear` only ever runs :func:`bucket_rows` row counts: rows are padded up
 to the next bucket (48 buckets up to :data:`CHUNK_ROWS`) and longer inputs go through in
 chunks of :data:`CHUNK_ROWS`. Padding costs < 12.5% extra rows on the steps it touches (none

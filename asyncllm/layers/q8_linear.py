@@ -19,8 +19,9 @@ logits: the default model's first answer to "What is the capital of France?" tie
   :func:`mm_available`): ``q8_mm``, per block of 64 outputs the codes dequantized into a
   per-thread scratch (the values the dense head held: ``d * q`` rounded once to bfloat16)
   and multiplied there by brgemm, with float32 accumulation, no dense copy of the weight
-  anywhere. W1 on the default model (batch 64, AMX): the head 6.6 -> 3.8 ms a step, and
-  57 MB less resident memory than the packed copy (as fast as it on AVX-512 BF16);
+  anywhere. W1 on the default model (batch 64): faster than the packed copy on AMX, as fast
+  on AVX-512 BF16, with 57 MB less resident memory (docs/tuning.md, "Weight-only
+  quantization kernels" and "A CPU without AMX");
 * more rows otherwise (float32 models, CPUs without native bfloat16): oneDNN's GEMM on a
   packed copy of the weight in the model's dtype, made by :meth:`Q8Linear.pack`
   (:func:`asyncllm.layers.cpu_linear.pack_linears` calls it), as fast as the dense head was
@@ -34,9 +35,10 @@ with ``logits=False``: the output in the
 activations' dtype, and no packed dense copy: more rows than :data:`MAX_ROWS` take ``q8_mm``
 (bfloat16, where it runs) or ``q8_mm_f32`` (float32: per block of 64 outputs the codes
 dequantized exactly into a per-thread scratch and multiplied there by oneDNN's float32
-brgemm, by ``at::mm`` above 128 rows, where brgemm measured 2x the dense GEMM's time at
-K = 2048), so a float32 model computes ``x W^T`` of the file's exact weights up to float32
-summation order and holds ~1.13 bytes a weight instead of 4 (1.25 for ``Q6_K``).
+brgemm, by ``at::mm`` above 128 rows, where brgemm measured slower than the dense GEMM at
+K = 2048: docs/tuning.md, "GGUF Q8_0 and Q5_0 decoder linears as codes"), so a float32
+model computes ``x W^T`` of the file's exact weights up to float32 summation order and holds
+~1.13 bytes a weight instead of 4 (1.25 for ``Q6_K``).
 
 ``Q5_K`` (``(d * sc) * q - dmin * m`` per 32 weights, q in 0..31) keeps its codes ``q``, the
 exact scale ``d * sc`` and an offset ``-(dmin * m)`` per 32 columns (``offset``): the
@@ -189,8 +191,8 @@ class Q8Linear(nn.Module):
     #: float32 output (the LM head); False: the activations' dtype (a decoder layer).
     logits: bool = True
     #: The dense weight eager calls use where the kernel is not loaded (switched off, or a
-    #: cached model loaded without it: the per-call dequantization of the default model's
-    #: head cost ~100 ms a token).
+    #: cached model loaded without it: a per-call dequantization of the default model's
+    #: head was slow; docs/tuning.md, "Costs behind smaller code choices").
     _interim: torch.Tensor | None = None
 
     def __init__(

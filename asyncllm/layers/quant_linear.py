@@ -9,9 +9,11 @@
   matrix-vector kernel (its time grows with the row count): a call with more than
   :data:`INT4_KERNEL_MAX_ROWS` rows instead multiplies with the weight dequantized block by
   block into a small per-thread scratch (:mod:`asyncllm.kernels.int4_dequant`, C++; bfloat16
-  GEMM), 4-6x faster at 64 rows, with only the int4 weight kept. The whole layer is one C++ op,
-  ``asyncllm_cpu::int4_linear`` (the Python around 210 kernel calls per decode step cost
-  4 ms at batch 1, a fifth of the step), in eager steps and compiled graphs alike; where it
+  GEMM), several times faster at 64 rows (docs/tuning.md, "Many rows: dequantize then
+  GEMM"), with only the int4 weight kept. The whole layer is one C++ op,
+  ``asyncllm_cpu::int4_linear`` (the Python around 210 kernel calls per decode step was a
+  large share of a batch-1 step: docs/tuning.md, "Compiled forward"), in eager steps and
+  compiled graphs alike; where it
   cannot be built, :func:`int4_linear` (torch's int4 kernel at every row count).
 * :class:`Int8Linear`: int8 codes with one scale per output channel,
   ``aten._weight_int8pack_mm``.
@@ -95,8 +97,8 @@ def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 #: The dtype the quantized kernels compute in on CPU: torch's int4 and int8 weight-only CPU
 #: kernels have a vectorized path for bfloat16 activations only; with float32 or float16
-#: ones they run 100x slower (576 x 1536, 1 thread: 14 ms float32, 26 ms float16, 0.1 ms
-#: bfloat16 per row; docs/tuning.md).
+#: ones they run a scalar path, far slower (docs/tuning.md, "Weight-only quantization
+#: kernels").
 COMPUTE_DTYPE = torch.bfloat16
 
 
@@ -214,17 +216,10 @@ class Int4Linear(nn.Module):
 #: Calls with more rows than this multiply with the dequantized int4 weight
 #: (:mod:`.int4_dequant`: block by block into a per-thread L2 scratch, oneDNN's brgemm
 #: micro-kernel); up to this many go through torch's int4 kernel, whose cost grows with the
-#: row count (a matrix-vector kernel). Measured with ``benchmarks/int4_many_rows.py --rows 2
-#: 4 8 16 32 64 --candidates old new int4`` (bfloat16, 2 threads, weights out of cache, us
-#: per call, fastest of 5 interleaved repeats on a shared machine; int4 kernel / fused path)::
-#:
-#:     rows         2         4         8        16        32        64
-#:     192x576   15 /  21  20 /  22  25 /  26  44 /  25  79 /  26 127 /  32
-#:     1536x576  67 / 144  90 / 149 149 / 147 262 / 110 529 / 167 951 / 151
-#:     576x1536  77 / 171  81 / 141 141 / 135 263 / 137 475 / 152 945 / 174
-#:
-#: The crossover is at 8 rows (it was 16 when the many-row path dequantized the whole weight
-#: to memory and then ran one ``torch.mm``: about 2x slower than the fused path).
+#: row count (a matrix-vector kernel). ``benchmarks/int4_many_rows.py --rows 2 4 8 16 32 64
+#: --candidates old new int4`` puts the crossover at 8 rows (docs/tuning.md, "Many rows:
+#: dequantize then GEMM", has the table; it was 16 when the many-row path dequantized the
+#: whole weight to memory and then ran one ``torch.mm``, slower than the fused path).
 INT4_KERNEL_MAX_ROWS = 8
 
 #: The crossover where the fused path cannot run (no native bfloat16): the whole weight is
@@ -263,14 +258,9 @@ def int4_max_rows(dtype: torch.dtype = COMPUTE_DTYPE) -> int:
 #: Calls with up to this many rows run the few-row kernel (``int4_gemv.cpp``: AVX-512 BF16
 #: and VBMI) instead of torch's int4 kernel, where it is built. ``python
 #: benchmarks/int4_gemv.py`` (the default model's 30 layers of q/k/v, o, gate/up and down,
-#: weights out of cache, 2 threads, ms per pass; torch's int4 kernel / few-row kernel)::
-#:
-#:     rows           1            2            3            4
-#:     pass   6.98 / 6.14  7.89 / 7.23  9.09 / 8.84  10.28 / 12.10
-#:
-#: Each pass includes ~1.5 ms of the layers' Python ``forward`` (a compiled graph calls the op
-#: directly); the kernels alone at 1 row: 5.73 / 4.37 ms (1.31x). At 4 rows torch's kernel
-#: wins: its cost per extra row is lower. Set to 0 to run torch's kernel instead (read per
+#: weights out of cache, 2 threads): the few-row kernel is the faster at 1-3 rows; at 4 rows
+#: torch's kernel wins, its cost per extra row being lower (docs/tuning.md, "int4 few-row
+#: kernel", has the times). Set to 0 to run torch's kernel instead (read per
 #: call, as the thresholds above).
 INT4_GEMV_MAX_ROWS = 3
 

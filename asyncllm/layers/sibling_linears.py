@@ -10,9 +10,8 @@ such group by one linear over the concatenated weights (vLLM's ``QKVParallelLine
 stays as it is: each sibling becomes a :class:`SiblingLinear` that returns its columns of
 the fused output, computed once per input.
 
-Measured (``python benchmarks/sibling_linears.py``: int4 group 32, bfloat16, 2 threads, 30
-layers' weights so they come from memory; ms per 30 layers' q/k/v + gate/up):
-batch 1 7.48 -> 5.36 (1.39x), batch 64 20.9 -> 18.7 (1.12x).
+``python benchmarks/sibling_linears.py`` measures it: the fused calls are the faster, at
+batch 1 most (docs/tuning.md, "CPU fast paths", q/k/v and gate/up as one call each).
 
 Fused: ``nn.Linear`` (before :func:`~asyncllm.layers.cpu_linear.pack_linears` packs the
 fused layer for oneDNN) and :class:`~asyncllm.layers.quant_linear.Int4Linear` layers whose

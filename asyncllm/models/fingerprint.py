@@ -10,10 +10,8 @@ the fingerprint it was made for, and a load checks it (a mismatch rebuilds the e
 
 A file up to :data:`FULL_HASH_BYTES` (64 MiB) is hashed whole (SHA-256). A larger one is
 sampled, so that a multi-GB checkpoint costs milliseconds, not seconds; see
-:func:`fingerprint` for what is read and what a sample can miss. Measured on the 2-core
-development machine, files in the page cache: the default model's 94 MiB GGUF file takes
-15 ms sampled (110-165 ms hashed whole, 12% of a 1.7 s cached start), its 513 MiB
-converted safetensors file 25 ms sampled (760 ms hashed whole).
+:func:`fingerprint` for what is read and what a sample can miss (docs/tuning.md, "Costs
+behind smaller code choices", has the default model's files sampled and hashed whole).
 """
 
 from __future__ import annotations

@@ -102,7 +102,8 @@ def keep_guard(entries: list[Any]) -> list[bool]:
     """``torch.compile``'s ``guard_filter_fn``: keep only the symbolic-shape guard (the input
     sizes the graph was compiled for: ``T, K >= MIN_ROWS``). Dropped: the guards on the
     model (about 7,000 for a 30-layer Llama: every module's hooks, attributes and
-    parameters, 1.4 ms of a 16 ms batch-1 step to check), on global state, which a saved
+    parameters, a measurable share of a batch-1 step to check: docs/tuning.md, "Compiled
+    forward", Guards), on global state, which a saved
     artifact cannot carry, and on the inputs' dtype and device, which the runner fixes. The
     artifact's key (:func:`artifact_key`) stands for them: it names the model's structure,
     and an engine never changes its model."""
@@ -273,8 +274,9 @@ def build_artifact(model: torch.nn.Module, path: pathlib.Path, num_threads: int)
             fullgraph=True,
             dynamic=False,
             # torch.compile pops guard_filter_fn: a fresh dict. No size/stride asserts in
-            # the wrapper: ~730 a step (every input and every custom op's output), ~1.3 us
-            # each, ~1 ms of a decode step; the ops and inputs are ours and fixed.
+            # the wrapper: one per input and custom op output, hundreds a step, a share of
+            # a decode step (docs/tuning.md, "Compiled forward", No size asserts); the ops
+            # and inputs are ours and fixed.
             options={
                 "guard_filter_fn": keep_guard,
                 "size_asserts": False,

@@ -125,8 +125,8 @@ def resolve_compile(compile: str | bool, device: torch.device, experts: bool = F
 
     Why on on CPU: on the 2-core x86 machine (AVX-512 BF16; bfloat16 with Q4_1 linears, the
     defaults; ``benchmarks/profile_step.py --ab compile --threads 2 --context 100``, steps
-    alternating in one process) the compiled decode step took 0.65x the eager one at batch
-    1 (about 13.5 vs 21 ms) and 0.76x at batch 64 (87.9 vs 115.7 ms). It costs nothing at
+    alternating in one process) the compiled decode step was the faster at batch 1 and at
+    batch 64 (docs/tuning.md, "Compiled forward", has the times). It costs nothing at
     start: the compile runs in a child process at the lowest priority while the engine
     serves eagerly (about a minute the first time), and later starts load the saved
     artifact in ~3 s (:mod:`asyncllm.worker.compiled`). CUDA: the compiled forward has

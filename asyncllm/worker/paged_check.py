@@ -16,7 +16,7 @@ wrongly).
 In bfloat16 (or float16) "the same logits" cannot mean a fixed bound: both forwards round
 at every layer, and a model that amplifies small differences (large weights) moves its
 logits by several times any fixed bound that still catches a wrong attention in a tame
-model (0.16 of their scale: a tiny Llama with weights 50x the usual), although it runs
+model (0.16 of their scale: a tiny Llama with weights fifty times the usual scale), although it runs
 exactly in float32. So where the paged logits miss the fixed bound, the check measures how far the
 eager forward itself moves when its input embeddings change by one rounding step
 (:func:`_rounding_noise`, one more short forward, only then: the default model's 0.02
@@ -62,7 +62,7 @@ _TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 #: Other dtypes (bfloat16, float16): this bound, or :data:`_NOISE_FACTOR` times the eager
 #: forward's own rounding noise (:func:`_rounding_noise`) where that is larger, but never
 #: above :data:`_LOW_PRECISION_CEILING`. Measured in bfloat16 on 44 tiny random models of
-#: 19 families (initial weights up to 50x the usual) and the default model: the paged
+#: 19 families (initial weights up to fifty times the usual scale) and the default model: the paged
 #: logits' gap is at most 0.7 of that noise and 0.17 of their scale; the failures above
 #: stay over 0.3, above the ceiling whatever the noise.
 _LOW_PRECISION_TOLERANCE = 5e-2
@@ -184,9 +184,10 @@ def _rounding_noise(model: Any, ids: list[int], eager: torch.Tensor) -> float:
     max|eager|`` where ``e'`` is the eager forward with every element of its input
     embeddings scaled by ``1 +- eps`` of its dtype (signs alternating along the hidden
     size): a stand-in for the rounding each layer adds, amplified by the model as that is.
-    Measured on tiny random models in bfloat16: 0.4-3x their gap to a float32 forward
-    (which needs float32 weights), more where the nudge flips a mixture of experts' routing
-    (15x). 0.0 where the model has no input embedding module."""
+    On tiny random models in bfloat16 it measured of the order of their gap to a float32
+    forward (which needs float32 weights), larger where the nudge flips a mixture of experts'
+    routing (docs/tuning.md, "Costs behind smaller code choices"). 0.0 where the model has no
+    input embedding module."""
     try:
         embeddings = model.get_input_embeddings()
     except NotImplementedError:

@@ -77,8 +77,9 @@ def _apply_grammar(
     Given ``best`` (the argmax of ``logits``; ``rows`` then greedy), a row whose best token
     its grammar allows is left as it is: masking only lowers other tokens, so that token
     stays the first maximum and greedy sampling reads nothing else. While a model follows
-    its grammar that skips most of the mask's cost (xgrammar's CPU kernel: ~0.2 ms per row
-    of 49,152 logits on 1 thread, against ~0.02 ms for the row's argmax); a forbidden pick's
+    its grammar that skips most of the mask's cost (xgrammar's CPU kernel takes far longer
+    per row than the row's argmax: docs/tuning.md, "Costs behind smaller code choices"); a
+    forbidden pick's
     row is masked and its argmax taken again, here (so the bench's timing of this function
     holds all of the grammar's sampler work). ``best`` None: every row of ``rows`` is masked.
 

@@ -42,9 +42,9 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
     torch's CPU argmax reduces element by element with the running index; ``amax`` is
     vectorized. So: the max of each of ``V / c`` chunks (``c`` a divisor of ``V`` near 1024),
-    the first chunk holding the row's max, then argmax over that chunk only. 64 rows of
-    49,152 float32 logits, 1 thread (2-core AVX-512 machine, shared): 15-34 ms -> 0.9-1.3 ms;
-    one row of bfloat16 logits 250 -> 68 us (float32 115 -> 45 us).
+    the first chunk holding the row's max, then argmax over that chunk only: much faster than
+    torch's argmax at the sampler's shapes (docs/tuning.md, "Costs behind smaller code
+    choices").
 
     Returns:
         ``[B]`` int64 indices.
