@@ -21,8 +21,8 @@ from asyncllm.server.protocol import APIError
 from asyncllm.server.responses_api import ResponsesRequest, ResponseStore, responses_call
 from tests.conftest import check_pool_whole, script_output
 from tests.frontend.test_reasoning import ANSWER, QWEN3_TEMPLATE, THOUGHT
-from tests.server.test_server import serving
 from tests.frontend.test_tool_chat import HERMES_OUT, SMALL, _with_template
+from tests.server.test_server import serving
 
 TOOLS = [
     {"type": "function", "name": "get_weather", "description": "The weather in a city.",

@@ -19,11 +19,11 @@ from asyncllm.core.kv_groups import KVGroups
 from asyncllm.core.plan import SchedulerOutput
 from asyncllm.core.request import Request
 from asyncllm.core.scheduler import Scheduler
+from tests.core.test_kv_groups import _drive, _SimulatedCache, _Tokens
 from tests.worker.test_hybrid_kv import BLOCK_BYTES as HYBRID_BLOCK_BYTES
 from tests.worker.test_hybrid_kv import SMALL, _greedy, _prompt
 from tests.worker.test_hybrid_kv import gemma3_dir as gemma3_dir  # the module's fixtures
 from tests.worker.test_hybrid_kv import reference as reference
-from tests.core.test_kv_groups import _drive, _SimulatedCache, _Tokens
 
 BS = 4
 #: One block of the tiny Llama in float32: 2 layers x K and V x 2 KV heads x 16 x 4 bytes x 4.
