@@ -11,7 +11,7 @@ in it, every KV block free, and the pool's reference counts consistent.
 ``EngineConfig.compile="auto"`` is forced off in the test suite (``ASYNCLLM_COMPILE=0``, set
 here and inherited by the processes tests start), whatever the shell exported or "auto"'s
 default becomes: a compile on a background thread would slow every test that builds an
-engine. tests/test_compile.py asks for ``compile=True`` explicitly.
+engine. tests/e2e/test_compile.py asks for ``compile=True`` explicitly.
 """
 
 from __future__ import annotations

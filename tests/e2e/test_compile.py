@@ -29,6 +29,9 @@ from asyncllm.worker import compiled as compiled_mod
 from asyncllm.worker.device import COMPILE_ENV, resolve_compile
 from tests.conftest import check_pool_whole
 
+#: Each tiny model is compiled (torch.compile on CPU: tens of seconds each).
+pytestmark = pytest.mark.slow
+
 # float32: Inductor keeps fused bfloat16 intermediates in float32 where eager rounds each
 # op's output, so bfloat16 runs part at near-ties; float32 runs must be token-identical.
 SMALL = dict(max_model_len=256, kv_cache_bytes=2**22, max_num_batched_tokens=64, dtype="float32")

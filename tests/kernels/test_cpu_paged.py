@@ -765,7 +765,8 @@ def test_window_and_softcap_match_torch(dtype, hkv, group, dim, bs, window, soft
     """Sliding windows (shorter than a tile, across blocks, past most contexts) and
     soft-capped scores in the decode kernel, the chunk kernel (prefills from scratch and
     over cached context, decodes mixed in) and the fused write-and-decode, against the torch
-    path in float32 (itself against dense attention: tests/test_torch_paged_attention.py)."""
+    path in float32 (itself against dense attention:
+    tests/kernels/test_torch_paged_attention.py)."""
     # absolute, of values ~3; bfloat16: plus the output's rounding (relative)
     tol, rtol = (6e-5, 0.0) if dtype == torch.float32 else (3 * 2**-8, 2**-7)
     steps = [([1] * 6, [1, 15, 17, 40, 100, 250]), ([20, 1, 37, 3], [20, 70, 58, 19])]

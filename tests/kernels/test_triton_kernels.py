@@ -5,7 +5,7 @@ Triton's interpreter needs ``TRITON_INTERPRET=1`` before ``triton`` is first imp
 through ``torch._dynamo`` while the shared conftest loads. So under a plain ``pytest`` this
 module runs its :class:`TestUnderInterpreter` cases in one child pytest with the variable set
 (``test_kernels_under_triton_interpreter``); with ``TRITON_INTERPRET=1 pytest
-tests/test_triton_kernels.py`` they run in place, one by one.
+tests/kernels/test_triton_kernels.py`` they run in place, one by one.
 
 Tolerances (output vs the float32 torch reference on the same rounded inputs): float32
 ``2e-5`` abs + rel; float16 ``2e-3`` abs + rel (output rounding and float16 probabilities in

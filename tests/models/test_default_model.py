@@ -20,6 +20,9 @@ from asyncllm.kernels import native
 from asyncllm.kernels.native import SWITCHES
 from tests.conftest import first_divergence_is_near_tie
 
+#: Every test loads the real default model (the float32 chat against transformers: ~100 s).
+pytestmark = pytest.mark.slow
+
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -38,7 +41,7 @@ async def test_greedy_chat_matches_transformers(default_model_dir, make_engine, 
     eager, and with the compiled forward (compiled in a child process, waited for: every
     step compiled)."""
     # quantization=None: the dequantized weights transformers runs too (the default, "auto",
-    # keeps the GGUF file's Q4_1 blocks; tests/test_quantization.py checks those).
+    # keeps the GGUF file's Q4_1 blocks; tests/models/test_quantization.py checks those).
     engine = make_engine(
         default_model_dir,
         kv_cache_bytes=64 * 2**20,

@@ -18,6 +18,9 @@ from asyncllm.bench.fidelity_engine import score_windows
 from asyncllm.bench.fidelity_reference import greedy_answer, load_reference_model, score_window
 from asyncllm.models.loader import resolve_model_dir
 
+#: Every test loads Gemma 3 270M (a 262k vocabulary).
+pytestmark = pytest.mark.slow
+
 TEXT = pathlib.Path(__file__).parents[1] / "data" / "public_domain.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 #: Tokens scored teacher-forced: past the 512-token window, so the sliding layers drop

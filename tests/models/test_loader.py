@@ -555,7 +555,7 @@ def test_failed_conversion_leaves_no_cache(tmp_path: pathlib.Path, monkeypatch: 
 )
 def test_supported_architectures(config):
     """What the config allows; whether the model really runs is the engine's load-time
-    check (tests/test_architectures.py)."""
+    check (tests/models/test_architectures.py)."""
     check_architecture(config)
 
 

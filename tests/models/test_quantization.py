@@ -572,6 +572,7 @@ def default_perplexities(default_model_dir) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow  # the default model's perplexities at each precision: ~90 s
 def test_gguf_perplexity_within_1_percent(default_perplexities):
     f32, gguf = default_perplexities["None"], default_perplexities["gguf"]
     assert default_perplexities["gguf precision"] == DEFAULT_GGUF_PRECISION
@@ -589,6 +590,7 @@ def test_gguf_blocks_found_in_a_model_of_another_dtype(default_model_dir, quant_
     assert next(loaded.model.parameters()).dtype == dtype
 
 
+@pytest.mark.slow  # the default model's perplexities at each precision: ~90 s
 def test_default_bf16_gguf_perplexity_within_1_percent(default_perplexities):
     """bfloat16 activations with the Q4_1 blocks (the default here) against float32 weights:
     measured +0.7% (18.90 against 18.78)."""
@@ -596,6 +598,7 @@ def test_default_bf16_gguf_perplexity_within_1_percent(default_perplexities):
     assert abs(got / f32 - 1) < 0.01, (got, f32)
 
 
+@pytest.mark.slow  # the default model's perplexities at each precision: ~90 s
 def test_int8_perplexity_within_2_percent(default_perplexities):
     f32, int8 = default_perplexities["None"], default_perplexities["int8"]
     assert abs(int8 / f32 - 1) < 0.02, (int8, f32)

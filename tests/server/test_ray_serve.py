@@ -27,6 +27,9 @@ from asyncllm.integrations import ray_serve as rs  # noqa: E402
 from asyncllm.worker.device import COMPILE_ENV  # noqa: E402
 from tests.conftest import unpinned  # noqa: E402
 
+#: The module starts a local Ray instance (~60 s) and deploys replicas.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENGINE = {"num_threads": 1, "device": "cpu", "max_model_len": 256, "kv_cache_bytes": 2**21}
 SYSTEMS = [

@@ -23,7 +23,7 @@ from asyncllm.worker.offload import CPUOffloadPool
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
-#: Triton was imported with ``TRITON_INTERPRET=1`` (see tests/test_triton_kernels.py): the
+#: Triton was imported with ``TRITON_INTERPRET=1`` (see tests/kernels/test_triton_kernels.py): the
 #: Triton cases run here; otherwise in a child pytest.
 INTERPRETED = not isinstance(tl.zeros, JITFunction)
 
