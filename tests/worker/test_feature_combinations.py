@@ -5,6 +5,8 @@ the proposals actually used (tiny random Llama, float32 activations)."""
 
 from __future__ import annotations
 
+import pytest
+
 from asyncllm import SamplingParams
 from tests.worker.test_kv_tiers import _prompt
 from tests.worker.test_speculative import SPEC, _repetitive_prompts
@@ -55,6 +57,7 @@ async def test_int8_blocks_come_back_from_disk(tiny_llama_dir, make_engine, tmp_
     assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_dir_invalid"] == 0
 
 
+@pytest.mark.slow  # two engines, each over the prompts twice: ~35 s
 async def test_speculation_over_an_int8_cache_with_host_hits(tiny_llama_dir, make_engine):
     """Repetitive prompts, twice each in a pool that evicts them: speculation on and off give
     the same greedy tokens over the int8 cache, with proposals accepted and host-tier hits."""

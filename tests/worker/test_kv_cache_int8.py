@@ -342,6 +342,7 @@ class TestTritonInt8UnderInterpreter:
                 torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.slow  # a child pytest runs the Triton int8 kernels under the interpreter: ~55 s
 def test_triton_int8_kernels():
     """Runs :class:`TestTritonInt8UnderInterpreter` in a child pytest with
     ``TRITON_INTERPRET=1``."""

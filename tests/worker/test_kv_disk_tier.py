@@ -195,6 +195,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow  # three processes each load the tiny model: ~50 s
 async def test_two_processes_write_at_once_and_a_third_reads(tiny_llama_dir, make_engine, tmp_path):
     """Two processes run the same system prompt (and one other prompt each) at once on one
     directory: afterwards every file is whole and valid, no temporary file is left, and an
