@@ -191,6 +191,7 @@ async def test_a_past_deadline_and_bad_arguments(tiny_llama_dir, make_engine):
         assert (await engine.generate([5] * 4, _greedy(2), tenant="t")).num_generated_tokens == 2
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_a_tenants_lone_request_starts_beside_a_burst(tiny_llama_dir, make_engine):
     """Tenant a sends 32 prompts into 4 slots; b's one request starts in the step after it
     reaches the core (b is within its share of 2 slots: one of a's is preempted for it), long
@@ -238,6 +239,7 @@ async def test_a_tenant_at_its_limit_does_not_hold_up_another_tenants_call(
     assert start["b1"] < start["a3"]
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 @pytest.mark.parametrize("leave", ["queue full", "too long"])
 async def test_a_held_call_starts_when_a_tokenizing_call_leaves(leave, tiny_llama_dir, make_engine):
     """A call held behind one being tokenized starts once that one leaves without
@@ -266,6 +268,7 @@ async def test_a_held_call_starts_when_a_tokenizing_call_leaves(leave, tiny_llam
     assert result["out"].num_generated_tokens == 2
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_a_drain_serves_held_calls(tiny_llama_dir, make_engine):
     from tests.frontend.test_hardening_core import hold_tokenization
 

@@ -128,6 +128,7 @@ async def test_preemption_by_recompute_keeps_outputs(tiny_llama_dir, make_engine
     assert [o.token_ids for o in outs] == expected
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_seeded_sampling_independent_of_batch(tiny_llama_dir, make_engine):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=7)
     prompts = _prompts()

@@ -186,6 +186,7 @@ def test_waiting_samples_within_their_share_go_first_and_better_priority_is_neve
     assert sched.num_preemptions == 0 and sched.requests["new"].status is RequestStatus.WAITING
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 @pytest.mark.parametrize("mode", ["offload", "recompute"])
 async def test_a_new_stream_starts_within_steps_beside_a_call_of_n_max_num_seqs(
     mode, tiny_llama_dir, make_engine
@@ -370,6 +371,7 @@ async def test_a_chat_too_long_in_fields_check_chat_does_not_count_is_never_toke
     assert tokenized and max(tokenized) < 1000  # only the small chat was tokenized
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_max_waiting_counts_calls_waiting_for_the_tokenizer(tiny_llama_dir, make_engine):
     """Calls queued for the one tokenizer thread count as waiting: past max_waiting a new
     text or chat call raises QueueFull at once instead of queueing behind them unbounded."""

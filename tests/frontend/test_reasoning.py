@@ -112,6 +112,7 @@ def r1_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: pathlib.Pat
     return _with_template(tiny_llama_dir, tmp_path_factory.mktemp("r1"), R1_TEMPLATE)
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_chat_streams_reasoning_apart(qwen3_dir, make_engine):
     engine = make_engine(qwen3_dir, **SMALL)
     script_output(engine, THOUGHT + ANSWER)
@@ -164,6 +165,7 @@ async def test_tool_calls_are_read_from_the_answer_only(qwen3_dir, make_engine):
     assert out.finish_reason == "tool_calls" and out.tool_call_error is None
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 def test_server_sends_reasoning_content(qwen3_dir):
     import openai
 

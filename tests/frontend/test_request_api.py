@@ -180,6 +180,7 @@ async def test_rendered_chat_text_gets_one_bos(bos_llama_dir, make_engine):
     assert twice == tok.encode(tok.bos_token * 2 + "Hi", add_special_tokens=False)
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_each_parameter_changes_the_output_as_documented(tiny_llama_dir, make_engine):
     prompts = _prompts()[:3]
     model = _hf(tiny_llama_dir)
@@ -330,6 +331,7 @@ async def test_skip_special_tokens_and_unbounded_max_tokens(tiny_llama_dir, make
     assert keep.text == "<|im_start|>assistant hello<|im_end|> bye"
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_emoji_and_cjk_streams_never_split_characters(tiny_llama_dir, make_engine):
     text = "你好，世界！🤖👍🏽 数据科学 🎉🇯🇵 漢字とかな ok 😀"
     engine = make_engine(tiny_llama_dir, max_num_seqs=16, **SMALL)

@@ -276,6 +276,7 @@ def _client(base: str) -> Any:
     return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 def test_server_tool_calls(hermes_server):
     base, _ = hermes_server
     client = _client(base)
@@ -308,6 +309,7 @@ def test_server_tool_calls(hermes_server):
     assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 def test_server_streams_tool_calls_as_openai_does(hermes_server):
     """A call's first delta has its index, id, type and name; its arguments follow in
     pieces (more than one: they stream as generated) that join to the final arguments."""
@@ -428,6 +430,7 @@ async def _chat_samples(engine: Any, params: SamplingParams, stream: bool, **kw:
     return [(text[i], calls[i], last[i].finish_reason, last[i].tool_call_error) for i in last]
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 @pytest.mark.parametrize("template", ["hermes", "llama3_short"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_required_and_named_calls_follow_the_schema(request, make_engine, template, stream):
@@ -455,6 +458,7 @@ async def test_required_and_named_calls_follow_the_schema(request, make_engine, 
                     jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 @pytest.mark.parametrize("parallel", [False, True])
 async def test_llama3_required_parallel_calls(llama3_short_dir, make_engine, parallel):
     """Llama 3 JSON under the grammar: with parallel_tool_calls, several objects joined by

@@ -234,6 +234,7 @@ async def test_greedy_identical_with_and_without_speculation(model, request, mak
     assert on["num_generated_tokens"] == off["num_generated_tokens"]
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_prefix_cache_hits_with_speculation(tiny_llama_dir, make_engine):
     prompts = _repetitive_prompts()
     engine = make_engine(tiny_llama_dir, **KW, **SPEC)
@@ -250,6 +251,7 @@ async def test_prefix_cache_hits_with_speculation(tiny_llama_dir, make_engine):
     assert stats["prefix_cache_hits"] > 0 and stats["spec_num_accepted_tokens"] > 0
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 @pytest.mark.parametrize("mode", ["offload", "recompute"])
 async def test_preemption_with_speculation(mode, tiny_llama_dir, make_engine):
     prompts = _repetitive_prompts() + _repetitive_prompts(seed=5) + _repetitive_prompts(seed=7)
@@ -304,6 +306,7 @@ async def test_stops_and_max_tokens_mid_accepted_run(tiny_llama_dir, make_engine
     assert stats["spec_num_accepted_tokens"] > 0
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_logprobs_and_parallel_seeded_sampling(tiny_llama_dir, make_engine):
     """Greedy logprobs per accepted token equal those without speculation; seeded sampling
     (penalties, top-k, n = 3) gives the same tokens, since every row draws the request's
@@ -367,6 +370,7 @@ def test_grammar_requests_do_not_speculate(tiny_llama_dir, make_engine):
     core.abort_request("p")
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_grammar_request_beside_speculating_ones(tiny_llama_dir, make_engine):
     """A constrained request shares steps with speculating ones: its bitmask (rows for
     ``max_num_seqs`` = 4 sampled rows) is padded for the verification rows."""

@@ -91,6 +91,7 @@ def _check_all(results: list, check, min_stop: float = 0.75) -> None:
         check(text)
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_outputs_follow_the_grammar(tiny_llama_dir, make_engine, stream):
     engine = make_engine(tiny_llama_dir)
@@ -197,6 +198,7 @@ async def test_json_object_and_any_whitespace(tiny_llama_dir, make_engine):
     assert any(reason == "stop" for _, reason in obj_res)
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 @pytest.mark.parametrize("mode", ["offload", "recompute"])
 async def test_preemption_keeps_matcher_state(tiny_llama_dir, make_engine, mode):
     """n=2 samples of 4 seeded calls in a pool for about two of them: every request is
@@ -257,6 +259,7 @@ def _strict_valid(text: str, schema: dict) -> None:
     jsonschema.validate(json.loads(text), schema)  # json.loads is strict by default
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_length_bounded_strings_parse_strictly(tiny_llama_dir, make_engine):
     """Sampled outputs under a schema of length-bounded strings: every one parses with a
     strict parser and validates (about 1 in 40 held a raw control character before)."""
@@ -271,6 +274,7 @@ async def test_length_bounded_strings_parse_strictly(tiny_llama_dir, make_engine
     _check_all(results, lambda t: _strict_valid(t, LENGTH_SCHEMA))
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_user_stop_token_ids_wait_for_the_grammar(tiny_llama_dir, make_engine):
     """A request's ``stop_token_ids`` hold ordinary tokens (here the vocabulary's words of
     three letters or more that the schema's keys do not need) that the grammar allows
@@ -327,6 +331,7 @@ async def test_logprobs_stay_raw(tiny_llama_dir, make_engine):
     assert out.text == "7" and chosen.rank > 5
 
 
+@pytest.mark.slow  # the inner loop's heaviest (make test-fast leaves it out)
 async def test_stop_string_and_cancel_free_the_matcher(tiny_llama_dir, make_engine):
     engine = make_engine(tiny_llama_dir)
     core = engine.core
