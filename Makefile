@@ -7,7 +7,7 @@ PROMPT ?= What is the capital of France?
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test test-fast lint bench
 
 # torch==2.13.0 first: on a CPU machine an unpinned torch would pull a multi-GB CUDA build
 # (xgrammar, a dependency, asks only torch>=1.10, so this CPU build stays). The package is
@@ -51,6 +51,13 @@ lint: $(VENV)/.dev
 TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+
+# The inner loop: the core, worker and front-end tiers (tests/core, tests/worker,
+# tests/frontend) without the tests marked slow, on the same workers, no lint. `make test`
+# (CI) runs every tier, slow tests included.
+FAST_TIERS ?= tests/core tests/worker tests/frontend
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 -m "not slow" $(FAST_TIERS)
 
 # The benchmark harness (asyncllm/bench/, docs/benchmarks.md) in its smoke-test sizes; the
 # developer scripts are in benchmarks/ (run them from a checkout).

@@ -5,7 +5,7 @@
 
 Covers every name in ``asyncllm.__all__`` and the server package (``asyncllm.server``: its
 module docstring is the HTTP reference). Google-style sections (Args, Attributes, Raises,
-Returns, Yields) become lists; ``::`` blocks become code blocks. tests/test_examples.py
+Returns, Yields) become lists; ``::`` blocks become code blocks. tests/e2e/test_examples.py
 checks that the file is current.
 """
 

@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny random-weight models, the default model, and the block-pool check.
+"""Shared fixtures of every tier: tiny random-weight models, the default model, and the
+block-pool check.
+
+This module imports no torch (nor transformers) at its top: tests/core runs without torch
+(tests/core/test_torch_free.py checks it), so the fixtures and helpers that need it import it
+inside.
 
 Every engine a test builds through ``make_engine`` is checked after the test: no request left
 in it, every KV block free, and the pool's reference counts consistent.
@@ -6,7 +11,7 @@ in it, every KV block free, and the pool's reference counts consistent.
 ``EngineConfig.compile="auto"`` is forced off in the test suite (``ASYNCLLM_COMPILE=0``, set
 here and inherited by the processes tests start), whatever the shell exported or "auto"'s
 default becomes: a compile on a background thread would slow every test that builds an
-engine. tests/test_compile.py asks for ``compile=True`` explicitly.
+engine. tests/e2e/test_compile.py asks for ``compile=True`` explicitly.
 """
 
 from __future__ import annotations
@@ -16,51 +21,62 @@ import os
 import pathlib
 import sys
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from asyncllm import AsyncEngine
 from asyncllm.bench.tiny_model import TINY_CONFIG, save_tiny_llama
 from asyncllm.core.request import SAMPLE_ID_SEP, Request
-from asyncllm.models.loader import resolve_model_dir
-from asyncllm.worker.device import COMPILE_ENV
-from asyncllm.worker.sampling.sampler import SamplerOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncllm.worker.sampling.sampler import SamplerOutput
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 TINY = TINY_CONFIG
 
-os.environ[COMPILE_ENV] = "0"
+# asyncllm.worker.device.COMPILE_ENV, named here without importing the worker (torch)
+os.environ["ASYNCLLM_COMPILE"] = "0"
 
 
 #: The cores this process could run on before :func:`_pin_xdist_worker` narrowed them.
 ALL_CORES = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
-def _pin_xdist_worker() -> None:
+def _pin_xdist_worker() -> list[int] | None:
     """Under pytest-xdist (``make test`` runs two workers), each worker keeps to its own
     share of the cores, and torch's threads and every child process it starts with it
     (affinity is inherited; ``default_num_threads`` reads it): two workers never put two
     busy OpenMP threads on one core, where their spin-waits run each other several times
-    slower."""
+    slower. Returns the share (None when not narrowed). Done at this module's import,
+    before any test module imports torch, whose OpenMP runtime reads the mask when loaded."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
-        return
+        return None
     cores = sorted(os.sched_getaffinity(0))
     share = cores[int(worker[2:]) % count :: count] or cores
     for tid in os.listdir("/proc/self/task"):  # threads started already (execnet's) too
         with contextlib.suppress(OSError):
             os.sched_setaffinity(int(tid), share)
-    torch.set_num_threads(len(share))
+    return share
 
 
-_pin_xdist_worker()
+PINNED_CORES = _pin_xdist_worker()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads_follow_the_pinning() -> None:
+    """torch's thread count set to the worker's share of the cores, when the collected test
+    modules imported torch (tests/core alone does not)."""
+    torch = sys.modules.get("torch")
+    if PINNED_CORES is not None and torch is not None:
+        torch.set_num_threads(len(PINNED_CORES))
 
 
 @contextlib.contextmanager
@@ -85,7 +101,7 @@ def unpinned() -> Iterator[None]:
 #: ones) are multiples of 0.125 and two runs' top two can swap across one or two steps of it:
 #: 0.25. (The default model's bfloat16 parity tests part at gaps of 0, 0.125 and 0.25; vLLM's
 #: bfloat16 tests compare top-k logprobs for the same reason.)
-NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.25}
+NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.25}
 
 
 def first_divergence_is_near_tie(
@@ -97,6 +113,8 @@ def first_divergence_is_near_tie(
     the parity tests accept. Within that window, not among the top two: bfloat16 logits of
     ~16 are rounded to steps of 0.125, so three or more tokens can tie, and which two of
     them come first is the sort's choice, not the model's."""
+    import torch
+
     j = next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
     ids = torch.tensor([prompt + expected[:j]])
     with torch.inference_mode():
@@ -104,7 +122,7 @@ def first_divergence_is_near_tie(
     dtype = next(ref_model.parameters()).dtype
     gap = float(logprobs.max() - logprobs[got[j]])
     print(f"first divergence at token {j} ({dtype}): the engine's token {gap:.3g} below the best")
-    return gap <= NEAR_TIE[dtype]
+    return gap <= NEAR_TIE[str(dtype).removeprefix("torch.")]
 
 
 @pytest.fixture
@@ -121,6 +139,8 @@ BOTH_BACKENDS = ["asyncio", "trio"]
 @pytest.fixture(scope="session")
 def default_model_dir() -> pathlib.Path:
     """The default model as a cached safetensors directory (converted once per machine)."""
+    from asyncllm.models.loader import resolve_model_dir
+
     return resolve_model_dir("default")
 
 
@@ -156,6 +176,9 @@ def tiny_qwen2_dir(
     """A 2-layer random Qwen2 (q/k/v biases, GQA 4:2) with SmolLM2's tokenizer; its second
     layer attends over a sliding window of 8 tokens (Qwen2's ``max_window_layers``), so the
     tests that run it (eager and compiled, preempted, quantized) run a window too."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(1)
     path = tmp_path_factory.mktemp("tiny-qwen2")
     config = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)
@@ -280,6 +303,10 @@ class Scripted:
         self.script = script
 
     def __call__(self, logits: torch.Tensor, batch: Any) -> SamplerOutput:
+        import torch
+
+        from asyncllm.worker.sampling.sampler import SamplerOutput
+
         out = self.real(logits, batch)
         ids = [self.script[min(k, len(self.script) - 1)] for k in batch.token_indices]
         return SamplerOutput(torch.tensor(ids), out.logprobs)

@@ -28,7 +28,7 @@ take the same block-by-block path in float32: each block dequantized exactly, th
 float32 brgemm (docs/tuning.md has the figures).
 
 The packed layout (``aten._convert_weight_to_int4pack_for_cpu(q_int32[N, K], 1)``, torch 2.13;
-checked against the codes in tests/test_quantization.py): uint8 ``[N, K/2]`` read as
+checked against the codes in tests/models/test_quantization.py): uint8 ``[N, K/2]`` read as
 ``[N/64, K, 32]``; byte ``[b, k, j]``'s low nibble is the code of row ``64b + j`` at column
 ``k``, its high nibble that of row ``64b + 32 + j``. Scales and zeros ``sz`` are
 ``[K/group, N, 2]`` (scale, zero) and ``w[n, k] = (q - 8) * scale + zero``, the int4 kernel's

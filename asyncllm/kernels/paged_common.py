@@ -40,7 +40,7 @@ def load_kv_tile(
 
 
 #: Bytes of an int8 KV row's float16 scale after its codes (``asyncllm.attention.kv_int8``'s
-#: ``SCALE_BYTES``, which the kernels cannot import; tests/test_kv_cache_int8.py checks).
+#: ``SCALE_BYTES``, which the kernels cannot import; tests/worker/test_kv_cache_int8.py checks).
 SCALE_BYTES = 2
 
 

@@ -71,7 +71,7 @@ _LOW_PRECISION_CEILING = 0.25
 #: Added to the bound (capped at :data:`_LOW_PRECISION_CEILING`) when the paged path reads
 #: an int8 KV cache, whose K/V are rounded to 1/254 of each row's largest value
 #: (:mod:`asyncllm.attention.kv_int8`). Measured with an int8 cache: the 19 tiny families of
-#: tests/test_architectures.py 0.001-0.015 in float32, 0.005-0.021 in bfloat16; the default
+#: tests/models/test_architectures.py 0.001-0.015 in float32, 0.005-0.021 in bfloat16; the default
 #: model 0.0096 (float32), 0.027 (bfloat16; 0.020 with its bfloat16 cache); Gemma 3 270M
 #: 0.081 (float32, the torch path and the C++ kernel alike; 2e-6 without int8) and 0.112
 #: (bfloat16; 0.045 with its bfloat16 cache). The failures the check exists for stay above

@@ -1,7 +1,7 @@
 """What the model runner hands back for one step, as plain Python (no torch).
 
 These types cross from the worker to the engine core and on to the async front end, which
-must not import torch (``tests/test_import_graph.py``), so they live apart from
+must not import torch (``tests/project/test_import_graph.py``), so they live apart from
 :mod:`asyncllm.worker.sampling.sampler`, which computes them.
 """
 
