@@ -65,7 +65,7 @@ def _best_installed(family: str) -> str | None:
 # --- (a) the switches -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(native.SWITCHES))
 def test_switch_off_gives_none_and_on_the_module_again(family, monkeypatch):
     """``<switch>=0`` (or false/no/off): module() is None and status() says "off", without
     a failure; switched on again, the same module, a variant this CPU runs."""
@@ -185,10 +185,10 @@ def test_engine_without_kernels_serves_as_with_them_switched_off(
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         return [out.token_ids for out in outs]
 
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m:  # the weight kernels' switches; attention by setting
         for switch in native.SWITCHES.values():
             m.setenv(switch, "0")
-        want = asyncio.run(run(make_engine(tiny_llama_dir, **config)))
+        want = asyncio.run(run(make_engine(tiny_llama_dir, attention_backend="torch", **config)))
     before = None if installed is None else installed.int4_path_calls()
     _none_installed(monkeypatch)
     got = asyncio.run(run(make_engine(tiny_llama_dir, **config)))
