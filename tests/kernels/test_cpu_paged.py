@@ -593,13 +593,6 @@ def test_decode_kernel_refuses_mixed_dtypes():
         cpu_paged.decode_attention(q.half(), kc.half(), vc.half(), table, lens, 0.25)
 
 
-def test_switch(monkeypatch):
-    monkeypatch.setenv(cpu_paged.ENV_SWITCH, "0")
-    assert not cpu_paged.available()
-    monkeypatch.setenv(cpu_paged.ENV_SWITCH, "1")
-    assert cpu_paged.available()
-
-
 def test_many_row_gemms_run_wherever_the_cpu_has_native_bfloat16():
     """The int4 and Q8_0 many-row paths (oneDNN's bfloat16 brgemm) are on exactly where the
     CPU has AVX-512 BF16 or AMX-BF16 (torch's could_pack says AMX only; brgemm runs on
