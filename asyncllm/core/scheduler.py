@@ -62,6 +62,7 @@ of plain lists (:mod:`asyncllm.core.plan`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -397,6 +398,22 @@ class Scheduler:
     def num_waiting(self) -> int:
         """Requests waiting: queued, plus parallel samples waiting for their prefix."""
         return len(self.waiting) + self.groups.num_unforked
+
+    def num_waiting_of(self, tenant: str) -> int:
+        """Requests of ``tenant`` waiting, parallel samples waiting for their prefix
+        included."""
+        unforked = (r for _, samples in self.groups.unforked() for r in samples)
+        return sum(r.tenant == tenant for r in itertools.chain(self.waiting, unforked))
+
+    def waiting_order(self) -> dict[str, int]:
+        """Request id -> how many waiting requests are admitted before it (its order as of
+        the last step); a parallel sample waiting for its prefix request takes the prefix's
+        place."""
+        order = {r.request_id: i for i, r in enumerate(self.waiting)}
+        for prefix_id, samples in self.groups.unforked():
+            if prefix_id in order:
+                order.update((r.request_id, order[prefix_id]) for r in samples)
+        return order
 
     def update_from_output(
         self,

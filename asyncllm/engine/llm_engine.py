@@ -9,7 +9,6 @@ steps, so nothing here needs a lock.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -367,20 +366,13 @@ class LLMEngine:
         """Requests waiting in the scheduler (of ``tenant`` only, unless None), parallel
         samples waiting for their prefix included."""
         sched = self.scheduler
-        if tenant is None:
-            return sched.num_waiting
-        unforked = (r for _, samples in sched.groups.unforked() for r in samples)
-        return sum(r.tenant == tenant for r in itertools.chain(sched.waiting, unforked))
+        return sched.num_waiting if tenant is None else sched.num_waiting_of(tenant)
 
     def waiting_order(self) -> dict[str, int]:
         """Request id -> how many waiting requests the scheduler admits before it (its
         order as of the last step); a parallel sample waiting for its prefix request takes
         the prefix's place."""
-        order = {r.request_id: i for i, r in enumerate(self.scheduler.waiting)}
-        for prefix_id, samples in self.scheduler.groups.unforked():
-            if prefix_id in order:
-                order.update((r.request_id, order[prefix_id]) for r in samples)
-        return order
+        return self.scheduler.waiting_order()
 
     def has_unfinished(self) -> bool:
         """Requests waiting or running."""

@@ -160,17 +160,10 @@ class FakeCore:
 
     def num_waiting(self, tenant: str | None = None) -> int:
         sched = self.scheduler
-        if tenant is None:
-            return sched.num_waiting
-        unforked = [r for _, samples in sched.groups.unforked() for r in samples]
-        return sum(r.tenant == tenant for r in [*sched.waiting, *unforked])
+        return sched.num_waiting if tenant is None else sched.num_waiting_of(tenant)
 
     def waiting_order(self) -> dict[str, int]:
-        order = {r.request_id: i for i, r in enumerate(self.scheduler.waiting)}
-        for prefix_id, samples in self.scheduler.groups.unforked():
-            if prefix_id in order:
-                order.update((r.request_id, order[prefix_id]) for r in samples)
-        return order
+        return self.scheduler.waiting_order()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
