@@ -16,7 +16,6 @@ import transformers as tf
 from asyncllm import ModelLoadError, SamplingParams, UnsupportedModelError
 from asyncllm.attention.backend_registry import ATTN_IMPLEMENTATION
 from asyncllm.bench.tiny_model import TINY_CONFIG
-from asyncllm.models import loader
 from asyncllm.worker import paged_check
 
 _MLA = dict(
@@ -74,13 +73,6 @@ _OWN_ATTENTION = "calls attention code of its own"
 
 #: family -> (config class, fields, what the refusal names)
 REFUSED: dict[str, tuple[type, dict[str, Any], str]] = {
-    # transformers' Falcon calls torch's attention itself: chunks attended to themselves
-    # only (the probe saw it too: test_attention_that_bypasses_the_cache_is_refused)
-    "falcon": (
-        tf.FalconConfig,
-        dict(num_kv_heads=2, new_decoder_architecture=True),
-        _OWN_ATTENTION,
-    ),
     # their own attention code and no SDPA: building them raised transformers' ValueError,
     # reported as a ModelLoadError (GPT-Neo's local layers are refused by config too)
     "gpt_neo": (
@@ -102,6 +94,15 @@ REFUSED: dict[str, tuple[type, dict[str, Any], str]] = {
         "attention sinks",
     ),
 }
+
+#: transformers' Falcon called torch's attention itself before 5.25 (chunks attended to
+#: themselves only: refused by its class), and goes through the attention interface since:
+#: served, token for token. Which one this transformers has, its own test says.
+_FALCON = (tf.FalconConfig, dict(num_kv_heads=2, new_decoder_architecture=True))
+if tf.FalconForCausalLM._can_set_attn_implementation():
+    RUNS["falcon"] = _FALCON
+else:
+    REFUSED["falcon"] = (*_FALCON, _OWN_ATTENTION)
 
 PROMPT = [5, 77, 1000, 23, 9, 400, 31, 8, 12000, 7, 66, 3]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -194,8 +195,9 @@ def test_compile_auto_is_off_for_a_mixture_of_experts(monkeypatch):
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_family_is_refused_at_load(family, tmp_path, default_model_dir):
-    """Falcon was accepted and gave other tokens from the first one; DeepSeek-V3 was
-    accepted and the engine died at its first step (StableLM too, now served)."""
+    """DeepSeek-V3 was accepted and the engine died at its first step (StableLM too, now
+    served); Falcon, before transformers 5.25, was accepted and gave other tokens from the
+    first one."""
     from asyncllm import AsyncEngine
 
     cls, fields, reason = REFUSED[family]
@@ -206,13 +208,25 @@ def test_family_is_refused_at_load(family, tmp_path, default_model_dir):
 
 
 def test_attention_that_bypasses_the_cache_is_refused(tmp_path, default_model_dir, monkeypatch):
-    """Past the class check (a modeling code it misjudges): the probe counts the layer calls
-    that reached the cache and refuses Falcon, whose attention never does."""
+    """Past the class check (a modeling code it misjudges, as it did Falcon's before
+    transformers 5.25): a Llama whose layers always take transformers' eager attention, never
+    the interface's paged one; the probe counts the layer calls that reached the cache."""
+    from transformers.models.llama import modeling_llama
+
     from asyncllm import AsyncEngine
 
-    cls, fields, _ = REFUSED["falcon"]
-    path = _save(tmp_path / "falcon", cls(**{**TINY_CONFIG, **fields}), default_model_dir)
-    monkeypatch.setattr(loader, "check_attention_interface", lambda config: None)
+    class OwnAttention:
+        """Stands in for transformers' attention registry (looked up by name, or since 5.x
+        releases through ``get_interface``): the layer's own eager code, always."""
+
+        def __getitem__(self, name: str) -> Any:
+            return modeling_llama.eager_attention_forward
+
+        def get_interface(self, name: str, default: Any) -> Any:
+            return modeling_llama.eager_attention_forward
+
+    path = _save(tmp_path / "llama", tf.LlamaConfig(**TINY_CONFIG), default_model_dir)
+    monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", OwnAttention())
     with pytest.raises(UnsupportedModelError, match="bypasses the paged KV cache"):
         AsyncEngine.from_pretrained(str(path), **SMALL)
 

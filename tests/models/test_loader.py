@@ -18,6 +18,7 @@ from transformers import (
     BertConfig,
     BloomConfig,
     FalconConfig,
+    FalconForCausalLM,
     Gemma2Config,
     GPTNeoConfig,
     LlamaConfig,
@@ -596,6 +597,9 @@ def test_architecture_checked_before_weights(tiny_hf_dir):
 
 
 _GPT_NEO: dict[str, Any] = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4)
+_FALCON: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4
+)
 
 
 def _garbage_weights(path: pathlib.Path) -> None:
@@ -609,7 +613,8 @@ def _garbage_weights(path: pathlib.Path) -> None:
     [
         GPTNeoConfig(**_GPT_NEO, attention_types=[[["global"], 2]]),
         XGLMConfig(vocab_size=256, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128),
-        FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+        # through transformers' attention interface since transformers 5.25: served
+        *([] if FalconForCausalLM._can_set_attn_implementation() else [FalconConfig(**_FALCON)]),
     ],
     ids=lambda c: c.model_type,
 )
