@@ -21,7 +21,7 @@ op                 what                                        C++ CPU kernel
 paged_attention    write a layer's K/V, attend (the step's     ``csrc/paged_attention.cpp``
                    metadata: attention.backend_registry)
 int4_linear        ``x W^T + b``, W int4 with group scales     ``csrc/int4_linear.cpp``
-q8_0_linear        ``x W^T + b``, W int8 codes, scales per     (Python over ``csrc/q8_linear``)
+q8_0_linear        ``x W^T + b``, W int8 codes, scales per     ``csrc/q8_linear.cpp``
                    16/32 columns (+ offsets): GGUF Q8_0,
                    Q5_0, Q6_K, Q5_K (logits: float32 out)
 packed_linear      ``x W^T + b``, W packed by oneDNN           (oneDNN)

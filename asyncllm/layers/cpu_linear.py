@@ -173,8 +173,9 @@ def packing_supported(model: nn.Module) -> bool:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, and give each
-    :class:`~asyncllm.layers.q8_linear.Q8Linear` its packed copy for many rows; returns how
-    many layers were packed.
+    :class:`~asyncllm.layers.q8_linear.Q8Linear` its packed copy where its C++ kernel is not
+    loaded (:meth:`~asyncllm.layers.q8_linear.Q8Linear.pack`); returns how many layers were
+    packed.
 
     A linear whose weight is tied to the input embeddings keeps it (shared). Does nothing,
     and returns 0, where :func:`packing_supported` is False or oneDNN refuses the reorder.

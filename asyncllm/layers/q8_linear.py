@@ -22,11 +22,12 @@ logits: the default model's first answer to "What is the capital of France?" tie
   anywhere. W1 on the default model (batch 64): faster than the packed copy on AMX, as fast
   on AVX-512 BF16, with 57 MB less resident memory (docs/tuning.md, "Weight-only
   quantization kernels" and "A CPU without AMX");
-* more rows otherwise (float32 models, CPUs without native bfloat16): oneDNN's GEMM on a
-  packed copy of the weight in the model's dtype, made by :meth:`Q8Linear.pack`
-  (:func:`asyncllm.layers.cpu_linear.pack_linears` calls it), as fast as the dense head was
-  (its output widened to float32, after oneDNN's rounding to the model's dtype); without that
-  copy or the kernel, the float32 weight dequantized per call.
+* more rows otherwise (float32 models, CPUs without native bfloat16): ``q8_mm_f32``, the
+  same per block of 64 outputs in float32 (oneDNN's float32 brgemm, ``at::mm`` above 128
+  rows), the weights exact. A packed dense copy of the weight in the model's dtype
+  (:meth:`Q8Linear.pack`, called by :func:`asyncllm.layers.cpu_linear.pack_linears`) is made
+  only where the C++ kernel is not loaded; without either, the float32 weight is dequantized
+  per call.
 
 The decoder layers' ``Q8_0``, ``Q5_0`` and ``Q6_K`` linears (``Q5_0``'s ``d * (q - 16)`` is a
 ``Q8_0`` block of codes ``q - 16``; ``Q6_K``'s ``(d * sc) * (q - 32)`` per 16 weights is one of
@@ -63,7 +64,7 @@ from torch import nn
 
 from asyncllm.kernels import native, ops
 
-__all__ = ["ENV_SWITCH", "GROUPS", "MAX_ROWS", "Q8Linear", "fast", "kernel", "mm_f32_available"]
+__all__ = ["ENV_SWITCH", "GROUPS", "MAX_ROWS", "Q8Linear", "fast", "kernel"]
 
 #: The input width is a multiple of this (Q8_0's block; the kernels dequantize 32 at a time).
 BLOCK = 32
@@ -75,8 +76,8 @@ _DEQUANT_ROWS = 4096
 
 ENV_SWITCH = native.SWITCHES["q8"]
 
-#: Calls with more rows than this take the many-row path (``q8_mm`` or the packed dense
-#: copy); up to this many, the matrix-vector kernel, whose time grows with the rows.
+#: Calls with more rows than this take the many-row path (``q8_mm`` or ``q8_mm_f32``); up to
+#: this many, the matrix-vector kernel, whose time grows with the rows.
 MAX_ROWS = 8
 
 
@@ -94,23 +95,12 @@ def fast() -> bool:
 def mm_available() -> bool:
     """The many-row kernel (``q8_mm``: dequantize per block of 64 outputs + oneDNN's
     brgemm, bfloat16) runs here (native bfloat16); else more than :data:`MAX_ROWS` rows take
-    a packed dense copy (:meth:`Q8Linear.pack`)."""
+    ``q8_mm_f32``."""
     return _mm_runs(kernel())
 
 
 def _mm_runs(mod: Any) -> bool:
     return mod is not None and bool(mod.q8_mm_available())
-
-
-def mm_f32_available() -> bool:
-    """The float32 many-row kernel (``q8_mm_f32``: dequantize per block of 64 outputs, then
-    oneDNN's float32 brgemm up to 128 rows, ``at::mm`` above or where brgemm does not run) is
-    in the loaded module."""
-    return _mm_f32_runs(kernel())
-
-
-def _mm_f32_runs(mod: Any) -> bool:
-    return mod is not None and hasattr(mod, "q8_mm_f32")
 
 
 def dequantize(
@@ -135,25 +125,16 @@ def q8_0_linear(
     offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., in]`` (float32 or bfloat16) -> ``[..., out]``, float32 with ``logits`` (the
-    LM head), else in ``x``'s dtype (a decoder layer): :class:`Q8Linear`'s forward (one op
-    for eager steps and compiled graphs alike; see the module docstring for the paths). The
-    scales' group is ``in / scale.shape[1]``; ``offset`` (as ``scale``) or None."""
+    LM head), else in ``x``'s dtype (a decoder layer): :class:`Q8Linear`'s forward where the
+    C++ kernel is not loaded (its CPU implementation of the op, ``csrc/q8_linear.cpp``,
+    takes the paths of the module docstring): the packed dense copy where there is one, else
+    ``x`` times the dequantized weight in float32. The scales' group is
+    ``in / scale.shape[1]``; ``offset`` (as ``scale``) or None."""
     out, cols = q.shape
-    rows = x.reshape(-1, cols)
-    mod = kernel()
-    many = rows.shape[0] > max_rows
-    if many and x.dtype == torch.bfloat16 and _mm_runs(mod):
-        y: torch.Tensor = mod.q8_mm(rows.contiguous(), q, scale, offset)
-    elif many and packed is None and _mm_f32_runs(mod):
-        y = mod.q8_mm_f32(rows.float().contiguous(), q, scale, offset)
-    elif packed is not None and (many or mod is None):
+    if packed is not None:
         dense: torch.Tensor = torch.ops.asyncllm.packed_linear(x, packed, bias, cols, out)
         return dense.float() if logits else dense
-    elif mod is None:
-        y = nn.functional.linear(rows.float(), dequantize(q, scale, offset))
-    else:
-        y = torch.empty((rows.shape[0], out), dtype=torch.float32)
-        mod.q8_gemv(rows.float().contiguous(), q, scale, y, offset)
+    y = nn.functional.linear(x.reshape(-1, cols).float(), dequantize(q, scale, offset))
     y = y.view(*x.shape[:-1], out)
     y = y if bias is None else y + bias.float()
     return y if logits else y.to(x.dtype)
@@ -242,19 +223,17 @@ class Q8Linear(nn.Module):
         return out
 
     def pack(self) -> None:
-        """Make the oneDNN-packed dense copy that calls of more than :data:`MAX_ROWS` rows
-        use (in the model's dtype; idempotent); none for bfloat16 where ``q8_mm`` runs, and
-        none for a decoder layer (``logits=False``) where ``q8_mm_f32`` runs (its many rows
-        take ``q8_mm_f32``, or ``q8_mm``: no dense copy beside the codes).
+        """Make the oneDNN-packed dense copy that every call uses where the C++ kernel is
+        not loaded (in the model's dtype; idempotent). None where it is: its many-row paths
+        (``q8_mm``, ``q8_mm_f32``) read the codes, and a dense copy would hold the weight a
+        second time, four times its size in float32.
 
         Raises:
             RuntimeError: oneDNN refuses the reorder.
         """
         from asyncllm.layers.cpu_linear import PACK_HINT_ROWS
 
-        if not self.logits and mm_f32_available():
-            return
-        if self.packed is None and not (self.out_dtype == torch.bfloat16 and mm_available()):
+        if self.packed is None and kernel() is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_HINT_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,10 +36,11 @@ def _reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Te
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("packed", [False, True])
-def test_q8_linear_matches_reference(rows, dtype, packed):
-    """Few rows (the kernel, float32 from the exact weights) and many (the packed dense copy,
-    or the kernel where none was made), with a bias and a width not a multiple of 64; float32
-    logits whatever the model's dtype."""
+def test_q8_linear_matches_reference(rows, dtype, packed, monkeypatch):
+    """Few rows (the kernel, float32 from the exact weights) and many (``q8_mm`` or
+    ``q8_mm_f32``), or with the kernel switched off the packed dense copy at every row count,
+    with a bias and a width not a multiple of 64; float32 logits whatever the model's
+    dtype."""
     n, k = 100, 96
     q, s = _codes(n, k)
     bias = torch.randn(n).to(dtype)
@@ -47,7 +48,9 @@ def test_q8_linear_matches_reference(rows, dtype, packed):
     if packed:
         if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             pytest.skip("oneDNN's bfloat16 reorder (the packed copy) needs AVX-512 BW/VL/DQ")
+        monkeypatch.setenv(q8_linear.ENV_SWITCH, "0")
         layer.pack()
+        assert layer.packed is not None
     x = torch.randn(2, rows, k).to(dtype)
     with torch.inference_mode():
         y = layer(x)
@@ -56,8 +59,8 @@ def test_q8_linear_matches_reference(rows, dtype, packed):
     many = 2 * rows > q8_linear.MAX_ROWS
     # float32 sums of exact weights (x is exact in either dtype); bfloat16's packed dense copy:
     # the weight's rounding (d * q rounded once) and oneDNN's output's; q8_mm: the weight's.
-    mm = many and dtype == torch.bfloat16 and q8_linear.mm_available()
-    tol = 2e-2 if dtype == torch.bfloat16 and many and layer.packed is not None else 1e-5
+    mm = many and dtype == torch.bfloat16 and q8_linear.mm_available() and not packed
+    tol = 2e-2 if dtype == torch.bfloat16 and layer.packed is not None else 1e-5
     tol = 1e-2 if mm else tol
     assert torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
@@ -88,15 +91,19 @@ def test_q8_mm_uses_the_exact_weights(n, k, rows):
         mod.q8_mm(x.float(), q, s)
 
 
-@needs_mm
-def test_q8_linear_packs_a_dense_copy_only_for_float32():
-    """bfloat16 models run many rows through ``q8_mm`` on the codes (no 57 MB dense copy of
-    the default model's head); float32 ones through oneDNN on a packed float32 copy."""
+@needs_kernel
+def test_q8_linear_makes_no_dense_copy_where_the_kernel_runs(monkeypatch):
+    """With the kernel, every row count reads the codes (no dense copy of Gemma 3's 262k x
+    640 head: 671 MB in float32); without it, one packed copy for the torch reference."""
     q, s = _codes(64, 64)
-    bf16, f32 = (q8_linear.Q8Linear(q, s, None, dt) for dt in (torch.bfloat16, torch.float32))
-    bf16.pack()
-    f32.pack()
-    assert bf16.packed is None and f32.packed is not None
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = q8_linear.Q8Linear(q, s, None, dtype)
+        layer.pack()
+        assert layer.packed is None
+    monkeypatch.setenv(q8_linear.ENV_SWITCH, "0")
+    layer = q8_linear.Q8Linear(q, s, None, torch.float32)
+    layer.pack()
+    assert layer.packed is not None
 
 
 def test_q8_linear_refuses_bad_shapes():
@@ -345,3 +352,45 @@ def test_decoder_q8_linear_round_trips_the_cache_state():
         assert torch.equal(again(x), layer(x))
     head = ql.module_from_state(ql.module_state(q8_linear.Q8Linear(q, s, None, torch.float32)))
     assert head.logits is True
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_runs_in_cpp_and_equals_its_torch_reference(dtype):
+    """The op's CPU kernel (``csrc/q8_linear.cpp``) and its torch reference (the
+    ``CompositeExplicitAutograd`` implementation in ``layers/q8_linear.py``) compute the same
+    function at few and many rows, for the head (float32 logits) and a decoder layer (``x``'s
+    dtype), with offsets and scales per 16 columns."""
+    n, k = 100, 96
+    q, s = _codes(n, k)
+    offset = torch.randn(n, k // 16) * 0.01
+    s16 = torch.rand(n, k // 16) * 0.02
+    bias = torch.randn(n).to(dtype)
+    for scale, off in ((s, None), (s16, offset)):
+        for rows in (1, 3, 8, 9, 40):
+            x = torch.randn(rows, k).to(dtype)
+            for logits in (True, False):
+                args = (x, q, scale, None, bias, q8_linear.MAX_ROWS, logits, off)
+                got = torch.ops.asyncllm.q8_0_linear(*args)
+                want = q8_linear.q8_0_linear(*args)
+                assert got.dtype == want.dtype == (torch.float32 if logits else dtype)
+                # bfloat16: q8_mm rounds the weights (d * q) to bfloat16, the reference not
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+                scale_of = want.float().abs().max().item()
+                assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * scale_of)
+
+
+@needs_kernel
+def test_repeated_rows_are_computed_once_with_the_same_bits():
+    """The compiled forward pads a one-sequence decode's kept rows with a copy of its row:
+    a row equal to the one before it is copied, not computed again, and every row's output
+    has the bits it would have alone."""
+    q, s = _codes(300, 128)
+    a, b = torch.randn(2, 128)
+    x = torch.stack([a, a, b, b, b, a])
+    y = torch.ops.asyncllm.q8_0_linear(x, q, s, None, None, q8_linear.MAX_ROWS, True, None)
+    alone = [
+        torch.ops.asyncllm.q8_0_linear(r[None], q, s, None, None, q8_linear.MAX_ROWS, True, None)
+        for r in x
+    ]
+    assert torch.equal(y, torch.cat(alone))
