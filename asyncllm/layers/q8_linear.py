@@ -206,6 +206,34 @@ class Q8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.register_buffer("offset", None if offset is None else offset.float().contiguous())
 
+    @classmethod
+    def concat(cls, parts: list[Q8Linear]) -> Q8Linear | None:
+        """One layer whose output is ``parts``' outputs side by side (their codes, scales,
+        offsets and biases concatenated), or None where they differ in input width, group,
+        dtype, device or role (``logits``), or have an offset or a bias on some but not all
+        (a Q8_0 and a Q5_0 layer fuse: both are codes with a scale per 32 columns)."""
+        first = parts[0]
+        if any(
+            p.in_features != first.in_features
+            or p.group != first.group
+            or p.out_dtype != first.out_dtype
+            or p.q.device != first.q.device
+            or p.logits != first.logits
+            or (p.offset is None) != (first.offset is None)
+            or (p.bias is None) != (first.bias is None)
+            or p.packed is not None
+            for p in parts
+        ):
+            return None
+
+        def cat(name: str) -> torch.Tensor | None:
+            ts = [getattr(p, name) for p in parts]
+            return None if ts[0] is None else torch.cat(ts)
+
+        q, scale = cat("q"), cat("scale")
+        assert q is not None and scale is not None
+        return cls(q, scale, cat("bias"), first.out_dtype, first.logits, cat("offset"))
+
     @property
     def group(self) -> int:
         """Input columns per scale (32, or 16 for ``Q6_K``)."""

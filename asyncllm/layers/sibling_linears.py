@@ -14,10 +14,11 @@ the fused output, computed once per input.
 batch 1 most (docs/tuning.md, "CPU fast paths", q/k/v and gate/up as one call each).
 
 Fused: ``nn.Linear`` (before :func:`~asyncllm.layers.cpu_linear.pack_linears` packs the
-fused layer for oneDNN) and :class:`~asyncllm.layers.quant_linear.Int4Linear` layers whose
-input width, dtype, device (and group size) agree, with a bias on all of them or none, no
-weight shared with another module, and (int4) every part a multiple of 64 rows (the packed
-layout's row block).
+fused layer for oneDNN), :class:`~asyncllm.layers.quant_linear.Int4Linear` and
+:class:`~asyncllm.layers.q8_linear.Q8Linear` (GGUF's Q8_0, Q5_0, Q6_K, Q5_K codes) layers,
+all of one type, whose input width, dtype, device (and group size) agree, with a bias on all
+of them or none, no weight shared with another module, and (int4) every part a multiple of
+64 rows (the packed layout's row block).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from asyncllm import envs
+from asyncllm.layers.q8_linear import Q8Linear
 from asyncllm.layers.quant_linear import Int4Linear
 
 __all__ = ["ENV_SWITCH", "SIBLING_NAMES", "SiblingLinear", "fuse_siblings"]
@@ -90,7 +92,12 @@ class SiblingLinear(nn.Module):
         )
 
 
-def _fused(parts: list[nn.Linear | Int4Linear]) -> nn.Module | None:
+_Part = nn.Linear | Int4Linear | Q8Linear
+#: The layer types a group may be made of (all its members of one type).
+_FUSABLE = (nn.Linear, Int4Linear, Q8Linear)
+
+
+def _fused(parts: list[_Part]) -> nn.Module | None:
     """One layer computing ``parts``' outputs side by side, or None where they cannot be."""
     if all(type(p) is nn.Linear for p in parts):
         lins: list[nn.Linear] = parts  # type: ignore[assignment]
@@ -110,10 +117,13 @@ def _fused(parts: list[nn.Linear | Int4Linear]) -> nn.Module | None:
     if all(type(p) is Int4Linear for p in parts):
         int4: list[Int4Linear] = parts  # type: ignore[assignment]
         return Int4Linear.concat(int4)
+    if all(type(p) is Q8Linear for p in parts):
+        q8: list[Q8Linear] = parts  # type: ignore[assignment]
+        return Q8Linear.concat(q8)
     return None
 
 
-def _shared(parts: list[nn.Linear | Int4Linear], model: nn.Module) -> bool:
+def _shared(parts: list[_Part], model: nn.Module) -> bool:
     """Some part's tensor is also held by a module outside the group (tied weights)."""
     mine = {id(t) for p in parts for t in (*p.parameters(), *p.buffers())}
     for m in model.modules():
@@ -137,9 +147,9 @@ def fuse_siblings(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for names in SIBLING_NAMES:
             mods = [getattr(parent, name, None) for name in names]
-            if any(type(m) not in (nn.Linear, Int4Linear) for m in mods):
+            if any(type(m) not in _FUSABLE for m in mods):
                 continue
-            parts = typing.cast(list[nn.Linear | Int4Linear], mods)
+            parts = typing.cast(list[_Part], mods)
             fused = _fused(parts)
             if fused is None or _shared(parts, model):
                 continue

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from asyncllm.layers.q8_linear import MAX_ROWS as Q8_MAX_ROWS
+from asyncllm.layers.q8_linear import Q8Linear
 from asyncllm.layers.quant_linear import Int4Linear
 from asyncllm.layers.sibling_linears import SiblingLinear, fuse_siblings
 from asyncllm.models.quantization import QuantSetting, quantize_model
@@ -107,6 +109,42 @@ def test_groups_that_cannot_be_fused_are_left_alone(tmp_path):
     tied.other = nn.Linear(8, 16)
     tied.other.weight = tied.up_proj.weight
     assert fuse_siblings(tied) == 0
+
+
+def _codes(out: int, cols: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-16, 16, (out, cols), generator=g, dtype=torch.int8)
+    return q, torch.rand(out, cols // group, generator=g) * 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9])
+def test_gguf_code_layers_fuse_bit_for_bit(rows):
+    """Q8_0/Q5_0 siblings (a scale per 32 columns; Gemma 3's q/k/v mix them) run as one
+    Q8Linear, up to 8 rows (the matrix-vector kernel: each output its own sum) with the same
+    bits per output column; a Q6_K part (per 16) stays apart, and so do parts with an offset
+    on some but not all."""
+    parent = nn.Module()
+    for i, (name, out) in enumerate((("q_proj", 64), ("k_proj", 32), ("v_proj", 32))):
+        setattr(parent, name, Q8Linear(*_codes(out, 96, 32, i), None, torch.float32, False))
+    parent.gate_proj = Q8Linear(*_codes(64, 96, 32, 5), None, torch.float32, False)
+    parent.up_proj = Q8Linear(*_codes(64, 96, 16, 6), None, torch.float32, False)
+    ref = copy.deepcopy(parent)
+    assert fuse_siblings(parent) == 1
+    assert type(parent.q_proj.fused) is Q8Linear and parent.q_proj.fused.out_features == 128
+    assert type(parent.up_proj) is Q8Linear  # groups of 16 and 32 do not fuse
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            got, want = getattr(parent, name)(x), getattr(ref, name)(x)
+            if rows <= Q8_MAX_ROWS:
+                assert torch.equal(got, want)
+            else:  # a GEMM's blocking may sum in another order
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    offsets = nn.Module()
+    offsets.gate_proj = Q8Linear(*_codes(64, 96, 32, 7), None, torch.float32, False)
+    q, s = _codes(64, 96, 32, 8)
+    offsets.up_proj = Q8Linear(q, s, None, torch.float32, False, offset=s.clone())
+    assert fuse_siblings(offsets) == 0
 
 
 def test_switched_off(monkeypatch):
