@@ -12,8 +12,14 @@
 // A weight W [N, K] as int8 codes Q [N, K], a float32 scale per G input columns S [N, K / G]
 // and, optionally, a float32 offset per group O [N, K / G]: w = S * Q (+ O). G is 32 (GGUF's
 // Q8_0, Q5_0 and Q5_K, the last with offsets) or 16 (Q6_K's sub-blocks): the functions below
-// take it from the scales' shape and every loop knows it at compile time (with_group). K is a
-// multiple of 32 (the dequantizers write 32 columns at a time).
+// take it from the scales' shape and every loop knows it at compile time (with_format). K is
+// a multiple of 32 (the dequantizers write 32 columns at a time).
+//
+// Or, for codes in -16..15 without offsets (GGUF's Q5_0), 5-bit codes: Q uint8 [N, K / 32 *
+// 20], per 32 columns 16 bytes of low nibbles (byte j: column j's, then column j + 16's in
+// the high nibble) and a little-endian 32-bit word whose bit j is column j's fifth bit, of
+// u = code + 16 (ggml's block_q5_0 without its d); the scale float16 [N, K / 32] (Q5_0's d,
+// as the file holds it). The same weights, 5.5 bits each instead of 9.
 constexpr int64_t BLOCK = 32;
 constexpr int64_t CHUNK = 16;  // columns per vector (16 float32 lanes)
 constexpr int64_t PREFETCH = 8;
@@ -31,50 +37,96 @@ constexpr int64_t Q8_F32_BRGEMM_ROWS = 128;  // rows ahead (4.5 KiB of SmolLM2's
 
 using OptTensor = std::optional<at::Tensor>;
 
-// The codes of one weight, as the loops read them.
-struct Codes {
+constexpr int64_t Q5_BLOCK_BYTES = 20;  // 5-bit codes: bytes per 32 columns
+
+// One row of a weight, as the loops read it: int8 codes q with float32 scales s (and offsets
+// o, or null), or 5-bit blocks b with float16 scales h.
+struct Row {
   const int8_t* q;
+  const uint8_t* b;
   const float* s;
-  const float* o;  // null: no offsets
-  int64_t K;
+  const at::Half* h;
+  const float* o;
 };
 
-// Checks the weight's tensors (and x's width K) for `fn`, returning the group G: q int8
-// [N, K] with K % 32 == 0, scale float32 [N, K / G] with G 32 or 16, offset none or as scale.
-static int64_t check_codes(const char* fn, const at::Tensor& q, const at::Tensor& s,
-                           const OptTensor& o, int64_t K) {
-  const bool shapes = q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() &&
-                      q.size(1) == K && K % BLOCK == 0 && s.scalar_type() == at::kFloat &&
-                      s.dim() == 2 && s.is_contiguous() && s.size(0) == q.size(0) &&
-                      (s.size(1) * 32 == K || s.size(1) * 16 == K);
-  TORCH_CHECK(shapes && (!o || (o->scalar_type() == at::kFloat && o->is_contiguous() &&
-                                o->sizes() == s.sizes())),
-              fn, ": q int8 [N, K], scales float32 [N, K / 32] or [N, K / 16], offsets none or "
-              "as the scales, x [M, K], all contiguous, K % 32 == 0");
-  return K / s.size(1);
+// The codes of one weight.
+struct Codes {
+  const int8_t* q;     // int8 codes [N, K], or null
+  const uint8_t* b;    // 5-bit blocks [N, K / 32 * 20], or null
+  const float* s;      // with q: float32 scales [N, K / G]
+  const at::Half* h;   // with b: float16 scales [N, K / 32]
+  const float* o;      // null: no offsets
+  int64_t K, G;
+  bool q5() const { return b != nullptr; }
+  int64_t row_bytes() const { return q5() ? K / BLOCK * Q5_BLOCK_BYTES : K; }
+  const void* codes(int64_t n) const {
+    return q5() ? static_cast<const void*>(b + n * row_bytes()) : q + n * K;
+  }
+  Row row(int64_t n) const {
+    const int64_t NG = K / G;
+    return {q5() ? nullptr : q + n * K, q5() ? b + n * row_bytes() : nullptr,
+            q5() ? nullptr : s + n * NG, q5() ? h + n * NG : nullptr,
+            o != nullptr ? o + n * NG : nullptr};
+  }
+};
+
+// The weight's codes, its tensors (and x's width K) checked for `fn`: q int8 [N, K] with
+// scales float32 [N, K / G] (G 32 or 16) and offsets none or as the scales, or q uint8 [N,
+// K / 32 * 20] (5-bit codes) with scales float16 [N, K / 32] and no offsets; K % 32 == 0.
+static Codes codes_of(const char* fn, const at::Tensor& q, const at::Tensor& s,
+                      const OptTensor& o, int64_t K) {
+  const bool q5 = q.scalar_type() == at::kByte;
+  const bool common = q.dim() == 2 && q.is_contiguous() && K % BLOCK == 0 && s.dim() == 2 &&
+                      s.is_contiguous() && s.size(0) == q.size(0);
+  const bool int8 = common && q.scalar_type() == at::kChar && q.size(1) == K &&
+                    s.scalar_type() == at::kFloat &&
+                    (s.size(1) * 32 == K || s.size(1) * 16 == K) &&
+                    (!o || (o->scalar_type() == at::kFloat && o->is_contiguous() &&
+                            o->sizes() == s.sizes()));
+  const bool five = common && q5 && q.size(1) == K / BLOCK * Q5_BLOCK_BYTES &&
+                    s.scalar_type() == at::kHalf && s.size(1) * 32 == K && !o;
+  TORCH_CHECK(int8 || five, fn,
+              ": q int8 [N, K] with scales float32 [N, K / 32] or [N, K / 16] and offsets none "
+              "or as the scales, or q uint8 [N, K / 32 * 20] (5-bit codes) with scales float16 "
+              "[N, K / 32] and no offsets; x [M, K]; all contiguous, K % 32 == 0");
+  if (q5) return {nullptr, q.data_ptr<uint8_t>(), nullptr, s.data_ptr<at::Half>(), nullptr, K, 32};
+  return {q.data_ptr<int8_t>(), nullptr, s.data_ptr<float>(), nullptr,
+          o ? o->data_ptr<float>() : nullptr, K, K / s.size(1)};
 }
 
-static Codes codes_of(const at::Tensor& q, const at::Tensor& s, const OptTensor& o) {
-  return {q.data_ptr<int8_t>(), s.data_ptr<float>(), o ? o->data_ptr<float>() : nullptr,
-          q.size(1)};
-}
-
-// f(std::integral_constant<int64_t, G>{}) for the group G (16 or 32): one instantiation of
-// each loop per group, the group a constant inside it.
+// f(std::integral_constant<int64_t, G>{}, std::bool_constant<Q5>{}) for the weight's group G
+// (16 or 32) and format (5-bit codes or int8): one instantiation of each loop per kind, both
+// constants inside it.
 template <typename F>
-static decltype(auto) with_group(int64_t G, F&& f) {
-  if (G == 16) return f(std::integral_constant<int64_t, 16>{});
-  return f(std::integral_constant<int64_t, 32>{});
+static decltype(auto) with_format(const Codes& W, F&& f) {
+  if (W.q5()) return f(std::integral_constant<int64_t, 32>{}, std::true_type{});
+  if (W.G == 16) return f(std::integral_constant<int64_t, 16>{}, std::false_type{});
+  return f(std::integral_constant<int64_t, 32>{}, std::false_type{});
+}
+
+// Column j's code (0 <= j < 32) of a block of 5-bit codes: u - 16.
+static inline int q5_code(const uint8_t* blk, int64_t j) {
+  const int low = j < 16 ? (blk[j] & 15) : (blk[j - 16] >> 4);
+  uint32_t high;
+  std::memcpy(&high, blk + 16, sizeof high);
+  return (low | static_cast<int>(((high >> j) & 1) << 4)) - 16;
 }
 
 // Weight k of a row (codes q, its scales s and offsets o or null), float32: the code times
 // its group's scale, rounded once, then plus the offset, rounded once. GGUF's own values bit
 // for bit: Q6_K's (d * sc) * (q - 32) is that product; Q5_K's (d * sc) * q is exact (22
 // significant bits), so adding -(dmin * m) is gguf's one rounding.
-template <int64_t G>
-static inline float weight_at(const int8_t* q, const float* s, const float* o, int64_t k) {
-  const float w = static_cast<float>(q[k]) * s[k / G];
-  return o != nullptr ? w + o[k / G] : w;
+// A 5-bit code times its float16 scale: exact in float32 (5 by 11 significant bits), as
+// gguf computes Q5_0's d * (q - 16).
+template <int64_t G, bool Q5>
+static inline float weight_at(const Row& r, int64_t k) {
+  if constexpr (Q5) {
+    const uint8_t* blk = r.b + k / BLOCK * Q5_BLOCK_BYTES;
+    return static_cast<float>(q5_code(blk, k % BLOCK)) * static_cast<float>(r.h[k / BLOCK]);
+  } else {
+    const float w = static_cast<float>(r.q[k]) * r.s[k / G];
+    return r.o != nullptr ? w + r.o[k / G] : w;
+  }
 }
 
 #if Q8_FAST
@@ -84,11 +136,38 @@ static inline __m512 codes16(const int8_t* c) {  // 16 codes as float32
 
 // Weights k .. k + 15 of a row (k % 16 == 0: one group), as weight_at computes them (the
 // product exact where there is an offset, so the fused add rounds as the separate one).
+// Weights k .. k + 15 of a row of int8 codes (k % 16 == 0: one group).
 template <int64_t G>
-static inline __m512 weights16(const int8_t* q, const float* s, const float* o, int64_t k) {
-  const __m512 sc = _mm512_set1_ps(s[k / G]);
-  return o != nullptr ? _mm512_fmadd_ps(codes16(q + k), sc, _mm512_set1_ps(o[k / G]))
-                      : _mm512_mul_ps(codes16(q + k), sc);
+static inline __m512 weights16(const Row& r, int64_t k) {
+  const __m512 sc = _mm512_set1_ps(r.s[k / G]);
+  return r.o != nullptr ? _mm512_fmadd_ps(codes16(r.q + k), sc, _mm512_set1_ps(r.o[k / G]))
+                        : _mm512_mul_ps(codes16(r.q + k), sc);
+}
+
+// Weights k .. k + 31 of a row (k % 32 == 0), as weight_at computes them, in w0 (the first
+// 16) and w1. 5-bit codes: one block's nibbles spread to 32 bytes in column order, its word's
+// bits add 16 under a mask, minus 16; the float16 scale converted once (F16C).
+template <int64_t G, bool Q5>
+static inline void weights32(const Row& r, int64_t k, __m512& w0, __m512& w1) {
+  if constexpr (Q5) {
+    const uint8_t* blk = r.b + k / BLOCK * Q5_BLOCK_BYTES;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+    const __m128i m15 = _mm_set1_epi8(15);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m15),
+                                         _mm_and_si128(bytes, m15));
+    uint32_t high;
+    std::memcpy(&high, blk + 16, sizeof high);
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    const __m256i code =
+        _mm256_sub_epi8(_mm256_mask_add_epi8(nib, high, nib, sixteen), sixteen);
+    const __m512 sc = _mm512_set1_ps(_cvtsh_ss(r.h[k / BLOCK].x));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(code))), sc);
+    w1 = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(code, 1))), sc);
+  } else {
+    w0 = weights16<G>(r, k);
+    w1 = weights16<G>(r, k + CHUNK);
+  }
 }
 
 // Asks for the cache lines of bytes [0, bytes) at p (HINT: _MM_HINT_T0 or _MM_HINT_T1).
@@ -105,40 +184,42 @@ static inline void prefetch_row(const void* p, int64_t bytes) {
 // once for all R rows takes one multiply (or FMA) each, then one FMA per row: fewer than
 // scaling each row's partial sum per group (Q8_0's group of 32: 3 per row and 32 weights), and
 // no extra term for the offsets.
-template <int R, int64_t G>
+template <int R, int64_t G, bool Q5>
 static void gemv_rows(const float* X, const Codes& W, int64_t n0, int64_t n1, float* Y,
                       int64_t N) {
   const int64_t K = W.K, NG = K / G;
   for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* q = W.q + n * K;
-    const float* s = W.s + n * NG;
-    const float* o = W.o != nullptr ? W.o + n * NG : nullptr;
+    const Row r = W.row(n);
 #if Q8_FAST
     // One core alone cannot keep enough cache misses in flight to reach the memory
     // bandwidth with the hardware prefetcher only: ask for rows a few ahead.
     if (n + PREFETCH < n1) {
-      prefetch_row<_MM_HINT_T0>(q + PREFETCH * K, K);
-      prefetch_row<_MM_HINT_T0>(s + PREFETCH * NG, NG * 4);
-      if (o != nullptr) prefetch_row<_MM_HINT_T0>(o + PREFETCH * NG, NG * 4);
+      const Row ahead = W.row(n + PREFETCH);
+      prefetch_row<_MM_HINT_T0>(W.codes(n + PREFETCH), W.row_bytes());
+      prefetch_row<_MM_HINT_T0>(Q5 ? static_cast<const void*>(ahead.h) : ahead.s,
+                                NG * (Q5 ? 2 : 4));
+      if (ahead.o != nullptr) prefetch_row<_MM_HINT_T0>(ahead.o, NG * 4);
     }
     // two sums per row (even and odd 16 columns): one FMA chain per row would wait on its
     // latency at one row
     __m512 even[R], odd[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) even[i] = odd[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += BLOCK) {
-      const __m512 w0 = weights16<G>(q, s, o, k), w1 = weights16<G>(q, s, o, k + CHUNK);
-      for (int r = 0; r < R; ++r) {
-        even[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(X + r * K + k), even[r]);
-        odd[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(X + r * K + k + CHUNK), odd[r]);
+      __m512 w0, w1;
+      weights32<G, Q5>(r, k, w0, w1);
+      for (int i = 0; i < R; ++i) {
+        even[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(X + i * K + k), even[i]);
+        odd[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(X + i * K + k + CHUNK), odd[i]);
       }
     }
-    for (int r = 0; r < R; ++r) Y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+    for (int i = 0; i < R; ++i) Y[i * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
 #else
-    for (int r = 0; r < R; ++r) {
-      const float* x = X + r * K;
+    (void)NG;
+    for (int i = 0; i < R; ++i) {
+      const float* x = X + i * K;
       float t = 0.f;
-      for (int64_t k = 0; k < K; ++k) t += weight_at<G>(q, s, o, k) * x[k];
-      Y[r * N + n] = t;
+      for (int64_t k = 0; k < K; ++k) t += weight_at<G, Q5>(r, k) * x[k];
+      Y[i * N + n] = t;
     }
 #endif
   }
@@ -152,22 +233,22 @@ void q8_gemv(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s, at:
                   y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 &&
                   y.size(0) == xf.size(0) && y.size(1) == q.size(0),
               "q8_gemv: x float32 [M, K], y float32 [M, N], contiguous");
-  const int64_t G = check_codes("q8_gemv", q, s, offset, xf.size(1));
+  const Codes W = codes_of("q8_gemv", q, s, offset, xf.size(1));
   const int64_t M = xf.size(0), K = xf.size(1), N = q.size(0);
-  const Codes W = codes_of(q, s, offset);
   const float* X = xf.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  with_group(G, [&](auto group) {
+  with_format(W, [&](auto group, auto five) {
     constexpr int64_t GC = decltype(group)::value;
+    constexpr bool Q5 = decltype(five)::value;
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
       for (int64_t m = 0; m < M; m += 4) {
         const float* x = X + m * K;
         float* out = Y + m * N;
         switch (std::min<int64_t>(4, M - m)) {
-          case 1: gemv_rows<1, GC>(x, W, n0, n1, out, N); break;
-          case 2: gemv_rows<2, GC>(x, W, n0, n1, out, N); break;
-          case 3: gemv_rows<3, GC>(x, W, n0, n1, out, N); break;
-          default: gemv_rows<4, GC>(x, W, n0, n1, out, N); break;
+          case 1: gemv_rows<1, GC, Q5>(x, W, n0, n1, out, N); break;
+          case 2: gemv_rows<2, GC, Q5>(x, W, n0, n1, out, N); break;
+          case 3: gemv_rows<3, GC, Q5>(x, W, n0, n1, out, N); break;
+          default: gemv_rows<4, GC, Q5>(x, W, n0, n1, out, N); break;
         }
       }
     });
@@ -180,24 +261,23 @@ bool q8_fast() { return Q8_FAST; }
 // Rows n0 .. n0 + rows - 1 of W as bfloat16 [rows, K] (row-major): weight_at's float32
 // values (gguf's), rounded once to nearest even: the values of the dense bfloat16 copy. The
 // next block's codes (`next`, or null) are prefetched.
-template <int64_t G>
-static void dequant_rows(const Codes& W, int64_t n0, int64_t rows, const int8_t* next,
+template <int64_t G, bool Q5>
+static void dequant_rows(const Codes& W, int64_t n0, int64_t rows, bool prefetch_next,
                          at::BFloat16* out) {
-  const int64_t K = W.K, NG = K / G;
+  const int64_t K = W.K;
   for (int64_t j = 0; j < rows; ++j) {
-    const int8_t* q = W.q + (n0 + j) * K;
-    const float* s = W.s + (n0 + j) * NG;
-    const float* o = W.o != nullptr ? W.o + (n0 + j) * NG : nullptr;
+    const Row r = W.row(n0 + j);
     at::BFloat16* row = out + j * K;
 #if Q8_FAST && defined(__AVX512BF16__)
-    if (next != nullptr) prefetch_row<_MM_HINT_T1>(next + j * K, K);
+    if (prefetch_next) prefetch_row<_MM_HINT_T1>(W.codes(n0 + 64 + j), W.row_bytes());
     for (int64_t k = 0; k < K; k += BLOCK) {
-      const __m512 w0 = weights16<G>(q, s, o, k), w1 = weights16<G>(q, s, o, k + CHUNK);
+      __m512 w0, w1;
+      weights32<G, Q5>(r, k, w0, w1);
       _mm512_storeu_si512(row + k, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
     }
 #else
-    (void)next;
-    for (int64_t k = 0; k < K; ++k) row[k] = c10::BFloat16(weight_at<G>(q, s, o, k));
+    (void)prefetch_next;
+    for (int64_t k = 0; k < K; ++k) row[k] = c10::BFloat16(weight_at<G, Q5>(r, k));
 #endif
   }
 }
@@ -232,7 +312,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
                  const OptTensor& offset) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "q8_mm: x bfloat16 [M, K], contiguous");
-  const int64_t G = check_codes("q8_mm", q, s, offset, x.size(1));
+  const Codes W = codes_of("q8_mm", q, s, offset, x.size(1));
   TORCH_CHECK(q8_mm_available(), "q8_mm: oneDNN's bfloat16 brgemm does not run here");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NBLK = (N + 63) / 64;
   constexpr int64_t MT = 64;  // rows per brgemm call (C is [64, MT] float32: 16 KiB)
@@ -246,7 +326,6 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
     for (int64_t r = 0; r < M; ++r)
       for (int64_t p = 0; p < K / 2; ++p) dst[p * M + r] = src[r * (K / 2) + p];
   }
-  const Codes W = codes_of(q, s, offset);
   const at::BFloat16* B = xt.data_ptr<at::BFloat16>();
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, NBLK, 1, [&](int64_t begin, int64_t end) {
@@ -257,8 +336,11 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
     float* C = cbuf.data_ptr<float>();
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * 64, rows = std::min<int64_t>(64, N - n0);
-      const int8_t* next = blk + 1 < end ? W.q + (n0 + 64) * K : nullptr;
-      with_group(G, [&](auto g) { dequant_rows<decltype(g)::value>(W, n0, rows, next, A); });
+      // the next block's rows (all 64 of them: only the last block has fewer)
+      const bool next = blk + 1 < end;
+      with_format(W, [&](auto g, auto five) {
+        dequant_rows<decltype(g)::value, decltype(five)::value>(W, n0, rows, next, A);
+      });
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int64_t mt = std::min(MT, M - m0);
         at::native::cpublas::brgemm(rows, mt, K, K, M, mt, false, A, B + m0 * 2, C, true);
@@ -272,21 +354,24 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
 
 // Rows n0 .. n0 + rows - 1 of W as float32 [rows, K] (row stride ld): weight_at's values,
 // gguf's dequantized weights bit for bit.
-template <int64_t G>
-static void dequant_rows_f32(const Codes& W, int64_t n0, int64_t rows, const int8_t* next,
+template <int64_t G, bool Q5>
+static void dequant_rows_f32(const Codes& W, int64_t n0, int64_t rows, bool prefetch_next,
                              float* out, int64_t ld) {
-  const int64_t K = W.K, NG = K / G;
+  const int64_t K = W.K;
   for (int64_t j = 0; j < rows; ++j) {
-    const int8_t* q = W.q + (n0 + j) * K;
-    const float* s = W.s + (n0 + j) * NG;
-    const float* o = W.o != nullptr ? W.o + (n0 + j) * NG : nullptr;
+    const Row r = W.row(n0 + j);
     float* row = out + j * ld;
 #if Q8_FAST
-    if (next != nullptr) prefetch_row<_MM_HINT_T1>(next + j * K, K);
-    for (int64_t k = 0; k < K; k += CHUNK) _mm512_storeu_ps(row + k, weights16<G>(q, s, o, k));
+    if (prefetch_next) prefetch_row<_MM_HINT_T1>(W.codes(n0 + 64 + j), W.row_bytes());
+    for (int64_t k = 0; k < K; k += BLOCK) {
+      __m512 w0, w1;
+      weights32<G, Q5>(r, k, w0, w1);
+      _mm512_storeu_ps(row + k, w0);
+      _mm512_storeu_ps(row + k + CHUNK, w1);
+    }
 #else
-    (void)next;
-    for (int64_t k = 0; k < K; ++k) row[k] = weight_at<G>(q, s, o, k);
+    (void)prefetch_next;
+    for (int64_t k = 0; k < K; ++k) row[k] = weight_at<G, Q5>(r, k);
 #endif
   }
 }
@@ -305,7 +390,7 @@ at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Te
                           int64_t brgemm_rows, const OptTensor& offset) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "q8_mm_f32: x float32 [M, K], contiguous");
-  const int64_t G = check_codes("q8_mm_f32", q, s, offset, x.size(1));
+  const Codes W = codes_of("q8_mm_f32", q, s, offset, x.size(1));
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NBLK = (N + 63) / 64;
   constexpr int64_t MT = 64;  // rows per brgemm call (C is [64, MT] float32: 16 KiB)
   at::Tensor y = at::empty({M, N}, x.options());
@@ -317,7 +402,6 @@ at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Te
     xt = at::empty({K, ldb}, x.options());
     xt.narrow(1, 0, M).copy_(x.t());
   }
-  const Codes W = codes_of(q, s, offset);
   const float* B = brgemm ? xt.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, NBLK, 1, [&](int64_t begin, int64_t end) {
@@ -328,9 +412,9 @@ at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Te
     float* C = cbuf.data();
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * 64, rows = std::min<int64_t>(64, N - n0);
-      const int8_t* next = blk + 1 < end ? W.q + (n0 + 64) * K : nullptr;
-      with_group(G, [&](auto g) {
-        dequant_rows_f32<decltype(g)::value>(W, n0, rows, next, A, lda);
+      const bool next = blk + 1 < end;
+      with_format(W, [&](auto g, auto five) {
+        dequant_rows_f32<decltype(g)::value, decltype(five)::value>(W, n0, rows, next, A, lda);
       });
       if (!brgemm) {
         at::Tensor out = at::from_blob(Y + n0, {M, rows}, {N, 1}, y.options());
@@ -394,7 +478,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                        const OptTensor& packed, const OptTensor& bias, int64_t max_rows,
                        bool logits, const OptTensor& offset) {
   (void)packed;
-  const int64_t N = q.size(0), K = q.size(1);
+  const int64_t N = q.size(0), K = q.scalar_type() == at::kByte ? s.size(1) * BLOCK : q.size(1);
   const at::Tensor rows = x.reshape({-1, K});
   const bool many = rows.size(0) > max_rows;
   const bool bf16_mm = many && x.scalar_type() == at::kBFloat16 && q8_mm_available();

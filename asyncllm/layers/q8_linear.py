@@ -103,13 +103,44 @@ def _mm_runs(mod: Any) -> bool:
     return mod is not None and bool(mod.q8_mm_available())
 
 
+#: Bytes of 5-bit codes per :data:`BLOCK` columns: 16 of low nibbles, 4 of fifth bits.
+Q5_BLOCK_BYTES = 20
+
+
+def pack5(codes: torch.Tensor) -> torch.Tensor:
+    """Integer codes [out, in] in -16..15 (``in`` a multiple of 32) as 5-bit codes, uint8
+    [out, in / 32 * 20]: per 32 columns of ``u = code + 16``, 16 bytes of low nibbles (byte
+    ``j``: column ``j``'s, column ``j + 16``'s in the high nibble) and a little-endian 32-bit
+    word whose bit ``j`` is column ``j``'s fifth bit (ggml's ``block_q5_0`` without its
+    ``d``). The layout ``csrc/q8_linear.cpp`` reads."""
+    out, cols = codes.shape
+    u = (codes.to(torch.int64) + 16).view(out, cols // BLOCK, BLOCK)
+    low = u & 15
+    nibbles = low[..., :16] | (low[..., 16:] << 4)
+    word = (((u >> 4) & 1) << torch.arange(BLOCK)).sum(-1, keepdim=True)
+    high = (word >> torch.arange(0, 32, 8)) & 255
+    return torch.cat([nibbles, high], -1).to(torch.uint8).view(out, -1).contiguous()
+
+
+def unpack5(blocks: torch.Tensor) -> torch.Tensor:
+    """The int8 codes [out, in] of :func:`pack5`'s blocks [out, in / 32 * 20]."""
+    out = blocks.shape[0]
+    b = blocks.view(out, -1, Q5_BLOCK_BYTES).to(torch.int64)
+    low = torch.cat([b[..., :16] & 15, b[..., :16] >> 4], -1)
+    word = (b[..., 16:] << torch.arange(0, 32, 8)).sum(-1, keepdim=True)
+    fifth = (word >> torch.arange(BLOCK)) & 1
+    return ((low | (fifth << 4)) - 16).to(torch.int8).view(out, -1)
+
+
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``scale * q (+ offset)`` per group of ``in / scale.shape[1]`` columns: float32
-    [out, in], what the kernels compute (gguf's values bit for bit)."""
-    out, cols = q.shape
-    w = q.view(out, scale.shape[1], -1).float() * scale[..., None]
+    """``scale * q (+ offset)`` per group of ``in / scale.shape[1]`` columns (``q`` int8
+    codes, or :func:`pack5`'s 5-bit codes): float32 [out, in], what the kernels compute
+    (gguf's values bit for bit)."""
+    codes = unpack5(q) if q.dtype == torch.uint8 else q
+    out, cols = codes.shape
+    w = codes.view(out, scale.shape[1], -1).float() * scale.float()[..., None]
     return (w if offset is None else w + offset[..., None]).view(out, cols)
 
 
@@ -131,6 +162,8 @@ def q8_0_linear(
     ``x`` times the dequantized weight in float32. The scales' group is
     ``in / scale.shape[1]``; ``offset`` (as ``scale``) or None."""
     out, cols = q.shape
+    if q.dtype == torch.uint8:  # 5-bit codes: 20 bytes per 32 columns
+        cols = scale.shape[1] * BLOCK
     if packed is not None:
         dense: torch.Tensor = torch.ops.asyncllm.packed_linear(x, packed, bias, cols, out)
         return dense.float() if logits else dense
@@ -150,17 +183,21 @@ class Q8Linear(nn.Module):
     Args:
         q: int8-range codes [out, in], ``in`` a multiple of 32.
         scale: float [out, in / group], group 32 or 16 (:data:`GROUPS`): GGUF's float16
-            ``d`` (K-quants: ``d * sc``), kept exact in float32.
+            ``d`` (K-quants: ``d * sc``), kept exact in float32 (float16 with ``bits=5``).
         bias: [out] or None (added in float32).
         dtype: the model's dtype: the packed copy's (:meth:`pack`) and :attr:`weight`'s.
         logits: True (the LM head): float32 output, and a packed dense copy for many rows
             where :meth:`pack` makes one; False (a decoder layer): the output in the
             activations' dtype and never a dense copy where the kernel has ``q8_mm_f32``.
         offset: float [out, in / group] (``Q5_K``'s ``-(dmin * m)``), or None: no offset.
+        bits: 8 (int8 codes) or 5 (``Q5_0``'s: codes in -16..15, a scale per 32 columns
+            exact in float16, no offset; kept as :func:`pack5`'s 5-bit codes, 5.5 bits a
+            weight with the scale, as in the file).
 
     Raises:
         ValueError: ``in`` not a multiple of 32, ``scale`` not [out, in / 32] or
-            [out, in / 16], or ``offset`` not of ``scale``'s shape.
+            [out, in / 16], ``offset`` not of ``scale``'s shape, or (``bits=5``) codes,
+            scales or an offset that 5-bit codes cannot hold.
     """
 
     q: torch.Tensor
@@ -184,6 +221,7 @@ class Q8Linear(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         logits: bool = True,
         offset: torch.Tensor | None = None,
+        bits: int = 8,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
@@ -201,8 +239,25 @@ class Q8Linear(nn.Module):
             )
         self.out_dtype = dtype
         self.logits = logits
-        self.register_buffer("q", q.to(torch.int8).contiguous())
-        self.register_buffer("scale", scale.float().contiguous())
+        if bits == 5:
+            scale16 = scale.half()
+            if (
+                offset is not None
+                or scale.shape[1] * BLOCK != self.in_features
+                or (q.numel() and (int(q.min()) < -16 or int(q.max()) > 15))
+                or not torch.equal(scale16.float(), scale.float())
+            ):
+                raise ValueError(
+                    "5-bit codes need codes in -16..15, a scale per 32 columns exact in "
+                    "float16 and no offset (GGUF's Q5_0)"
+                )
+            self.register_buffer("q", pack5(q))
+            self.register_buffer("scale", scale16.contiguous())
+        elif bits == 8:
+            self.register_buffer("q", q.to(torch.int8).contiguous())
+            self.register_buffer("scale", scale.float().contiguous())
+        else:
+            raise ValueError(f"Q8Linear codes have 8 or 5 bits, not {bits}")
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.register_buffer("offset", None if offset is None else offset.float().contiguous())
 
@@ -216,6 +271,7 @@ class Q8Linear(nn.Module):
         if any(
             p.in_features != first.in_features
             or p.group != first.group
+            or p.bits != first.bits
             or p.out_dtype != first.out_dtype
             or p.q.device != first.q.device
             or p.logits != first.logits
@@ -230,9 +286,20 @@ class Q8Linear(nn.Module):
             ts = [getattr(p, name) for p in parts]
             return None if ts[0] is None else torch.cat(ts)
 
-        q, scale = cat("q"), cat("scale")
-        assert q is not None and scale is not None
-        return cls(q, scale, cat("bias"), first.out_dtype, first.logits, cat("offset"))
+        codes = torch.cat([p.codes() for p in parts])
+        scale = cat("scale")
+        assert scale is not None
+        bias, offset = cat("bias"), cat("offset")
+        return cls(codes, scale, bias, first.out_dtype, first.logits, offset, first.bits)
+
+    @property
+    def bits(self) -> int:
+        """Bits a code: 8 (int8), or 5 (:func:`pack5`'s codes)."""
+        return 5 if self.q.dtype == torch.uint8 else 8
+
+    def codes(self) -> torch.Tensor:
+        """The codes as int8 [out, in] (unpacked from 5 bits where they are)."""
+        return unpack5(self.q) if self.bits == 5 else self.q
 
     @property
     def group(self) -> int:
@@ -284,5 +351,5 @@ class Q8Linear(nn.Module):
         offset = " + offset" if self.offset is not None else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"int8 g{self.group}{offset}{packed}{head}"
+            f"int{self.bits} g{self.group}{offset}{packed}{head}"
         )

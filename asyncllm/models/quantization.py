@@ -13,7 +13,8 @@ Settings:
 * ``"gguf"``: a GGUF file's own blocks kept: ``Q4_0``/``Q4_1``/``Q4_K`` -> ``Int4Linear``
   with group 32 (codes as they are; Q4_K's sub-block scales and minimums folded exactly into
   block scales and offsets); ``Q8_0``/``Q5_0``/``Q6_K``/``Q5_K`` -> ``Q8Linear`` (int8
-  codes, a float32 scale per 32 columns: ``Q5_0``'s ``d * (q - 16)`` as codes ``q - 16``;
+  codes, a float32 scale per 32 columns: ``Q5_0``'s ``d * (q - 16)`` as codes ``q - 16``,
+  or 5-bit codes with its float16 ``d`` (:data:`Q5_0_BITS`);
   ``Q6_K``'s ``(d * sc) * (q - 32)`` as codes ``q - 32`` and scales ``d * sc`` per 16
   columns; ``Q5_K``'s ``(d * sc) * q - dmin * m`` as codes ``q``, scales and offsets per 32;
   all exact; :data:`Q8_0_LINEAR`, :data:`Q8_CODE_TYPES`); an LM head of one of those types
@@ -177,6 +178,8 @@ def resolve_quantization(
         q8 += "-q8dense"
     elif q8 and Q8_CODE_TYPES is not None:
         q8 += "-codes-" + "-".join(sorted(Q8_CODE_TYPES))
+    if q8 and Q5_0_BITS != 5:
+        q8 += f"-q5bits{Q5_0_BITS}"
     name = f"{resolved}-g{gs}-{dtype_name}{q8}"
     key = cache_key(model_dir, name, gguf_file if resolved == "gguf" else None)
     # The folder's name only makes the file recognizable; the key tells models apart.
@@ -424,9 +427,10 @@ def _from_gguf(
         if t.kind in codes8:
             blocks = _in_order(blocks, idx)
             offset = blocks.offset if t.kind in OFFSET_TYPES else None
-            out[name] = Q8Linear(blocks.q, blocks.scale, lin.bias, dtype, False, offset)
+            bits = Q5_0_BITS if t.kind == "Q5_0" else 8
+            out[name] = Q8Linear(blocks.q, blocks.scale, lin.bias, dtype, False, offset, bits)
             plus = " + offset" if offset is not None else ""
-            kinds.setdefault(f"{t.kind} int8 g{blocks.group}{plus}", set()).add(name)
+            kinds.setdefault(f"{t.kind} int{bits} g{blocks.group}{plus}", set()).add(name)
             continue
         if t.kind not in INT4_TYPES:
             # Types without a kernel (Q2_K, Q3_K, Q5_1...), and Q8_0/Q5_0/Q6_K/Q5_K where
@@ -510,6 +514,12 @@ Q8_0_LINEAR = "codes"
 #: only, the others dense (A/B runs, e.g. ``{"Q5_0", "Q8_0"}`` before the ``Q6_K`` codes; a
 #: cache file of their own).
 Q8_CODE_TYPES: frozenset[str] | None = None
+#: Bits a ``Q5_0`` decoder linear's codes keep: 8 (int8 codes and a float32 scale, 9 bits a
+#: weight) or 5 (:func:`~asyncllm.layers.q8_linear.pack5`: 5.5 bits with its float16 scale,
+#: the file's size; a cache file of its own). 8: the float32 matrix-vector kernel spends more
+#: time unpacking 5-bit codes than it saves reading them (docs/tuning.md, "Q5_0 as 5-bit
+#: codes").
+Q5_0_BITS = 8
 
 
 def _retie(lm: nn.Module) -> None:

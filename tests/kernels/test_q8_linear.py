@@ -394,3 +394,86 @@ def test_repeated_rows_are_computed_once_with_the_same_bits():
         for r in x
     ]
     assert torch.equal(y, torch.cat(alone))
+
+
+# --- Q5_0 as 5-bit codes (quantization.Q5_0_BITS = 5) -----------------------------------------
+
+
+def test_5_bit_codes_are_the_file_s_blocks_without_their_scale():
+    """``pack5`` of a Q5_0 tensor's codes is its blocks' bytes (ggml's ``block_q5_0``) with
+    ``d`` dropped and the fifth bits after the nibbles; ``unpack5`` gives the codes back, all
+    32 values included."""
+    raw = random_q5_0(7, 128, seed=11)
+    blocks = unpack("Q5_0", raw, (7, 128))
+    packed = q8_linear.pack5(blocks.q)
+    b = torch.from_numpy(raw.reshape(7, 4, 22))
+    assert torch.equal(packed.view(7, 4, 20), torch.cat([b[..., 6:], b[..., 2:6]], -1))
+    every = torch.arange(-16, 16, dtype=torch.int8).repeat(3, 2)
+    assert torch.equal(q8_linear.unpack5(q8_linear.pack5(every)), every)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 40, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_5_bit_codes_compute_what_int8_codes_compute(rows, dtype, kernel, monkeypatch):
+    """A Q5_0 decoder linear as 5-bit codes returns the int8 codes' output bit for bit: the
+    matrix-vector kernel, ``q8_mm_f32`` (float32) and ``q8_mm`` (bfloat16) read the same
+    weights from either layout, and so does the torch reference (kernel switched off); at
+    5.5 bits a weight (codes and float16 scale) against 9."""
+    if kernel and q8_linear.kernel() is None:
+        pytest.skip("the q8 kernel is not installed")
+    if not kernel:
+        monkeypatch.setenv(q8_linear.ENV_SWITCH, "0")
+    n, k = 100, 160
+    blocks = unpack("Q5_0", random_q5_0(n, k, seed=rows), (n, k))
+    bias = torch.randn(n).to(dtype)
+    five = q8_linear.Q8Linear(blocks.q, blocks.scale, bias, dtype, False, None, 5)
+    eight = q8_linear.Q8Linear(blocks.q, blocks.scale, bias, dtype, False)
+    assert five.bits == 5 and eight.bits == 8 and five.q.dtype == torch.uint8
+    nbytes = [m.q.nbytes + m.scale.nbytes for m in (five, eight)]
+    assert nbytes == [n * k * 5.5 / 8, n * k * 9 / 8]
+    assert torch.equal(five.weight, eight.weight)
+    x = torch.randn(rows, k).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(five(x), eight(x))
+
+
+def test_5_bit_codes_refuse_what_they_cannot_hold():
+    q, s = _codes(8, 64)
+    exact = s.half().float()
+    with pytest.raises(ValueError, match="5-bit codes"):
+        q8_linear.Q8Linear(q, exact, None, torch.float32, False, None, 5)  # codes past 15
+    small = q.clamp(-16, 15)
+    with pytest.raises(ValueError, match="5-bit codes"):
+        q8_linear.Q8Linear(small, s + 1e-9, None, torch.float32, False, None, 5)  # not float16
+    with pytest.raises(ValueError, match="5-bit codes"):
+        q8_linear.Q8Linear(small, exact, None, torch.float32, False, exact, 5)  # an offset
+    with pytest.raises(ValueError, match="8 or 5 bits"):
+        q8_linear.Q8Linear(small, exact, None, torch.float32, False, None, 4)
+
+
+@needs_kernel
+def test_5_bit_kernels_check_their_inputs():
+    q, s = _codes(8, 64)
+    layer = q8_linear.Q8Linear(
+        q.clamp(-16, 15), s.half().float(), None, torch.float32, False, None, 5
+    )
+    mod, x = q8_linear.kernel(), torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="5-bit codes"):
+        mod.q8_gemv(x, layer.q, layer.scale.float(), torch.empty(2, 8), None)  # float32 scales
+    with pytest.raises(RuntimeError, match="5-bit codes"):
+        mod.q8_mm_f32(x, layer.q[:, :30].contiguous(), layer.scale, None)
+
+
+def test_5_bit_codes_in_the_avx2_variant():
+    """The avx2 variant's portable loops read 5-bit codes as the int8 ones: the same bits."""
+    mod = _avx2_variant()
+    blocks = unpack("Q5_0", random_q5_0(70, 128, seed=5), (70, 128))
+    five = q8_linear.Q8Linear(blocks.q, blocks.scale, None, torch.float32, False, None, 5)
+    eight = q8_linear.Q8Linear(blocks.q, blocks.scale, None, torch.float32, False)
+    x = torch.randn(3, 128)
+    y5, y8 = torch.empty(3, 70), torch.empty(3, 70)
+    mod.q8_gemv(x, five.q, five.scale, y5, None)
+    mod.q8_gemv(x, eight.q, eight.scale, y8, None)
+    assert torch.equal(y5, y8)
+    assert torch.equal(mod.q8_mm_f32(x, five.q, five.scale), mod.q8_mm_f32(x, eight.q, eight.scale))
