@@ -15,7 +15,9 @@ call. ``--group 16``: scales per 16 columns (Q6_K's codes) instead of 32.
 and ``compile=False``, before and after: ``--before q8dense``, ``Q8_0_LINEAR = "dense"``
 (Q8_0/Q5_0/Q6_K dequantized to float32) against ``"codes"``; ``--before q6k``,
 ``Q8_CODE_TYPES = {"Q5_0", "Q8_0"}`` (the Q6_K linears dense, as before issue 36) against
-every type as codes; one stream of 128 generated tokens (W3-like), TPOT = (time of 128
+every type as codes; ``--before q5bits8``, ``Q5_0_BITS = 8`` (int8 codes, the default)
+against 5-bit codes; ``--before unfused``, ``ASYNCLLM_FUSED_SIBLINGS=0`` (q/k/v and gate/up
+as separate calls) against fused; one stream of 128 generated tokens (W3-like), TPOT = (time of 128
 tokens - time of 1) / 127, interleaved, medians of ``--repeats``; ``weight_bytes`` and the
 precision string from ``engine.stats()``.
 
@@ -25,12 +27,15 @@ Run::
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --repeats 3
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --repeats 3 --threads 1
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --before q6k --repeats 5
+    PYTHONPATH=. python benchmarks/q8_linears.py --part decode --before q5bits8 --repeats 5
+    PYTHONPATH=. python benchmarks/q8_linears.py --part decode --before unfused --repeats 5
     PYTHONPATH=. python benchmarks/q8_linears.py --part kernel --group 16 --rows 1 8 64
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -111,11 +116,15 @@ def _decode(model: str, repeats: int, tokens: int, threads: int, before: str) ->
     for mode in ("before", "after"):
         if before == "q8dense":
             qz.Q8_0_LINEAR = "dense" if mode == "before" else "codes"
-        else:
+        elif before == "q6k":
             qz.Q8_CODE_TYPES = frozenset({"Q5_0", "Q8_0"}) if mode == "before" else None
+        elif before == "q5bits8":
+            qz.Q5_0_BITS = 8 if mode == "before" else 5
+        os.environ["ASYNCLLM_FUSED_SIBLINGS"] = "0" if before + mode == "unfusedbefore" else "1"
         extra = {"num_threads": threads} if threads else {}
         llms[mode] = LLM(model, compile=False, **extra)
-    qz.Q8_0_LINEAR, qz.Q8_CODE_TYPES = "codes", None
+    qz.Q8_0_LINEAR, qz.Q8_CODE_TYPES, qz.Q5_0_BITS = "codes", None, 8
+    os.environ.pop("ASYNCLLM_FUSED_SIBLINGS")
     prompt = ["The capital of France is"]
     full = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -154,7 +163,7 @@ def main() -> None:
     p.add_argument("--model", default=GEMMA)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--group", type=int, choices=(32, 16), default=32)
-    p.add_argument("--before", choices=("q8dense", "q6k"), default="q8dense")
+    p.add_argument("--before", choices=("q8dense", "q6k", "q5bits8", "unfused"), default="q8dense")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
