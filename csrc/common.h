@@ -71,6 +71,30 @@ static inline bool brgemm_f32_runs() {
   return ok;
 }
 
+// f(rows) [M, N] for rows [M, K], computed on its distinct rows only: a row equal (bit for bit)
+// to the row before it is copied from that row's output (the compiled forward pads a
+// one-token step with a copy of its token). For the few-row kernels, whose rows are each
+// computed alone: the outputs are the bits f gives every row.
+template <typename F>
+static inline at::Tensor on_distinct_rows(const at::Tensor& rows_in, F&& f) {
+  const at::Tensor rows = rows_in.contiguous();
+  const int64_t M = rows.size(0), bytes = rows.size(1) * rows.element_size();
+  const char* p = static_cast<const char*>(rows.data_ptr());
+  std::vector<int64_t> keep, source(M);  // rows computed; each row's index among them
+  for (int64_t r = 0; r < M; ++r) {
+    if (r > 0 && std::memcmp(p + r * bytes, p + (r - 1) * bytes, bytes) == 0) {
+      source[r] = source[r - 1];
+      continue;
+    }
+    source[r] = static_cast<int64_t>(keep.size());
+    keep.push_back(r);
+  }
+  if (static_cast<int64_t>(keep.size()) == M) return f(rows);
+  if (keep.size() == 1) return f(rows.narrow(0, 0, 1)).expand({M, -1}).contiguous();
+  const at::Tensor y = f(rows.index_select(0, at::tensor(keep)));
+  return y.index_select(0, at::tensor(source));
+}
+
 // A library of CPU kernel registrations for the namespace "asyncllm", made when the loader
 // calls a module's register_ops() (not at import: tests import other variants' modules for
 // their functions without replacing the engine's kernels). The ops' schemas are declared in

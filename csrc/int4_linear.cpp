@@ -392,8 +392,8 @@ at::Tensor int4_gemv_f32(const at::Tensor& rows, const at::Tensor& packed, const
 // y = x W^T + b in x's shape and dtype (ops.py's int4_linear_reference: the same function).
 // Above max_rows rows (and N % 64 == 0, scales bfloat16 or float32) the weight is dequantized
 // block by block and multiplied by a GEMM (int4_mm); up to max_rows float32 scales take
-// int4_gemv_f32.cpp's kernel, bfloat16 ones up to gemv_rows int4_gemv.cpp's where it runs;
-// else torch's int4 kernel.
+// int4_gemv_f32.cpp's kernel, bfloat16 ones up to gemv_rows int4_gemv.cpp's where it runs
+// (both on the distinct rows only: on_distinct_rows); else torch's int4 kernel.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
                        const c10::optional<at::Tensor>& bias, int64_t group, int64_t in_features,
                        int64_t out_features, int64_t max_rows, int64_t gemv_rows) {
@@ -405,10 +405,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     y = int4_mm(rows, packed, sz, group, out_features, M_TILE);
     ++path_calls[1];
   } else if (int4_gemv_f32_runs(sz, out_features)) {
-    y = int4_gemv_f32(rows, packed, sz, group, out_features);
+    y = on_distinct_rows(rows, [&](const at::Tensor& r) {
+      return int4_gemv_f32(r, packed, sz, group, out_features);
+    });
     ++path_calls[2];
   } else if (rows.size(0) <= gemv_rows && int4_gemv_runs(sz, group, out_features)) {
-    y = int4_gemv(rows, packed, sz, group, out_features);
+    y = on_distinct_rows(rows, [&](const at::Tensor& r) {
+      return int4_gemv(r, packed, sz, group, out_features);
+    });
     ++path_calls[2];
   } else {
     y = at::_weight_int4pack_mm_for_cpu(rows, packed, group, sz);

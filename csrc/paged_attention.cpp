@@ -1193,8 +1193,9 @@ static void write_rows_q8(const at::Tensor& x, at::Tensor& cache, const int64_t*
 
 // One decode step of a layer: the new K/V rows (k, v [R, Hkv, D]) of the n = lens.size(0)
 // sequences written at their slots [n], then paged_decode of q rows 0..n-1 into out [R, H, D]
-// (contiguous; window, softcap as paged_decode); rows n..R-1 are padding: out rows zero,
-// nothing written.
+// (contiguous; window, softcap as paged_decode); rows n..R-1 are padding: out rows a copy of
+// row n - 1 (a padded token repeats the last real one: every other op of the layer computes
+// it as that token, and the linear kernels compute a repeated row once), nothing written.
 void paged_write_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         at::Tensor& key_cache, at::Tensor& value_cache,
                         const at::Tensor& slots, const at::Tensor& tables,
@@ -1233,7 +1234,10 @@ void paged_write_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   paged_decode(q.narrow(0, 0, n), key_cache, value_cache, tables, lens, scale, window, softcap,
                o);
-  if (R > n) out.narrow(0, n, R - n).zero_();
+  if (R > n && n > 0)
+    out.narrow(0, n, R - n).copy_(out.narrow(0, n - 1, 1).expand({R - n, q.size(1), q.size(2)}));
+  else if (R > n)
+    out.narrow(0, n, R - n).zero_();
 }
 
 // The op asyncllm::paged_attention (defined in backend_registry.py, called by compiled

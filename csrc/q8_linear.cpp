@@ -437,37 +437,6 @@ at::Tensor q8_mm_f32(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return q8_mm_f32_with(x, q, s, Q8_F32_BRGEMM_ROWS, offset);
 }
 
-// Whether rows a and b of X [M, K] float32 hold the same bits (the compiled forward pads a
-// one-sequence decode's kept rows with a copy of its row: computed once).
-static bool same_row(const float* X, int64_t K, int64_t a, int64_t b) {
-  return std::memcmp(X + a * K, X + b * K, K * sizeof(float)) == 0;
-}
-
-// y [M, N] float32 = xf [M, K] W^T for M <= a few rows (q8_gemv), a row that repeats the one
-// before it copied from it instead of computed again.
-static at::Tensor gemv_distinct(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s,
-                                const OptTensor& offset) {
-  const int64_t M = xf.size(0), K = xf.size(1), N = q.size(0);
-  at::Tensor y = at::empty({M, N}, xf.options());
-  bool repeats = false;
-  for (int64_t r = 1; r < M && !repeats; ++r) repeats = same_row(xf.data_ptr<float>(), K, r - 1, r);
-  if (!repeats) {
-    q8_gemv(xf, q, s, y, offset);
-    return y;
-  }
-  int64_t m = 0;
-  while (m < M) {
-    int64_t end = m + 1;  // rows [m, end) computed together: none repeats its predecessor
-    while (end < M && !same_row(xf.data_ptr<float>(), K, end - 1, end)) ++end;
-    at::Tensor part = y.narrow(0, m, end - m);
-    q8_gemv(xf.narrow(0, m, end - m), q, s, part, offset);
-    for (; end < M && same_row(xf.data_ptr<float>(), K, end - 1, end); ++end)
-      y[end].copy_(y[end - 1]);
-    m = end;
-  }
-  return y;
-}
-
 // The op's CPU kernel (its schema and torch reference: asyncllm/kernels/ops.py and
 // asyncllm/layers/q8_linear.py): x [..., K] float32 or bfloat16 -> [..., N], float32 with
 // logits (the LM head), else in x's dtype. More than max_rows rows take q8_mm (bfloat16 x,
@@ -488,7 +457,11 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   else if (many)
     y = q8_mm_f32(rows.to(at::kFloat).contiguous(), q, s, offset);
   else
-    y = gemv_distinct(rows.to(at::kFloat).contiguous(), q, s, offset);
+    y = on_distinct_rows(rows.to(at::kFloat), [&](const at::Tensor& r) {
+      at::Tensor out = at::empty({r.size(0), N}, r.options());
+      q8_gemv(r, q, s, out, offset);
+      return out;
+    });
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
   y = y.view(shape);

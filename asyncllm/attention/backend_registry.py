@@ -236,7 +236,9 @@ def _write_and_attend(
     num_tokens: int | None = None,
 ) -> torch.Tensor:
     """``query [R, H, D]``, ``key/value [R, Hkv, D]`` -> contiguous ``[R, H, D]``; rows from
-    ``num_tokens`` on (default: none) are padding: zero output, no K/V written."""
+    ``num_tokens`` on (default: none) are padding: no K/V written, and the output of the last
+    real row (a padded token repeats the last real one, so the layer's other ops compute it
+    as that token and the linear kernels compute a repeated row once)."""
     k_cache, v_cache = meta.key_caches[layer], meta.value_caches[layer]
     plan, slot_mapping = meta.of_layer(layer)
     backend, rows = meta.backend, query.shape[0]
@@ -249,9 +251,11 @@ def _write_and_attend(
             return out
     if n < rows:
         out = query.new_zeros(query.shape)
-        out[:n] = _write_and_attend(
-            meta, layer, query[:n], key[:n], value[:n], scale, window, softcap
-        )
+        if n > 0:
+            out[:n] = _write_and_attend(
+                meta, layer, query[:n], key[:n], value[:n], scale, window, softcap
+            )
+            out[n:] = out[n - 1]
         return out
     backend.write(key, value, k_cache, v_cache, slot_mapping)
     return backend.attend(query, k_cache, v_cache, plan, scale, window, softcap).contiguous()
@@ -274,7 +278,7 @@ def step_metadata(meta: AttentionMetadata | None, num_tokens: int = 0) -> Iterat
         meta: the step's metadata; None: a dry run (the op writes nothing and returns zeros,
             for compiling a forward without touching a cache).
         num_tokens: the step's real tokens; query rows past them are padding (their output
-            rows are zeros and their K/V is not written).
+            rows copy the last real row's and their K/V is not written).
     """
     prev = getattr(_step, "state", None)
     _step.state = (meta, num_tokens)

@@ -49,8 +49,8 @@ def write_and_decode(
     ``slot_mapping`` and every sequence's one query attended (``window``, ``softcap`` as
     :func:`decode_attention`), ``query [R, H, D]``,
     ``key/value [R, Hkv, D]`` -> ``[R, H, D]``, rows past the plan's sequences (padding of
-    a compiled step) zero and not written. None where the step has prefills or the kernel
-    cannot run it (the caller writes and attends separately then)."""
+    a compiled step) a copy of the last real row and not written. None where the step has
+    prefills or the kernel cannot run it (the caller writes and attends separately then)."""
     if query.dtype != key.dtype:
         return None
     mod, tables = _decode_kernel(plan, key_cache, query.dtype)

@@ -13,9 +13,10 @@ cos/sin are computed once per step, not inlined into every layer
 
 Shapes: the flattened token count ``T`` and the kept-row count ``K`` are dynamic (one graph
 for every batch composition). Dynamo specializes sizes 0 and 1, so the runner pads both to
-at least :data:`MIN_ROWS` (a padded token writes no K/V and attends to nothing; a padded kept
-row is dropped): a batch-1 decode computes two rows, which costs next to nothing in its
-weight-bandwidth-bound matmuls, and every step runs the one graph.
+at least :data:`MIN_ROWS` (a padded token repeats the last real one, its id and position;
+its attention output is a copy of that token's and it writes no K/V; a padded kept row
+repeats the last one; both are dropped): a batch-1 decode runs two equal rows, which the
+linear kernels compute once, and every step runs the one graph.
 
 How it is built (PyTorch's precompilation, ``torch.compile(...).aot_compile``, saved with
 ``save_compiled_function`` and read back with ``torch.compiler.load_compiled_function``):

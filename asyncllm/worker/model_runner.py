@@ -251,14 +251,16 @@ class ModelRunner:
         meta: AttentionMetadata,
         keep: torch.Tensor,
     ) -> torch.Tensor:
-        # Padded to the compiled graph's least sizes: extra tokens (id 0 at position 0) write
-        # no K/V and attend to nothing; extra kept rows (row 0) are dropped.
+        # Padded to the compiled graph's least sizes: an extra token repeats the last real one
+        # (its id and position; its attention output is a copy, it writes no K/V), so every
+        # layer computes it as that token and the linear kernels compute the repeated row
+        # once; an extra kept row repeats the last one. Both are dropped.
         n, k = len(input_ids), keep.numel()
         pad = pad_to(n) - n
-        ids = torch.tensor([input_ids + [0] * pad], dtype=torch.long)
-        pos = torch.tensor([positions + [0] * pad], dtype=torch.long)
+        ids = torch.tensor([input_ids + input_ids[-1:] * pad], dtype=torch.long)
+        pos = torch.tensor([positions + positions[-1:] * pad], dtype=torch.long)
         if k < pad_to(k):
-            keep = torch.cat([keep, keep.new_zeros(pad_to(k) - k)])
+            keep = torch.cat([keep, keep[-1:].expand(pad_to(k) - k)])
         dev = self.device
         with step_metadata(meta, n):
             logits = compiled(ids.to(dev), pos.to(dev), keep.to(dev))

@@ -135,6 +135,41 @@ def test_compiled_tokens_equal_eager(compiled_engine: LLMEngine, config: dict[st
         e.stop_compute_thread()
 
 
+def test_a_one_token_step_is_padded_with_a_copy_of_its_token(
+    compiled_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo specializes size 1, so a one-sequence decode runs two rows: the second repeats
+    the first (its id, position and kept row), so every layer computes it as the first and
+    the linear kernels compute it once; the tokens stay eager's."""
+    engine = twin(compiled_engine, compiled=True)
+    seen: list[tuple[list[int], list[int], list[int]]] = []
+    real = compiled_mod.CompiledForward.__call__
+
+    def recording(self: Any, ids: Any, pos: Any, keep: Any) -> Any:
+        seen.append((ids[0].tolist(), pos[0].tolist(), keep.tolist()))
+        return real(self, ids, pos, keep)
+
+    def alone(e: LLMEngine) -> list[int]:  # one request: every decode step is one token
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        e.add_request(e.inputs.make_request("alone", prompts()[0], params))
+        tokens = []
+        while e.has_unfinished():
+            tokens += [u.token_id for u in e.step()]
+        return tokens
+
+    monkeypatch.setattr(compiled_mod.CompiledForward, "__call__", recording)
+    got = alone(engine)
+    monkeypatch.setattr(compiled_mod.CompiledForward, "__call__", real)
+    eager = twin(compiled_engine, compiled=False)
+    assert got == alone(eager)
+    decodes = seen[1:]  # after the prompt's step
+    assert len(decodes) == 5 and all(len(ids) == 2 for ids, _, _ in decodes)
+    assert all(ids[0] == ids[1] and pos[0] == pos[1] and keep[0] == keep[1]
+               for ids, pos, keep in decodes)  # fmt: skip
+    for e in (engine, eager):
+        e.stop_compute_thread()
+
+
 def test_second_engine_loads_the_artifact(
     compiled_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

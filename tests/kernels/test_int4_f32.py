@@ -75,3 +75,21 @@ def test_bfloat16_rounding_is_what_the_float32_path_removes():
 def test_a_float32_model_quantizes_to_float32_int4_layers():
     assert ql.int4_dtype(torch.float32) == torch.float32
     assert ql.int4_dtype(torch.bfloat16) == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repeated_rows_are_computed_once_with_the_same_bits(dtype):
+    """The compiled forward pads a one-token step with a copy of its token: the few-row
+    kernels (float32 scales: ``int4_gemv_f32``; bfloat16: ``int4_gemv``) compute a row equal
+    to the one before it once, and every row's output has the bits it has alone."""
+    q, scale, offset, _ = _layer(192, 576, seed=4)
+    layer = ql.Int4Linear(q, scale, offset, 32, None, ql.int4_dtype(dtype))
+    a, b = torch.randn(2, 576, generator=torch.Generator().manual_seed(5)).to(dtype)
+    before = native.module("int4").int4_path_calls()
+    for x in (torch.stack([a, a]), torch.stack([a, a, b])):
+        with torch.inference_mode():
+            got = layer(x)
+            alone = torch.cat([layer(r[None]) for r in x])
+        assert torch.equal(got, alone)
+    after = native.module("int4").int4_path_calls()
+    assert after[2] - before[2] == 2 + 5  # every call took a few-row kernel
