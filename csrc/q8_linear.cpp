@@ -134,9 +134,9 @@ static inline __m512 codes16(const int8_t* c) {  // 16 codes as float32
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)c)));
 }
 
-// Weights k .. k + 15 of a row (k % 16 == 0: one group), as weight_at computes them (the
-// product exact where there is an offset, so the fused add rounds as the separate one).
-// Weights k .. k + 15 of a row of int8 codes (k % 16 == 0: one group).
+// Weights k .. k + 15 of a row of int8 codes (k % 16 == 0: one group), as weight_at computes
+// them (the product exact where there is an offset, so the fused add rounds as the separate
+// one).
 template <int64_t G>
 static inline __m512 weights16(const Row& r, int64_t k) {
   const __m512 sc = _mm512_set1_ps(r.s[k / G]);
@@ -259,8 +259,8 @@ void q8_gemv(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s, at:
 bool q8_fast() { return Q8_FAST; }
 
 // Rows n0 .. n0 + rows - 1 of W as bfloat16 [rows, K] (row-major): weight_at's float32
-// values (gguf's), rounded once to nearest even: the values of the dense bfloat16 copy. The
-// next block's codes (`next`, or null) are prefetched.
+// values (gguf's), rounded once to nearest even: the values of the dense bfloat16 copy. With
+// prefetch_next, the next block's codes are asked for.
 template <int64_t G, bool Q5>
 static void dequant_rows(const Codes& W, int64_t n0, int64_t rows, bool prefetch_next,
                          at::BFloat16* out) {
