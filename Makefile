@@ -9,6 +9,8 @@ PIP := $(PY) -m pip install --disable-pip-version-check
 
 .PHONY: setup demo test test-fast lint bench
 
+# numpy with the build tools: torch, imported by setup.py before the package's dependencies
+# are installed, warns "Failed to initialize NumPy" without it.
 # torch==2.13.0 first: on a CPU machine an unpinned torch would pull a multi-GB CUDA build
 # (xgrammar, a dependency, asks only torch>=1.10, so this CPU build stays). The package is
 # installed without build isolation: its C++ CPU kernels (csrc/) are compiled against that
@@ -16,7 +18,7 @@ PIP := $(PY) -m pip install --disable-pip-version-check
 $(VENV)/.base:
 	@echo "== making $(VENV) and installing torch 2.13.0 (CPU build) into it"
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) -q --upgrade pip setuptools wheel ninja
+	$(PIP) -q --upgrade pip setuptools wheel ninja numpy
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) -q --progress-bar on torch==2.13.0
 	@touch $@
 

@@ -26,6 +26,8 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 import transformers
@@ -220,8 +222,9 @@ def _gguf_parsed_once(model: str | os.PathLike[str]) -> contextlib.AbstractConte
     if not (model == DEFAULT_MODEL or os.fspath(model).lower().endswith(".gguf")):
         return contextlib.nullcontext()
     from asyncllm.models.gguf_parse import parsed_once
+    from asyncllm.models.gguf_quant import dequantize_tensor
 
-    return parsed_once()
+    return parsed_once(dequantize_tensor)
 
 
 def _load_model(
@@ -450,6 +453,27 @@ def _prune_stale_tmp(root: pathlib.Path, target: pathlib.Path) -> None:
             pass
 
 
+def _read_gguf(path: pathlib.Path, auto: Any, **kwargs: Any) -> Any:
+    """``auto.from_pretrained`` of the GGUF file ``path`` (local files only).
+
+    Raises:
+        UnsupportedModelError: transformers cannot convert its architecture.
+        ModelLoadError: the file cannot be read.
+    """
+    try:
+        return auto.from_pretrained(
+            path.parent, gguf_file=path.name, local_files_only=True, **kwargs
+        )
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except ValueError as exc:
+        if "not supported" in str(exc):
+            raise UnsupportedModelError(f"cannot convert {path}: {exc}") from exc
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+
+
 def _write_converted(path: pathlib.Path, out: pathlib.Path) -> None:
     """Dequantize the GGUF file into ``out`` and check the saved copy gives the same logits.
 
@@ -462,7 +486,6 @@ def _write_converted(path: pathlib.Path, out: pathlib.Path) -> None:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes {magic!r})")
-    kwargs = {"gguf_file": path.name, "local_files_only": True}
     # Without this, transformers keeps weights packed when a GGUF kernel is available, and
     # packed GGUF models refuse save_pretrained.
     quantization = (
@@ -472,43 +495,35 @@ def _write_converted(path: pathlib.Path, out: pathlib.Path) -> None:
     )
     from asyncllm.models.gguf_parse import parsed_once
 
-    try:
-        with parsed_once():
-            lm = AutoModelForCausalLM.from_pretrained(
-                path.parent, dtype=torch.float32, **quantization, **kwargs
+    with parsed_once():
+        lm = _read_gguf(path, AutoModelForCausalLM, dtype=torch.float32, **quantization)
+        lm.eval()
+        # A quantizer (or its config) marks the model unserializable and would be saved into
+        # config.json, making a plain from_pretrained try to re-quantize.
+        quantizer = getattr(lm, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(lm)
+        if hasattr(lm.config, "quantization_config"):
+            del lm.config.quantization_config
+        probe = torch.arange(1, 17, dtype=torch.long).remainder(lm.config.vocab_size)[None, :]
+        with torch.no_grad():
+            expected = lm(probe).logits
+        if not bool(expected.isfinite().all()):
+            # A block scale of inf/NaN (gguf-py dequantizes it as it is): not the
+            # conversion's fault, so not its self-check's message.
+            bad = [n for n, p in lm.named_parameters() if not bool(p.isfinite().all())]
+            more = " ..." if len(bad) > 4 else ""
+            raise ModelLoadError(
+                f"corrupt GGUF file {path}: its weights dequantize to non-finite values "
+                f"(inf/NaN) in {', '.join(bad[:4]) or 'no single parameter'}{more}, so its "
+                "logits are not finite"
             )
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    except (MemoryError, torch.OutOfMemoryError):
-        raise
-    except ValueError as exc:
-        if "not supported" in str(exc):
-            raise UnsupportedModelError(f"cannot convert {path}: {exc}") from exc
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-
-    lm.eval()
-    # A quantizer (or its config) marks the model unserializable and would be saved into
-    # config.json, making a plain from_pretrained try to re-quantize.
-    quantizer = getattr(lm, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(lm)
-    if hasattr(lm.config, "quantization_config"):
-        del lm.config.quantization_config
-
-    probe = torch.arange(1, 17, dtype=torch.long).remainder(lm.config.vocab_size)[None, :]
-    with torch.no_grad():
-        expected = lm(probe).logits
-    if not bool(expected.isfinite().all()):
-        # A block scale of inf/NaN (gguf-py dequantizes it as it is): not the conversion's
-        # fault, so not its self-check's message.
-        bad = [n for n, p in lm.named_parameters() if not bool(p.isfinite().all())]
-        raise ModelLoadError(
-            f"corrupt GGUF file {path}: its weights dequantize to non-finite values (inf/NaN) "
-            f"in {', '.join(bad[:4]) or 'no single parameter'}{' ...' if len(bad) > 4 else ''}, "
-            "so its logits are not finite"
-        )
-    lm.save_pretrained(out)
+        # The weights are written (safetensors releases the GIL) while the tokenizer is
+        # read; leaving the block waits for the write.
+        with ThreadPoolExecutor(1, thread_name_prefix="asyncllm-convert") as pool:
+            saved = pool.submit(lm.save_pretrained, out)
+            tokenizer = _read_gguf(path, AutoTokenizer)
+    saved.result()
     tokenizer.save_pretrained(out)
     del lm
 
