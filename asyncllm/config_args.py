@@ -43,7 +43,7 @@ _ALIASES: dict[str, tuple[str, Any]] = {"--no-prefix-caching": ("enable_prefix_c
 @functools.cache
 def field_help() -> dict[str, str]:
     """Each field's first sentence in ``EngineConfig``'s ``Attributes:`` docstring section
-    (reST double backquotes dropped)."""
+    (reST double backquotes dropped, cross-references such as ``:mod:`x.y``` as ``x.y``)."""
     doc = inspect.cleandoc(EngineConfig.__doc__ or "")
     section = doc.partition("Attributes:\n")[2].partition("\n\nRaises:")[0]
     entries: dict[str, str] = {}
@@ -58,7 +58,8 @@ def field_help() -> dict[str, str]:
     out = {}
     for key, text in entries.items():
         first = re.match(r"(.*?\.)(\s|$)", text)
-        out[key] = (first.group(1) if first else text).replace("``", "")
+        plain = re.sub(r":\w+:`~?([^`]+)`", r"\1", first.group(1) if first else text)
+        out[key] = plain.replace("``", "")
     return out
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import transformers
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoConfig,
@@ -389,7 +389,13 @@ def _convert_gguf(path: pathlib.Path) -> pathlib.Path:
     lock = FileLock(root / ".lock")
     try:
         root.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:  # said, or a start waiting on it looks hung
+            logger.warning(
+                "asyncllm: waiting for another process to finish a GGUF conversion in %s", root
+            )
+            lock.acquire()
     except OSError as exc:
         raise ModelLoadError(
             f"cannot write the conversion cache {root} for {path}: {exc}; set ASYNCLLM_CACHE "

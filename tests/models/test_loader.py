@@ -690,3 +690,32 @@ def test_default_model_end_to_end():
         out = loaded.model.generate(**prompt, max_new_tokens=8, do_sample=False)
     reply = loaded.tokenizer.decode(out[0, prompt["input_ids"].shape[1] :])
     assert "Paris" in reply
+
+
+def test_a_conversion_waiting_for_another_process_says_so(tmp_path, monkeypatch, caplog):
+    """A start that finds another process converting (the conversion lock held) says it is
+    waiting instead of printing nothing for the other's whole conversion, then converts."""
+    from filelock import FileLock
+
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path / "cache"))
+    root = cache_dir() / "gguf"
+    root.mkdir(parents=True)
+    seen: list[pathlib.Path] = []
+
+    def stub(path: pathlib.Path, out: pathlib.Path) -> None:
+        seen.append(path)
+        raise ModelLoadError("stub conversion")
+
+    monkeypatch.setattr(loader, "_write_converted", stub)
+    other = FileLock(root / ".lock")
+    other.acquire()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        converting = pool.submit(loader.resolve_model_dir, "default")
+        deadline = time.monotonic() + 60
+        while "waiting for another process" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "waiting for another process" in caplog.text and not seen
+        other.release()
+        with pytest.raises(ModelLoadError, match="stub conversion"):
+            converting.result(timeout=60)
+    assert len(seen) == 1

@@ -9,13 +9,14 @@ import argparse
 import ast
 import json
 import pathlib
+import re
 from typing import Any
 
 import msgspec
 import pytest
 
 from asyncllm import EngineConfig
-from asyncllm.config_args import add_engine_arguments, engine_config_from_args
+from asyncllm.config_args import add_engine_arguments, engine_config_from_args, field_help
 from asyncllm.outputs import RequestOutput, ToolCall, ToolCallDelta
 from asyncllm.server import add_serve_arguments
 from asyncllm.server.drivers import Choice, accumulate, make_prompts
@@ -147,6 +148,17 @@ def test_every_engine_field_is_an_option() -> None:
     config = engine_config_from_args(_serve(*argv))
     assert config == expected
     EngineConfig(**config)
+
+
+def test_option_help_is_plain_text() -> None:
+    """Each option's help is its field's first sentence without reST markup: the docstring's
+    double backquotes and cross-references (``:mod:`asyncllm.core.host_store```) read as
+    plain names in ``--help``."""
+    helps = field_help()
+    assert set(helps) == set(EngineConfig.__struct_fields__)
+    for name, text in helps.items():
+        assert text and not re.search(r"``|:\w+:`", text), (name, text)
+    assert "asyncllm.core.host_store" in helps["host_prefix_cache_bytes"]
 
 
 @pytest.mark.parametrize(
