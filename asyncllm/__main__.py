@@ -34,7 +34,9 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
-    config = {"max_num_seqs": 1, **engine_config_from_args(args)}
+    # One answer, then exit: a compiled forward built before is used, none is started (the
+    # compile child would be stopped with the command before it finished).
+    config = {"max_num_seqs": 1, "compile": "cached", **engine_config_from_args(args)}
     check_engine_config(args.model, config)
     from asyncllm.startup_report import start_engine
 

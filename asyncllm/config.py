@@ -101,7 +101,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             measured faster than the eager one at batch 1 and 64; docs/tuning.md), off
             on CUDA (never measured) and for a mixture-of-experts model (its routing does
             not trace; docs/models.md); ``ASYNCLLM_COMPILE=0``/``1`` overrides "auto";
-            True: always, False: never.
+            True: always, False: never. "cached": as "auto", but only a compiled forward an
+            earlier engine built for this model and machine is loaded, never built: for
+            one-shot commands (``generate``), which would stop the child with them before
+            it finishes and only pay for it.
         max_waiting: the most requests waiting to be scheduled (submitted, not yet
             running; calls waiting for or in tokenization included); past it
             ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at once instead of
@@ -166,7 +169,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     cpu_offload_bytes: int | None = None
     num_threads: int | None = None
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
-    compile: Literal["auto"] | bool = "auto"
+    compile: Literal["auto", "cached"] | bool = "auto"
     max_waiting: int | None = 1024
     max_waiting_per_tenant: int | None = None
     tenant_weights: dict[str, float] | None = None
@@ -195,9 +198,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"EngineConfig.attention_backend must be one of {_ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
-        if not (self.compile == "auto" or isinstance(self.compile, bool)):
+        if not (self.compile in ("auto", "cached") or isinstance(self.compile, bool)):
             raise ValueError(
-                f"EngineConfig.compile must be 'auto', True or False, got {self.compile!r}"
+                "EngineConfig.compile must be 'auto', 'cached', True or False, got "
+                f"{self.compile!r}"
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(

@@ -58,7 +58,8 @@ VARS: dict[str, EnvVar] = {
                "unset: `$XDG_CACHE_HOME/asyncllm`, else `~/.cache/asyncllm`",
                read_by="asyncllm.cache_dirs"),
         EnvVar("ASYNCLLM_COMPILE", "choice", "",
-               "`1`/`0` overrides `EngineConfig.compile=\"auto\"` (on or off); unset: auto",
+               "`1`/`0` overrides `EngineConfig.compile=\"auto\"` and `\"cached\"` (on or "
+               "off); unset: auto",
                choices=("0", "1"), read_by="asyncllm.worker.device"),
         EnvVar("ASYNCLLM_CPU_VARIANT", "text", "",
                "caps the native kernels' CPU variant (e.g. `avx2` on an AVX-512 machine), to "

@@ -39,7 +39,13 @@ def start_engine(model: str, config: dict[str, Any], out: IO[str] | None = None)
     if stats["compile"] == "compiling":
         print(
             "compiling the forward in the background (once per model and machine, about a "
-            "minute); answering eagerly meanwhile",
+            "minute; a saved one loads in seconds); answering eagerly meanwhile",
+            file=out,
+        )
+    elif stats["compile"] == "off" and config.get("compile") == "cached":
+        print(
+            "eager: no compiled forward saved for this model yet (`serve`, or `--compile "
+            "auto` on a longer run, builds one in the background, about a minute)",
             file=out,
         )
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=out, flush=True)

@@ -339,6 +339,8 @@ class CompiledForward:
         model: the transformers causal LM (its attention already the paged one).
         device: where the dry runs' inputs live.
         source: how a child process can load the same model (None: compile on a thread).
+        build: build the artifact where it is missing or does not load (False: only load
+            it; a failed load leaves the engine eager).
 
     Create it on the engine's compute thread (its torch thread count names the artifact).
 
@@ -352,11 +354,16 @@ class CompiledForward:
     """
 
     def __init__(
-        self, model: torch.nn.Module, device: torch.device, source: ModelSource | None = None
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        source: ModelSource | None = None,
+        build: bool = True,
     ) -> None:
         self.model = model
         self.device = device
         self.source = source
+        self.build = build
         self.num_threads = torch.get_num_threads()
         self.key = artifact_key(model, self.num_threads)
         self.path = artifact_path(model, self.num_threads)
@@ -445,7 +452,9 @@ class CompiledForward:
                 try:
                     fn = self._load()
                 except Exception as e:  # truncated, another torch's, not this model's...
-                    if self._closed:  # e.g. imports failing at exit: says nothing of the file
+                    # Closing (imports fail at exit: nothing wrong with the file), or
+                    # load-only (fail() gives the one warning).
+                    if self._closed or not self.build:
                         raise
                     logger.warning(
                         "asyncllm: compiled forward %s does not load (%s: %s); compiling it again",
@@ -455,6 +464,8 @@ class CompiledForward:
                     )
                     self.path.unlink(missing_ok=True)
             if not self.path.is_file():
+                if not self.build:
+                    raise RuntimeError(f"no compiled forward at {self.path}")
                 self._build_once()
                 fn = self._load()
         except Exception as e:

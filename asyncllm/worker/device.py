@@ -114,10 +114,14 @@ def default_num_threads() -> int:
 COMPILE_ENV = "ASYNCLLM_COMPILE"
 
 
-def resolve_compile(compile: str | bool, device: torch.device, experts: bool = False) -> bool:
-    """``EngineConfig.compile`` -> whether to compile the forward on ``device``.
+def resolve_compile(
+    compile: str | bool, device: torch.device, experts: bool = False
+) -> bool | Literal["cached"]:
+    """``EngineConfig.compile`` -> whether to compile the forward on ``device``: True, False,
+    or "cached" (use one built before, never build one).
 
-    True and False are returned as they are. "auto" is on on CPU and off on CUDA, unless
+    True and False are returned as they are; "cached" is "cached" where "auto" is on, else
+    False. "auto" is on on CPU and off on CUDA, unless
     ``$ASYNCLLM_COMPILE`` says "1" (on) or "0" (off); off for a mixture-of-experts model
     (``experts``): transformers' expert routing gives Dynamo a data-dependent token count
     ("Constraints violated (L['input_ids'].size()[1])" on a tiny Mixtral), so the compile
@@ -138,9 +142,8 @@ def resolve_compile(compile: str | bool, device: torch.device, experts: bool = F
     if isinstance(compile, bool):
         return compile
     env = envs.choice(COMPILE_ENV)
-    if env:
-        return env == "1"
-    return device.type == "cpu" and not experts
+    on = env == "1" if env else device.type == "cpu" and not experts
+    return "cached" if on and compile == "cached" else on
 
 
 def set_cpu_threads(device: torch.device, num_threads: int | None) -> None:

@@ -9,6 +9,7 @@ end of its request).
 from __future__ import annotations
 
 import importlib.util
+from typing import Literal
 
 import torch
 
@@ -92,7 +93,9 @@ class ModelRunner:
         seed: seeds sampling for requests without their own seed.
         attention_backend: "auto", "cpu", "torch" or "triton" (:func:`select_attention_backend`).
         compile: compile the forward with ``torch.compile`` in the background and switch to
-            it between two steps once ready (:mod:`asyncllm.worker.compiled`).
+            it between two steps once ready (:mod:`asyncllm.worker.compiled`); "cached":
+            only where an earlier engine saved it for this model and machine (loaded, never
+            built; eager otherwise).
         model_source: how a child process loads the same model to compile it there (None:
             compile on a background thread of this process).
 
@@ -110,7 +113,7 @@ class ModelRunner:
         *,
         seed: int,
         attention_backend: str = "auto",
-        compile: bool = False,
+        compile: bool | Literal["cached"] = False,
         model_source: ModelSource | None = None,
     ) -> None:
         model.set_attn_implementation(register())  # type: ignore[operator]
@@ -136,8 +139,10 @@ class ModelRunner:
         #: The compiled forward (None: eager only); used once ``ready``.
         self.compiled: CompiledForward | None = None
         if compile:
-            self.compiled = CompiledForward(model, self.device, model_source)
-            self.compiled.start()
+            compiled = CompiledForward(model, self.device, model_source, compile != "cached")
+            if compiled.build or compiled.path.is_file():
+                self.compiled = compiled
+                compiled.start()
 
     @torch.inference_mode()
     def execute(

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -279,6 +280,7 @@ def test_eager_steps_while_compiling(
 
 def test_compile_config_values() -> None:
     assert EngineConfig().compile == "auto"
+    assert EngineConfig(compile="cached").compile == "cached"
     for bad in ("yes", 1, 0, None):
         with pytest.raises(ValueError, match="compile"):
             EngineConfig(compile=bad)  # type: ignore[arg-type]
@@ -303,6 +305,44 @@ def test_compile_auto_resolves_on_cpu_unless_env(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(COMPILE_ENV, "yes")
     with pytest.raises(ValueError, match=COMPILE_ENV):
         resolve_compile("auto", cpu)
+
+
+def test_compile_cached_resolves_where_auto_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "cached" (load a saved forward, never build one) is "cached" where "auto" would
+    compile and False where it would not (CUDA, experts, $ASYNCLLM_COMPILE=0)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    assert resolve_compile("cached", cpu) == "cached"
+    assert resolve_compile("cached", cuda) is False
+    assert resolve_compile("cached", cpu, experts=True) is False
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert resolve_compile("cached", cpu) is False
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    assert resolve_compile("cached", cuda) == "cached"
+
+
+def test_cached_loads_a_saved_forward_and_never_builds_one(
+    compiled_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """compile="cached" (``generate``'s default): the fixture's saved artifact is loaded
+    (no child started) and computes the eager tokens; with none saved for the model the
+    engine is eager from the start: no compiled forward, no thread, no child, "off"."""
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    config = msgspec.structs.replace(compiled_engine.config, compile="cached")
+    again = LLMEngine.from_config(config)
+    cf = again.runner.compiled
+    assert cf is not None and not cf.build and cf.wait(600) and cf.ready, cf and cf.error
+    assert cf._child is None and cf.path == compiled_engine.runner.compiled.path
+    eager = twin(compiled_engine, compiled=False)
+    assert run(again) == run(eager)
+    monkeypatch.setattr(compiled_mod, "artifact_path", lambda m, t: tmp_path / "none.bin")
+    started = threading.active_count()
+    none = LLMEngine.from_config(config)
+    assert none.runner.compiled is None and none.stats()["compile"] == "off"
+    assert threading.active_count() == started + 1  # the engine's compute thread only
+    assert not (tmp_path / "none.bin").exists()
+    for e in (again, eager, none):
+        e.stop_compute_thread()
 
 
 def test_test_suite_builds_eager_engines(tiny_llama_dir: pathlib.Path) -> None:

@@ -136,17 +136,19 @@ def _processes_with(marker: str) -> dict[int, str]:
 
 def test_four_generates_on_a_fresh_cache_build_nothing_and_leave_nothing(tmp_path):
     """A fresh machine's first runs spawned C++ kernel builders (``cpu_extension``, ``cc1plus``)
-    that outlived them (issue: a fresh machine's first five minutes). Four ``generate`` at
-    once on an empty cache: no process but the four and their compile children (watched
-    every 0.1 s; one at a time), each answers "Paris" with the installed C++ kernels on its
-    first step (its load line), the GGUF file is converted once, and 5 s after the last
-    exits no process started with that cache is alive."""
+    that outlived them, and each started a compile child that it stopped at exit before the
+    child finished (issue: a fresh machine's first five minutes). Four ``generate`` at once
+    on an empty cache, with the user's compile setting: no process but the four (watched
+    every 0.1 s; ``generate`` only loads a compiled forward saved before, and says none is),
+    each answers "Paris" with the installed C++ kernels on its first step (its load line),
+    the GGUF file is converted once, and 5 s after the last exits no process started with
+    that cache is alive."""
     if not os.path.isdir("/proc/self"):
         pytest.skip("no /proc here")
     cache = tmp_path / "cache"
     marker = f"ASYNCLLM_CACHE={cache}"
     env = {**os.environ, "ASYNCLLM_CACHE": str(cache)}
-    env.pop("ASYNCLLM_COMPILE")  # the suite's "off": a user's first start compiles in a child
+    env.pop("ASYNCLLM_COMPILE")  # the suite's "off"
     cmd = [sys.executable, "-m", "asyncllm", "generate", "What is the capital of France?",
            "--max-tokens", "8"]  # fmt: skip
     procs = [
@@ -154,30 +156,23 @@ def test_four_generates_on_a_fresh_cache_build_nothing_and_leave_nothing(tmp_pat
         for _ in range(4)
     ]
     seen: dict[int, str] = {}
-    compiling_at_once = 0
     deadline = time.monotonic() + 600
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        now = _processes_with(marker)
-        seen.update(now)
-        compiling_at_once = max(compiling_at_once, sum("compile_worker" in c for c in now.values()))
+        seen.update(_processes_with(marker))
         time.sleep(0.1)
     outs = [p.communicate(timeout=60) for p in procs]
     ours = {p.pid for p in procs}
     # A child between fork and exec still shows its parent's command line (ctypes runs
     # ``ldconfig -p`` at import): that is ours, not a builder.
     forked = " ".join(cmd) + " "
-    strangers = {
-        pid: c
-        for pid, c in seen.items()
-        if pid not in ours and "compile_worker" not in c and c != forked
-    }
+    strangers = {pid: c for pid, c in seen.items() if pid not in ours and c != forked}
     assert not strangers, strangers
-    assert compiling_at_once <= 1, seen  # the compile child: one per machine at a time
     want = " ".join(f"{k}={v}" for k, v in native.status().items())
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
         assert "Paris" in out, out
         assert f"C++ kernels: {want}" in err, err
+        assert "eager: no compiled forward saved" in err, err
     assert len([d for d in (cache / "gguf").iterdir() if not d.name.startswith(".")]) == 1
     time.sleep(5)
     assert not _processes_with(marker)
