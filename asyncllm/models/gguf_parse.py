@@ -136,7 +136,7 @@ class _PlainReader(GGUFReader):
             return 12 + width * count, parts, list(range(2, 2 + count)), types
         parts, idxs = head, []
         for _ in range(count):
-            (length,) = struct.unpack_from("<Q", data, offs)
+            (length,) = struct.unpack_from("=Q", data, offs)  # the file is in native order
             parts.append(data[offs : offs + 8].view(np.uint64))
             parts.append(data[offs + 8 : offs + 8 + length])
             idxs.append(len(parts) - 1)
