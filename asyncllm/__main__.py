@@ -156,7 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _generate(args)
     except ValueError as e:  # our typed errors: bad model path, bad parameters
-        print(f"error: {e}", file=sys.stderr)
+        from asyncllm.config_args import as_options
+
+        print(f"error: {as_options(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the engine closed on the way out; no traceback
         print("\ninterrupted", file=sys.stderr)

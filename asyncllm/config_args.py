@@ -63,6 +63,21 @@ def field_help() -> dict[str, str]:
     return out
 
 
+def as_options(message: str) -> str:
+    """``message`` with each ``EngineConfig.<field>`` named as the command-line option that
+    sets it (``EngineConfig.block_size`` -> ``--block-size``): what a user of ``generate``
+    or ``serve`` typed."""
+    return re.sub(
+        r"EngineConfig\.(\w+)",
+        lambda m: (
+            "--" + m.group(1).replace("_", "-")
+            if m.group(1) in EngineConfig.__struct_fields__
+            else m.group(0)
+        ),
+        message,
+    )
+
+
 def _parse(value: str, kinds: Collection[Any]) -> Any:
     """``value`` as the first of ``kinds`` (None, bool, int, str, or a literal) it reads as."""
     low = value.lower()

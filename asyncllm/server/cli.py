@@ -12,7 +12,7 @@ from typing import Any
 
 from asyncllm import envs
 from asyncllm.chat_templates import load_chat_template
-from asyncllm.config_args import add_engine_arguments, engine_config_from_args
+from asyncllm.config_args import add_engine_arguments, as_options, engine_config_from_args
 from asyncllm.preflight import check_engine_config
 from asyncllm.server.app import create_app
 from asyncllm.server.security import DEFAULT_MAX_REQUEST_BYTES, split_commas
@@ -252,11 +252,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def exit_code(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """``command(args)``'s exit code; 2 with the message on stderr for a ``ValueError``
-    (our typed errors: bad model path, bad engine settings)."""
+    (our typed errors: bad model path, bad engine settings; settings named as the options
+    that set them)."""
     try:
         return command(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {as_options(str(e))}", file=sys.stderr)
         return 2
 
 

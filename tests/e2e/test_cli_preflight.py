@@ -54,9 +54,9 @@ def _bad_options(tmp: pathlib.Path) -> dict[str, tuple[list[str], str]]:
         "dir without config.json": (["--model", str(tmp / "empty-dir")], "no config.json"),
         "dir without weights": (["--model", str(tmp / "no-weights")], "no weights"),
         "not a gguf file": (["--model", str(tmp / "weights.txt")], "not a .gguf file"),
-        "block size 0": (["--block-size", "0"], "block_size"),
-        "max_num_seqs 0": (["--max-num-seqs", "0"], "max_num_seqs"),
-        "max_model_len 0": (["--max-model-len", "0"], "max_model_len"),
+        "block size 0": (["--block-size", "0"], "--block-size must be"),
+        "max_num_seqs 0": (["--max-num-seqs", "0"], "--max-num-seqs must be"),
+        "max_model_len 0": (["--max-model-len", "0"], "--max-model-len must be"),
     }
 
 

@@ -16,7 +16,12 @@ import msgspec
 import pytest
 
 from asyncllm import EngineConfig
-from asyncllm.config_args import add_engine_arguments, engine_config_from_args, field_help
+from asyncllm.config_args import (
+    add_engine_arguments,
+    as_options,
+    engine_config_from_args,
+    field_help,
+)
 from asyncllm.outputs import RequestOutput, ToolCall, ToolCallDelta
 from asyncllm.server import add_serve_arguments
 from asyncllm.server.drivers import Choice, accumulate, make_prompts
@@ -148,6 +153,13 @@ def test_every_engine_field_is_an_option() -> None:
     config = engine_config_from_args(_serve(*argv))
     assert config == expected
     EngineConfig(**config)
+
+
+def test_errors_name_the_option_that_was_typed() -> None:
+    """A setting's error on the command line names the option (``--block-size``), not the
+    config field; other names are left as they are."""
+    got = as_options("EngineConfig.block_size must be >= 1; EngineConfig.nope; EngineConfig")
+    assert got == "--block-size must be >= 1; EngineConfig.nope; EngineConfig"
 
 
 def test_option_help_is_plain_text() -> None:
