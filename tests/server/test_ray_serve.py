@@ -8,6 +8,7 @@ its own application of tiny random-weight replicas (1 torch thread, 1 Ray CPU ea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 import socket
 import time
@@ -79,6 +80,17 @@ def _deploy(
         llm_options={"ray_actor_options": {"num_cpus": 0.5}},
     )  # fmt: skip
     return serve.run(app, name=name, route_prefix=f"/{name}")
+
+
+@contextlib.contextmanager
+def _deployed(tiny: pathlib.Path, name: str, **kwargs: Any) -> Iterator[Any]:
+    """:func:`_deploy`, the app deleted however the block ends: left deployed (a failed
+    test), its replicas hold the CPUs the next app needs, and that deploy waits forever."""
+    _deploy(tiny, name, **kwargs)
+    try:
+        yield _llm(name)
+    finally:
+        serve.delete(name)
 
 
 @pytest.fixture(scope="module")
@@ -283,15 +295,11 @@ async def test_queue_full_is_429(ray_cluster: int, tiny_llama_dir: pathlib.Path)
     """A replica whose waiting queue is full refuses: the handle caller gets QueueFull, an
     HTTP client 429 (nothing waits without bound). Both ask at once, right after the queue
     is seen full: the slot's request finishes its 250 tokens within a second or two, and a
-    later question would find room (a flake once, on a loaded machine). The app is deleted
-    however the test ends: left deployed, its replica holds the CPUs the next app needs."""
+    later question would find room (a flake once, on a loaded machine)."""
     from asyncllm.errors import QueueFull
 
-    _deploy(tiny_llama_dir, "full", replicas=1, max_waiting=1, max_num_seqs=1)
-    try:
-        await _queue_full_refuses(_llm("full"), ray_cluster, tiny_llama_dir, QueueFull)
-    finally:
-        serve.delete("full")
+    with _deployed(tiny_llama_dir, "full", replicas=1, max_waiting=1, max_num_seqs=1) as llm:
+        await _queue_full_refuses(llm, ray_cluster, tiny_llama_dir, QueueFull)
 
 
 async def _queue_full_refuses(
@@ -364,11 +372,8 @@ async def test_routing_by_prefix_vs_default(prefix_app: str, tiny_llama_dir: pat
     rate, stats = await _hit_rate(llm, users)
     for st, old in zip(stats, before, strict=True):
         st["served"] = [r for r in st["served"] if r not in old]
-    _deploy(tiny_llama_dir, "pow2", router="default")
-    try:
-        default_rate, _ = await _hit_rate(_llm("pow2"), users)
-    finally:
-        serve.delete("pow2")
+    with _deployed(tiny_llama_dir, "pow2", router="default") as pow2:
+        default_rate, _ = await _hit_rate(pow2, users)
     print(f"\nprefix-cache hit rate: prefix router {rate:.3f}, Ray's default router "
           f"{default_rate:.3f}")  # fmt: skip
     # every system prompt's requests on one replica, and the two prompts on different ones
@@ -384,8 +389,13 @@ async def test_replica_death_ends_streams(ray_cluster: int, tiny_llama_dir: path
     handle's RayActorError, the client's EngineDeadError), not a hang; Serve replaces it."""
     from asyncllm.errors import EngineDeadError
 
-    _deploy(tiny_llama_dir, "die", replicas=1)
-    llm = _llm("die")
+    with _deployed(tiny_llama_dir, "die", replicas=1) as llm:
+        await _replica_death_ends_streams(llm, tiny_llama_dir, EngineDeadError)
+
+
+async def _replica_death_ends_streams(
+    llm: Any, tiny_llama_dir: pathlib.Path, engine_dead: type[Exception]
+) -> None:
     client = rs.EngineClient(llm, str(tiny_llama_dir), 256)
     first = (await llm.stats.remote())["replica_id"]
     gen = client.stream("A very long story", SamplingParams(max_tokens=250, ignore_eos=True))
@@ -395,7 +405,7 @@ async def test_replica_death_ends_streams(ray_cluster: int, tiny_llama_dir: path
         if a["name"].startswith("SERVE_REPLICA::die#LLMServer#")
     )  # fmt: skip
     ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
-    with pytest.raises(EngineDeadError, match="replica"):
+    with pytest.raises(engine_dead, match="replica"):
         async for _ in gen:
             pass
     for _ in range(600):  # Serve starts a new replica (bounded wait)
@@ -410,7 +420,6 @@ async def test_replica_death_ends_streams(ray_cluster: int, tiny_llama_dir: path
         raise AssertionError("the replica was not replaced")
     out = [o async for o in client.stream("Hi", SamplingParams(max_tokens=2, ignore_eos=True))]
     assert out[-1].finished
-    serve.delete("die")
 
 
 # ------------------------------------------------------ python -m asyncllm serve --replicas
