@@ -411,9 +411,9 @@ def tensor_finder(
     its name and with llama.cpp's q/k row reordering (``weight[i]`` is the tensor's row
     ``order[i]``).
 
-    Each tensor is dequantized by gguf-py (once per load: the conversion's values,
-    :func:`~asyncllm.models.gguf_parse.dequantized`), rounded to ``held`` (the dtype the
-    model holds its weights in, as the conversion rounded them) and indexed by its rows' content
+    Each tensor's dequantization (gguf-py's values; within a load, the conversion's, computed
+    once: :func:`~asyncllm.models.gguf_parse.dequantized`) is rounded to ``held`` (the dtype
+    the model holds its weights in, as the conversion rounded them) and indexed by its rows' content
     (:func:`content_key`; a key is not proof: :func:`match_rows` compares the rows). Blocks
     with a kernel are unpacked here once (gguf-py's dequantization bit for bit).
     ``find`` raises ValueError (naming ``name``) where no tensor matches.
