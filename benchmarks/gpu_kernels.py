@@ -6,8 +6,9 @@
 
 1. Correctness: random mixed steps (decodes over long and one-token contexts, fresh prefills,
    chunks over a prefix, shuffled block tables, poisoned output and cache) through the Triton
-   kernels against the float32 torch reference, per dtype / block size / head_dim / GQA ratio
-   and forced decode splits. Prints the max abs error and PASS/FAIL per config.
+   kernels against the float32 torch reference, per dtype / block size / head_dim / GQA ratio,
+   forced decode splits, and sliding windows with soft-caps (head_dim 256, as Gemma 3's).
+   Prints the max abs error and PASS/FAIL per config.
 2. Bandwidth: the device's copy bandwidth (``dst.copy_(src)`` of a large tensor, read + write
    bytes), then the decode kernel at batch 64, context 4096, head_dim 128, bfloat16 (32 query /
    8 KV heads, block size 16, shuffled blocks): bytes = K and V of every context position plus
@@ -105,11 +106,19 @@ def _device_name(device) -> str:
     return f"cpu ({os.cpu_count()} cores, Triton interpreter)"
 
 
-def timed(fn, device, repeats: int = 20) -> float:
-    """Median seconds of ``fn()`` after a warm-up call (CUDA events on a GPU)."""
+def timed(fn, device, repeats: int = 20, warmup_s: float = 0.2) -> float:
+    """Median seconds of ``fn()`` after ``warmup_s`` of warm-up calls (CUDA events on a GPU).
+
+    The warm-up is timed, not counted: an idle GPU runs its first milliseconds at idle clocks
+    (the first H200 run timed the decode kernel 1.3x slower than the same launch later).
+    """
     import torch
 
+    start = time.perf_counter()
     fn()
+    while device.type == "cuda" and time.perf_counter() - start < warmup_s:
+        fn()
+        torch.cuda.synchronize(device)
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -178,7 +187,9 @@ def make_step(seqs, block_size, kv_heads, gqa, head_dim, dtype, device, seed):
     )
 
 
-def check_step(s, block_size, device, num_splits=None) -> tuple[float, bool]:
+def check_step(
+    s, block_size, device, num_splits=None, window: int = 0, softcap: float = 0.0
+) -> tuple[float, bool]:
     """(max abs error, pass) of one step against the float32 torch reference."""
     import torch
 
@@ -192,7 +203,7 @@ def check_step(s, block_size, device, num_splits=None) -> tuple[float, bool]:
         s["query_lens"], s["seq_lens"], s["tables"], block_size, device
     )
     expected = torch_paged.paged_attention(
-        s["query"].float(), s["ref_k"].float(), s["ref_v"].float(), plan, scale
+        s["query"].float(), s["ref_k"].float(), s["ref_v"].float(), plan, scale, window, softcap
     )
     triton_paged.write_kv_cache(s["key"], s["value"], s["k_cache"], s["v_cache"], s["slots"])
     tplan = triton_paged.TritonPagedPlan.build(
@@ -200,8 +211,9 @@ def check_step(s, block_size, device, num_splits=None) -> tuple[float, bool]:
     )
     out = torch.full_like(s["query"], float("nan"))
     triton_paged.paged_attention(
-        s["query"], s["k_cache"], s["v_cache"], tplan, scale, num_splits=num_splits, out=out
-    )
+        s["query"], s["k_cache"], s["v_cache"], tplan, scale, window, softcap,
+        num_splits=num_splits, out=out,
+    )  # fmt: skip
     written = s["ref_k"].flatten(0, 1).abs().sum((1, 2)) > 0
     cache_ok = torch.equal(s["k_cache"].flatten(0, 1)[written], s["ref_k"].flatten(0, 1)[written])
     err = (out.float() - expected).abs()
@@ -240,6 +252,17 @@ def correctness(device, smoke: bool) -> bool:
         all_ok &= ok
         print(f"  decode bfloat16 num_splits {num_splits:2d}: max err {err:.2e} "
               f"{'PASS' if ok else 'FAIL'}", flush=True)  # fmt: skip
+    # Sliding windows and soft-caps (Gemma 2/3: head_dim 256, window 512 in 5 of 6 layers).
+    for i, (dtype, hd, gqa, window, softcap) in enumerate([
+        (bf16, 256, 4, 512, 0.0), (f32, 64, 2, 100, 30.0), (f16, 256, 1, 7, 50.0),
+    ]):  # fmt: skip
+        seqs = [(long_ctx, 1), (0, 1), (0, 77), (21, 40), (7, 1), (long_ctx // 3, 2)]
+        s = make_step(seqs, 16, 2, gqa, hd, dtype, device, seed=200 + i)
+        err, ok = check_step(s, 16, device, window=window, softcap=softcap)
+        all_ok &= ok
+        name = str(dtype).removeprefix("torch.")
+        print(f"  {name:8s} head_dim {hd:3d} gqa {gqa} window {window} softcap {softcap:g}: "
+              f"max err {err:.2e} {'PASS' if ok else 'FAIL'}", flush=True)  # fmt: skip
     return all_ok
 
 

@@ -219,10 +219,14 @@ def default_block_n(device: torch.device, dtype: torch.dtype) -> int:
 def choose_num_splits(
     num_decodes: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
 ) -> int:
-    """Context splits per sequence: enough programs for about four per SM, each split at least
-    :data:`MIN_SPLIT_TOKENS` positions (and a whole number of ``block_n`` tiles)."""
+    """Context splits per sequence: enough programs for about two per SM, each split at least
+    :data:`MIN_SPLIT_TOKENS` positions (and a whole number of ``block_n`` tiles).
+
+    Two per SM, not more: on an H200 a batch of 64 with 8 KV heads ran faster unsplit than in
+    two splits (benchmarks/gpu_kernels.py's sweep; docs/benchmarks.md, "GPU").
+    """
     programs = max(1, num_decodes * num_kv_heads)
-    wanted = triton.cdiv(4 * num_sms(device), programs)
+    wanted = triton.cdiv(2 * num_sms(device), programs)
     most = triton.cdiv(max_seq_len, max(MIN_SPLIT_TOKENS, block_n))
     return max(1, min(wanted, most))
 

@@ -16,6 +16,7 @@ float32. The KV cache takes the same dtype.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from typing import Literal
@@ -133,17 +134,37 @@ def resolve_compile(
     batch 64 (docs/tuning.md, "Compiled forward", has the times). It costs nothing at
     start: the compile runs in a child process at the lowest priority while the engine
     serves eagerly (about a minute the first time), and later starts load the saved
-    artifact in ~3 s (:mod:`asyncllm.worker.compiled`). CUDA: the compiled forward has
-    never run on a GPU, so "auto" leaves it off there.
+    artifact in ~3 s (:mod:`asyncllm.worker.compiled`). CUDA: "auto" leaves it off there
+    (docs/benchmarks.md, "GPU": the one GPU run so far had a torch without precompilation).
+    A torch without precompilation (:func:`precompilation_available`) turns "auto" and
+    "cached" off.
 
     Raises:
-        ValueError: ``$ASYNCLLM_COMPILE`` set to something other than "0" or "1".
+        ValueError: ``$ASYNCLLM_COMPILE`` set to something other than "0" or "1"; True on a
+            torch without precompilation.
     """
+    if compile is True and not precompilation_available():
+        raise ValueError(
+            f"EngineConfig.compile=True needs torch's precompilation (torch.compile(...)"
+            f".aot_compile and torch.compiler.load_compiled_function), which torch "
+            f"{torch.__version__} lacks: install torch 2.13 or later, or pass compile=False"
+        )
     if isinstance(compile, bool):
         return compile
     env = envs.choice(COMPILE_ENV)
     on = env == "1" if env else device.type == "cpu" and not experts
+    on = on and precompilation_available()
     return "cached" if on and compile == "cached" else on
+
+
+@functools.cache
+def precompilation_available() -> bool:
+    """This torch can save and load a compiled forward (:mod:`asyncllm.worker.compiled`
+    builds one with ``torch.compile(...).aot_compile`` and reads it back with
+    ``torch.compiler.load_compiled_function``; torch 2.11 has neither). Wrapping a function
+    in ``torch.compile`` compiles nothing until it is called."""
+    wrapped = torch.compile(lambda x: x)
+    return hasattr(wrapped, "aot_compile") and hasattr(torch.compiler, "load_compiled_function")
 
 
 def set_cpu_threads(device: torch.device, num_threads: int | None) -> None:

@@ -307,6 +307,24 @@ def test_compile_auto_resolves_on_cpu_unless_env(monkeypatch: pytest.MonkeyPatch
         resolve_compile("auto", cpu)
 
 
+def test_compile_without_precompilation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without ``aot_compile`` (2.11, seen on the GPU machine, where the compile child
+    failed with "'function' object has no attribute 'aot_compile'"): "auto" and "cached" are
+    off, even with $ASYNCLLM_COMPILE=1; True is a ValueError naming what is missing."""
+    from asyncllm.worker import device as device_mod
+
+    assert device_mod.precompilation_available()  # the torch this suite pins has it
+    monkeypatch.setattr(device_mod, "precompilation_available", lambda: False)
+    cpu = torch.device("cpu")
+    for env in ("", "1"):
+        monkeypatch.setenv(COMPILE_ENV, env)
+        assert resolve_compile("auto", cpu) is False
+        assert resolve_compile("cached", cpu) is False
+    assert resolve_compile(False, cpu) is False
+    with pytest.raises(ValueError, match=r"aot_compile.*compile=False"):
+        resolve_compile(True, cpu)
+
+
 def test_compile_cached_resolves_where_auto_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """ "cached" (load a saved forward, never build one) is "cached" where "auto" would
     compile and False where it would not (CUDA, experts, $ASYNCLLM_COMPILE=0)."""
