@@ -317,6 +317,14 @@ class LlamaCppWorker:
     (llama.cpp's examples/batched and its server's slots work the same way). Online arrivals
     (W4) are not run. Sources: llama.cpp's include/llama.h (``llama_decode``,
     ``llama_batch``, ``llama_context_params``).
+
+    With ``--draft-tokens K`` it runs one stream (W3, W7) with llama-cpp-python's prompt-lookup
+    decoding (``Llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=K))``): each step
+    asks its ``LlamaPromptLookupDecoding`` for up to K tokens after the last n-gram (2 or 1
+    tokens) of the prompt and output, decodes the pending token and those in one
+    ``llama_decode``, keeps the proposals that the greedy tokens confirm plus the first
+    greedy token after them, and drops the KV cells of the rest (``llama_memory_seq_rm``), as
+    ``Llama.generate`` does with a draft model.
     """
 
     name = "llamacpp"
@@ -358,6 +366,11 @@ class LlamaCppWorker:
         self.batch: Any = None
         self.ctx_key: tuple[int, int] | None = None
         self.tokenizer = self.check_tokenizer(args.prompts) if args.prompts else None
+        self.draft: Any = None
+        if args.draft_tokens:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            self.draft = LlamaPromptLookupDecoding(num_pred_tokens=args.draft_tokens)
 
     def tokenize(self, text: str) -> list[int]:
         """llama.cpp's ids for ``text``, special tokens parsed, none added (as the workloads'
@@ -375,7 +388,7 @@ class LlamaCppWorker:
         with open(prompts) as f:
             data = json.load(f)
         out = {}
-        for key in ("W1", "W2", "W3"):
+        for key in ("W1", "W2", "W3", "W7"):
             if key in data and "texts" in data[key]:
                 pairs = zip(data[key]["texts"], data[key]["ids"], strict=True)
                 same = sum(1 for text, ids in pairs if self.tokenize(text) == ids)
@@ -454,6 +467,10 @@ class LlamaCppWorker:
         reqs = spec["requests"]
         if any(r[2] > 0 for r in reqs):
             raise Unsupported("offline batched decoding only here (no online arrivals)")
+        if self.draft is not None:
+            if len(reqs) != 1:
+                raise Unsupported("prompt-lookup decoding runs one stream here (W3, W7)")
+            return self.run_lookup(spec)
         n = len(reqs)
         self.context(n, pad256(max(len(ids) + m for ids, m, _ in reqs)))
         tl = Timeline(n)
@@ -489,6 +506,49 @@ class LlamaCppWorker:
                 tl.got(i, [tok], now)
         res = tl.result(start, spec.get("outputs", False))
         res["settings"] = self.settings
+        return res
+
+    def run_lookup(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """One request, greedy, with prompt-lookup proposals verified a step at a time."""
+        ll, np = self.ll, self.np
+        ((ids, max_tokens, _),) = spec["requests"]
+        self.context(1, pad256(len(ids) + max_tokens))
+        mem = ll.llama_get_memory(self.ctx)
+        tl = Timeline(1)
+        start = time.perf_counter()
+        tl.submit = [start]
+        items = [(0, pos, tok, pos == len(ids) - 1) for pos, tok in enumerate(ids)]
+        for c in range(0, len(items), self.N_BATCH):
+            out = self.decode(items[c : c + self.N_BATCH]).tolist()
+        nxt, context = out[-1], [*ids]
+        tl.got(0, [nxt], time.perf_counter())
+        pos, left = len(ids), max_tokens - 1
+        proposed = accepted = steps = 0
+        while left > 0:
+            # At most left - 1 proposals: the step yields one token more than it accepts.
+            draft = self.draft(np.array([*context, nxt], dtype=np.intc)).tolist()[: left - 1]
+            batch = [nxt, *draft]
+            greedy = self.decode([(0, pos + j, t, True) for j, t in enumerate(batch)]).tolist()
+            j = 0
+            while j < len(draft) and draft[j] == greedy[j]:
+                j += 1
+            new = greedy[: j + 1]
+            ll.llama_memory_seq_rm(mem, 0, pos + j + 1, -1)  # the rejected proposals' cells
+            tl.got(0, new, time.perf_counter())
+            context += batch[: j + 1]
+            nxt, pos, left = new[-1], pos + j + 1, left - len(new)
+            proposed, accepted, steps = proposed + len(draft), accepted + j, steps + 1
+        res = tl.result(start, spec.get("outputs", False))
+        res["settings"] = {
+            **self.settings,
+            "speculation": f"LlamaPromptLookupDecoding(max_ngram_size={self.draft.max_ngram_size}"
+            f", num_pred_tokens={self.draft.num_pred_tokens})",
+        }
+        res["stats"] = {
+            "spec_num_draft_tokens": proposed,
+            "spec_num_accepted_tokens": accepted,
+            "spec_num_steps": steps,
+        }
         return res
 
     def free_context(self) -> None:
@@ -549,6 +609,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prompts", default=None, help="llamacpp: prompts.json (tokenizer check)")
     ap.add_argument(
         "--extra-bufts", action="store_true", help="llamacpp: its extra buffer types (AMX)"
+    )
+    ap.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=0,
+        help="llamacpp: prompt-lookup decoding, up to this many proposed tokens (0: off)",
     )
     ap.add_argument("--result-fd", type=int, default=None, help="write results to this fd")
     args = ap.parse_args(argv)

@@ -43,9 +43,9 @@ UNSUPPORTED = {
 }
 # The dtypes --vllm-dtype accepts (vLLM-CPU's float16 is not benchmarked here).
 VLLM_DTYPES = ("float32", "bfloat16")
-# asyncllm precision settings (EngineConfig fields) a variant may set, and the bare words
-# --asyncllm-variants accepts for them.
-VARIANT_KEYS = ("dtype", "quantization")
+# asyncllm settings (EngineConfig fields) a variant may set: its precision and speculative
+# decoding; and the bare words --asyncllm-variants accepts for them.
+VARIANT_KEYS = ("dtype", "quantization", "speculative_tokens")
 VARIANT_WORDS = {
     **{d: "dtype" for d in ("float32", "float16", "bfloat16", "auto")},
     **{q: "quantization" for q in ("int8", "int4", "gguf")},
@@ -54,8 +54,9 @@ VARIANT_WORDS = {
 
 def base_engine(engine: str) -> str:
     """The engine a column runs: "asyncllm" for its thread and precision variants
-    ("asyncllm-t1", "asyncllm-bfloat16"), "vllm" for "vllm-bfloat16"; else ``engine``."""
-    for base in ("asyncllm", "vllm"):
+    ("asyncllm-t1", "asyncllm-bfloat16"), "vllm" for "vllm-bfloat16", "llamacpp" for
+    "llamacpp-lookup"; else ``engine``."""
+    for base in ("asyncllm", "vllm", "llamacpp"):
         if engine.startswith(base):
             return base
     return engine
@@ -73,8 +74,8 @@ def vllm_columns(dtypes: Sequence[str]) -> list[tuple[str, str, str]]:
 
 def parse_variants(text: str | None) -> list[dict[str, str]]:
     """``--asyncllm-variants``: variants separated by ";", each a comma list of
-    ``key=value`` (keys: dtype, quantization) or bare words (a dtype such as ``bfloat16``,
-    or a quantization such as ``gguf``). ``quantization=none`` means none.
+    ``key=value`` (keys: dtype, quantization, speculative_tokens) or bare words (a dtype such
+    as ``bfloat16``, or a quantization such as ``gguf``). ``quantization=none`` means none.
 
     Raises:
         SystemExit: an unknown key or word, a key given twice, or an empty variant list.
@@ -111,19 +112,31 @@ def parse_variants(text: str | None) -> list[dict[str, str]]:
     return out
 
 
-def precision_config(dtype: str | None, quantization: str | None) -> dict[str, str | None]:
-    """The EngineConfig fields of a precision setting: only those given (``quantization``
-    "none" means none), so that a field this asyncllm lacks is never passed unasked.
+def precision_config(
+    dtype: str | None, quantization: str | None, speculative_tokens: str | None = None
+) -> dict[str, Any]:
+    """The EngineConfig fields of a precision setting (and speculative decoding's proposal
+    length): only those given (``quantization`` "none" means none), so that a field this
+    asyncllm lacks is never passed unasked.
 
     Raises:
-        SystemExit: EngineConfig rejects the values (an unknown dtype or quantization, or a
-            field this version does not have), with its message.
+        SystemExit: EngineConfig rejects the values (an unknown dtype or quantization, a
+            speculative_tokens that is not an integer >= 0, or a field this version does not
+            have), with its message.
     """
-    cfg: dict[str, str | None] = {}
+    cfg: dict[str, Any] = {}
     if dtype is not None:
         cfg["dtype"] = dtype
     if quantization is not None:  # "none" is passed as None: the default is "auto"
         cfg["quantization"] = None if quantization.lower() == "none" else quantization
+    if speculative_tokens is not None:
+        try:
+            cfg["speculative_tokens"] = int(speculative_tokens)
+        except ValueError:
+            raise SystemExit(
+                f"--asyncllm-variants: speculative_tokens must be an integer, "
+                f"got {speculative_tokens!r}"
+            ) from None
     from asyncllm import EngineConfig
 
     try:
@@ -134,7 +147,7 @@ def precision_config(dtype: str | None, quantization: str | None) -> dict[str, s
     return cfg
 
 
-def same_precision(cfg: dict[str, str], model: str) -> dict[str, str]:
+def same_precision(cfg: dict[str, Any], model: str) -> dict[str, Any]:
     """``cfg`` with the engine's CPU dtype made explicit (no dtype, or "auto", means what
     "auto" picks for ``model`` on this CPU), so that equal precisions compare equal."""
     import torch
@@ -149,9 +162,13 @@ def same_precision(cfg: dict[str, str], model: str) -> dict[str, str]:
     return {**cfg, "dtype": dtype}
 
 
-def variant_name(cfg: dict[str, str]) -> tuple[str, str]:
-    """The engine name (a file name) and report label of an asyncllm precision variant."""
-    words = [cfg[k] or "none" for k in VARIANT_KEYS if k in cfg] or ["default"]
+def variant_name(cfg: dict[str, Any]) -> tuple[str, str]:
+    """The engine name (a file name) and report label of an asyncllm variant."""
+    words = [
+        f"speculative {cfg[k]}" if k == "speculative_tokens" else cfg[k] or "none"
+        for k in VARIANT_KEYS
+        if k in cfg
+    ] or ["default"]
     slug = "-".join("".join(c if c.isalnum() else "_" for c in w) for w in words)
     return f"asyncllm-{slug}", f"asyncllm ({', '.join(words)})"
 
@@ -191,14 +208,18 @@ OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--dtype", {"help": "asyncllm's EngineConfig.dtype (engine default: auto)"}),
     ("--quantization", {"help": "asyncllm's EngineConfig.quantization (none)"}),
     ("--asyncllm-variants", {"help": 'more asyncllm columns, ";"-separated, each a comma list '
-                             'of dtype=D, quantization=Q or bare words: e.g. '
-                             '"float32;bfloat16;quantization=gguf"'}),
+                             'of dtype=D, quantization=Q, speculative_tokens=K or bare '
+                             'words: e.g. "float32;bfloat16;speculative_tokens=4"'}),
     ("--vllm-venv", {"help": "venv of vllm_cpu_setup.sh"}),
     ("--vllm-dtype", {"default": "float32", "help": "vLLM-CPU's dtype, or a comma list for a "
                       f"column each ({', '.join(VLLM_DTYPES)})"}),
     ("--llamacpp-venv", {"help": "venv of llamacpp_setup.sh"}),
     ("--llamacpp-gguf", {"help": "GGUF file for llama.cpp (default: the default model's own "
                          "Q4_1 file)"}),
+    ("--llamacpp-lookup", {"type": int, "default": 0, "help": "a llama.cpp column with its "
+                           "prompt-lookup decoding (llama-cpp-python's "
+                           "LlamaPromptLookupDecoding), up to K proposed tokens: one stream "
+                           "only (W3, W7); 0: none"}),
     ("--llamacpp-extra-bufts", {"action": "store_true", "help": "llama.cpp's extra weight "
                                 "buffer types (AMX; off: they die with SIGILL on some VMs)"}),
     ("--vllm-bind", {"default": "auto", "help": "VLLM_CPU_OMP_THREADS_BIND (auto: 1 core kept)"}),
@@ -264,7 +285,11 @@ def resolve(args: argparse.Namespace, default_threads: int) -> list[str]:
     args.variants = []
     seen = [same_precision(args.precision, args.model)]
     for v in parse_variants(args.asyncllm_variants):
-        cfg = precision_config(v.get("dtype", args.dtype), v.get("quantization", args.quantization))
+        cfg = precision_config(
+            v.get("dtype", args.dtype),
+            v.get("quantization", args.quantization),
+            v.get("speculative_tokens"),
+        )
         if same_precision(cfg, args.model) not in seen:
             seen.append(same_precision(cfg, args.model))
             args.variants.append(cfg)
@@ -273,4 +298,6 @@ def resolve(args: argparse.Namespace, default_threads: int) -> list[str]:
     for flag, value in (("--threads", args.threads), ("--repeats", args.repeats)):
         if value < 1:
             raise SystemExit(f"{flag} must be at least 1, got {value}")
+    if args.llamacpp_lookup < 0:
+        raise SystemExit(f"--llamacpp-lookup must be at least 0, got {args.llamacpp_lookup}")
     return names

@@ -306,4 +306,9 @@ def peer_commands(
         return f"no GGUF file: {why}"
     cmd = [*py, "--threads", str(a.threads), "--prompts", str(a.prompts_path), *common,
            "--model", gguf, *(["--extra-bufts"] if a.llamacpp_extra_bufts else [])]  # fmt: skip
-    return {"llamacpp": (LABELS["llamacpp"], (cmd, peer_env(venv)))}
+    columns = {"llamacpp": (LABELS["llamacpp"], (cmd, peer_env(venv)))}
+    if a.llamacpp_lookup > 0:
+        label = f"{LABELS['llamacpp']} (prompt lookup, {a.llamacpp_lookup})"
+        lookup = [*cmd, "--draft-tokens", str(a.llamacpp_lookup)]
+        columns["llamacpp-lookup"] = (label, (lookup, peer_env(venv)))
+    return columns

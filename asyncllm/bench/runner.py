@@ -216,7 +216,7 @@ class Bench:
             "cache": variant or "on",
             "reset_prefix_cache": True,
             "lag": wl.name == "W4" or kw.pop("lag", False),
-            "outputs": wl.name in ("W1", "W1J", "W3", "W5", "W6", "C4", "C16"),
+            "outputs": wl.name in ("W1", "W1J", "W3", "W5", "W6", "W7", "C4", "C16"),
         }
         if wl.structured_outputs is not None:
             s["structured_outputs"] = wl.structured_outputs

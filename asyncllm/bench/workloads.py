@@ -1,4 +1,4 @@
-"""The standard workloads (../shared/bench/WORKLOADS.md) as request lists, plus W6 and W1J.
+"""The standard workloads (../shared/bench/WORKLOADS.md) as request lists, plus W6, W1J and W7.
 
 A workload is a list of requests ``[prompt token ids, max_tokens, arrival seconds]``; every
 request is greedy and ignores EOS (but W1J's), so it generates exactly ``max_tokens`` tokens. Prompt
@@ -14,6 +14,7 @@ package: the exact ids the peers' published figures were measured with).
 | W4 | Poisson arrivals at ``rate`` per second for ``duration`` s | W1's, cycled | 64 |
 | W5 | as W1 | as W1, KV cache sized to 25% of the batch's peak tokens | 128 |
 | W6 | 64 at once | W1's | 16 + (37 i mod 241) for request i |
+| W7 | 1 | a 26-entry logbook, and "copy 5 entries with one word changed" | 256 |
 | C4, C16 | 4 / 16 at once | W1's first | 128 (the concurrency sweep with W3 = 1 and W1 = 64) |
 
 ``quick=True`` shrinks each one to run in seconds (fewer requests and tokens); quick figures
@@ -34,7 +35,7 @@ from typing import Any
 PROMPTS_FILE = pathlib.Path(__file__).with_name("prompts.json")
 SHARED_PROMPTS = pathlib.Path("../shared/bench/prompts.json")
 
-ALL = ("W1", "W1J", "W2", "W3", "W4", "W5", "W6", "C4", "C16")
+ALL = ("W1", "W1J", "W2", "W3", "W4", "W5", "W6", "W7", "C4", "C16")
 DEFAULT = ALL
 
 #: W1J's JSON schema: a small record of the story W1's prompt asks for (typed fields, an
@@ -197,6 +198,19 @@ def _w3(z: _Sizes) -> Workload:
     return Workload("W3", [[z.data["W3"]["ids"][0], new3, 0.0]], f"single stream: {new3} tokens")
 
 
+def _w7(z: _Sizes) -> Workload:
+    """W7 (issue 40): where output repeats its context, so prompt-lookup speculation pays.
+    Quick: 32 tokens of the same prompt."""
+    w7 = z.data["W7"]
+    new7 = 32 if z.quick else int(w7["new"])
+    return Workload(
+        "W7",
+        [[w7["ids"][0], new7, 0.0]],
+        f"agent turn: a {len(w7['ids'][0])}-token document in the prompt, an answer that "
+        f"quotes and edits it, {new7} tokens",
+    )
+
+
 def _w4(z: _Sizes) -> Workload:
     arrivals = poisson_arrivals(z.rate, z.duration, z.seed)
     reqs = [[z.w1[i % len(z.w1)], 16 if z.quick else 64, t] for i, t in enumerate(arrivals)]
@@ -241,6 +255,7 @@ BUILDERS: dict[str, Callable[[_Sizes], Workload]] = {
     "W4": _w4,
     "W5": _w5,
     "W6": _w6,
+    "W7": _w7,
     "C4": functools.partial(_concurrency, 4),
     "C16": functools.partial(_concurrency, 16),
 }

@@ -259,13 +259,17 @@ class ModelRunner:
         # Padded to the compiled graph's least sizes: an extra token repeats the last real one
         # (its id and position; its attention output is a copy, it writes no K/V), so every
         # layer computes it as that token and the linear kernels compute the repeated row
-        # once; an extra kept row repeats the last one. Both are dropped.
+        # once; an extra kept row repeats the last one. Both are dropped. A step of prompt
+        # chunks that sample nothing (a long prompt alone) keeps its last token's row, unused:
+        # the graph was compiled for at least MIN_ROWS kept rows.
         n, k = len(input_ids), keep.numel()
         pad = pad_to(n) - n
         ids = torch.tensor([input_ids + input_ids[-1:] * pad], dtype=torch.long)
         pos = torch.tensor([positions + positions[-1:] * pad], dtype=torch.long)
-        if k < pad_to(k):
-            keep = torch.cat([keep, keep[-1:].expand(pad_to(k) - k)])
+        if k == 0:
+            keep = keep.new_tensor([n - 1])
+        if keep.numel() < pad_to(k):
+            keep = torch.cat([keep, keep[-1:].expand(pad_to(k) - keep.numel())])
         dev = self.device
         with step_metadata(meta, n):
             logits = compiled(ids.to(dev), pos.to(dev), keep.to(dev))

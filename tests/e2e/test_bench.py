@@ -36,6 +36,12 @@ def test_workloads_follow_the_spec():
     assert data["W1"]["ids"][0][-3:] == data["W3"]["ids"][0][-3:]
     quick = {x.name: x for x in workloads.build(workloads.ALL, data, quick=True)}
     assert len(quick["W1"].requests) == 16 and quick["W4"].params["duration_s"] == 15
+    # W7: one agent turn, a ~1,500-token document in the chat-templated prompt, 256 tokens
+    # (quick: 32).
+    (w7,) = w["W7"].requests
+    assert 1400 < len(w7[0]) < 1600 and w7[1] == 256 and quick["W7"].requests[0][1] == 32
+    assert w7[0][-3:] == data["W3"]["ids"][0][-3:]  # ends as W1's: the assistant's turn
+    assert data["W7"]["texts"][0].count("Day ") == 26 + 2
 
 
 def test_w1j_is_w1_under_one_json_schema():
@@ -252,6 +258,7 @@ def test_llamacpp_peer_is_found_or_skipped_with_a_reason(tmp_path, monkeypatch):
          [{"dtype": "float32"}, {"dtype": "bfloat16"}, {"quantization": "gguf"}]),
         (" bfloat16 , int8 ; ", [{"dtype": "bfloat16", "quantization": "int8"}]),
         ("quantization=none", [{"quantization": "none"}]),
+        ("speculative_tokens=4", [{"speculative_tokens": "4"}]),
         (None, []),
         ("none", []),
     ],
@@ -294,6 +301,15 @@ def test_precision_config_passes_only_what_is_given():
     assert variant_name({"dtype": "bfloat16", "quantization": "gguf"}) == (
         "asyncllm-bfloat16-gguf", "asyncllm (bfloat16, gguf)"
     )  # fmt: skip
+    # speculative decoding as a variant (W3 and W7 with proposals of up to 4 tokens)
+    assert precision_config(None, None, "4") == {"speculative_tokens": 4}
+    assert variant_name({"speculative_tokens": 4}) == (
+        "asyncllm-speculative_4", "asyncllm (speculative 4)"
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match="speculative_tokens must be an integer"):
+        precision_config(None, None, "four")
+    with pytest.raises(SystemExit, match="asyncllm rejects speculative_tokens=-1"):
+        precision_config(None, None, "-1")
 
 
 def test_vllm_dtype_columns():

@@ -171,6 +171,35 @@ def test_a_one_token_step_is_padded_with_a_copy_of_its_token(
         e.stop_compute_thread()
 
 
+@pytest.mark.parametrize("length", [150, 129])
+def test_a_long_prompt_alone_stays_compiled(compiled_engine: LLMEngine, length: int) -> None:
+    """A prompt longer than the token budget (64), alone: its first chunks sample nothing (no
+    kept row). The compiled graph runs them too (it once raised there and turned the engine
+    eager for good: the agent-turn workload W7, 1,489 tokens against a budget of 512, decoded
+    2x slower); tokens equal eager's; a second request after it still runs compiled."""
+    g = torch.Generator().manual_seed(length)
+    long_prompt = torch.randint(3, 49152, (length,), generator=g).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def alone(e: LLMEngine) -> list[int]:
+        tokens = []
+        for i, prompt in enumerate((long_prompt, prompts()[1])):
+            e.add_request(e.inputs.make_request(f"r{i}", prompt, params))
+            while e.has_unfinished():
+                tokens += [u.token_id for u in e.step()]
+        return tokens
+
+    engine, eager = twin(compiled_engine, compiled=True), twin(compiled_engine, compiled=False)
+    cf = engine.runner.compiled
+    assert cf is not None
+    calls = cf.calls
+    assert alone(engine) == alone(eager)
+    assert cf.ready and cf.error is None
+    assert cf.calls - calls == engine.num_steps  # the chunk-only steps included
+    for e in (engine, eager):
+        e.stop_compute_thread()
+
+
 def test_second_engine_loads_the_artifact(
     compiled_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -34,6 +34,8 @@ ROWS: list[tuple[str, str, str, int, float]] = [
     ("W3", "W3 TTFT s", "ttft_mean_s", 3, 1),
     ("W3", "W3 TPOT ms", "tpot_mean_s", 1, 1000),
     ("W3", "W3 decode tokens/s", "tpot_mean_s", 1, -1),
+    ("W7", "W7 TTFT s", "ttft_mean_s", 3, 1),
+    ("W7", "W7 TPOT ms", "tpot_mean_s", 1, 1000),
     ("W4", "W4 TTFT p50 / p99 s", "ttft_p50_s|ttft_p99_s", 3, 1),
     ("W4", "W4 TPOT p50 / p99 ms", "tpot_p50_s|tpot_p99_s", 1, 1000),
     ("W4", "W4 completed requests/s", "requests_per_s", 2, 1),
@@ -192,7 +194,7 @@ def _results(s: dict[str, Any], engines: list[str]) -> list[str]:
             "| workload | " + " | ".join(s["engines"][p]["label"] for p in peers) + " |",
             "|---|" + "---|" * len(peers),
         ]
-        for key in ("W1", "W1J", "W2/on", "W2/off", "W3", "W6", "C4", "C16"):
+        for key in ("W1", "W1J", "W2/on", "W2/off", "W3", "W6", "W7", "C4", "C16"):
             a = _fig(s, "asyncllm", key, "tokens_per_s")
             cells = [_f(_ratio(a, _fig(s, p, key, "tokens_per_s")), 2, "×") for p in peers]
             if all(c == "–" for c in cells):
