@@ -19,6 +19,7 @@ from asyncllm.bench.engine_process import drive_async, greedy, rss_mb
 STAT_DELTAS = (
     "num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks",
     "num_recomputed_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_steps",
+    "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_steps",
 )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ def _f(x: Any, digits: int = 1, unit: str = "") -> str:
     return f"{x}{unit}"
 
 
+_SPEC = "stats.spec_num_accepted_tokens|stats.spec_num_draft_tokens|stats.spec_num_steps"
 ROWS: list[tuple[str, str, str, int, float]] = [
     # (workload key, label, metric, digits, scale)
     ("W1", "W1 tokens/s", "tokens_per_s", 1, 1),
@@ -36,6 +37,10 @@ ROWS: list[tuple[str, str, str, int, float]] = [
     ("W3", "W3 decode tokens/s", "tpot_mean_s", 1, -1),
     ("W7", "W7 TTFT s", "ttft_mean_s", 3, 1),
     ("W7", "W7 TPOT ms", "tpot_mean_s", 1, 1000),
+    *(
+        (w, f"{w} speculation: accepted / proposed tokens, verifications", _SPEC, 0, 1)
+        for w in ("W3", "W7")
+    ),
     ("W4", "W4 TTFT p50 / p99 s", "ttft_p50_s|ttft_p99_s", 3, 1),
     ("W4", "W4 TPOT p50 / p99 ms", "tpot_p50_s|tpot_p99_s", 1, 1000),
     ("W4", "W4 completed requests/s", "requests_per_s", 2, 1),
@@ -72,7 +77,9 @@ def _cell(
             continue
         v = (1 / v) if scale == -1 and v else v * scale
         vals.append(f"{v:.{digits}f}" if digits else f"{v:.0f}")
-    mark = " †" if fig.get("runs", repeats) < repeats and any(v != "–" for v in vals) else ""
+    if all(v == "–" for v in vals):
+        return "–"
+    mark = " †" if fig.get("runs", repeats) < repeats else ""
     return " / ".join(vals) + mark
 
 
