@@ -12,7 +12,9 @@
 // block [N / 64, K, 32] (low nibbles outputs 0..31, high 32..63), or two 16-byte runs of
 // blocks [N / 32, K, 16] (low nibbles 0..15, high 16..31 of each). A work item is one tile of
 // 64 outputs for all rows: its codes are read once, widened to 8 float vectors per column
-// (AVX2: 8 lanes), and multiplied into R rows' accumulators.
+// (AVX2: 8 lanes; AVX-512: 4 of 16 lanes), and multiplied into R rows' accumulators. Both
+// vector paths compute each output with the same operations in the same order (the lanes
+// are the outputs), so they agree bit for bit.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -135,6 +137,89 @@ static void tile_rows(const float* X, int64_t K, int64_t group, const uint8_t* P
 }
 #endif
 
+#if defined(__AVX512F__)
+// The tile's 64 codes of column k as floats 0..15 in four 16-lane vectors, outputs in order.
+static inline void codes64_512(const uint8_t* P, int64_t K, int64_t t, int64_t k,
+                               int64_t block_n, __m512 c[4]) {
+  const __m512i nib = _mm512_set1_epi32(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    // block_n 64: bytes 16h.. hold outputs 16h.. (low nibbles) and 32 + 16h.. (high);
+    // block_n 32: block 2t + h's 16 bytes hold outputs 32h.. (low) and 32h + 16.. (high).
+    const uint8_t* p = block_n == 64 ? P + (t * K + k) * 32 + 16 * h
+                                     : P + ((2 * t + h) * K + k) * 16;
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, nib));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    if (block_n == 64) {
+      c[h] = lo;
+      c[2 + h] = hi;
+    } else {
+      c[2 * h] = lo;
+      c[2 * h + 1] = hi;
+    }
+  }
+}
+
+// tile_rows with 16-lane vectors: R rows' accumulators (4R registers) and the codes (4) fit
+// AVX-512's 32 registers up to R = 6; the totals, added once per group, stay in memory.
+template <int R>
+static void tile_rows512(const float* X, int64_t K, int64_t group, const uint8_t* P,
+                         const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
+  alignas(64) float s[TILE], z8[TILE], tot[R][TILE];
+  __m512 acc[R][4], c[4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) _mm512_store_ps(tot[r] + 16 * i, _mm512_setzero_ps());
+  for (int64_t g = 0; g < K / group; ++g) {
+    const float* src = SZ + (g * N + t * TILE) * 2;
+    for (int j = 0; j < TILE; ++j) {
+      s[j] = src[2 * j];
+      z8[j] = src[2 * j + 1] - 8.f * src[2 * j];  // exact for float16-derived scales
+    }
+    float xs[R];
+    for (int r = 0; r < R; ++r) {
+      xs[r] = 0.f;
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+    }
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+      codes64_512(P, K, t, k, block_n, c);
+      for (int r = 0; r < R; ++r) {
+        const float xv = X[r * K + k];
+        xs[r] += xv;
+        const __m512 xb = _mm512_set1_ps(xv);
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_fmadd_ps(c[i], xb, acc[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(xs[r]);
+      for (int i = 0; i < 4; ++i) {
+        const __m512 part = _mm512_fmadd_ps(_mm512_load_ps(z8 + 16 * i), xb,
+                                            _mm512_mul_ps(_mm512_load_ps(s + 16 * i), acc[r][i]));
+        _mm512_store_ps(tot[r] + 16 * i, _mm512_add_ps(_mm512_load_ps(tot[r] + 16 * i), part));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i)
+      _mm512_storeu_ps(Y + r * N + t * TILE + 16 * i, _mm512_load_ps(tot[r] + 16 * i));
+}
+
+// Up to six rows at a time share one read of the tile's codes: a speculative step's 5 rows
+// (k = 4) read them once.
+static void rows_of_tile(const float* X, int64_t M, int64_t K, int64_t group, const uint8_t* P,
+                         const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
+  int64_t r = 0;
+  for (; r + 6 <= M; r += 6)
+    tile_rows512<6>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N);
+  switch (M - r) {
+    case 5: tile_rows512<5>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N); break;
+    case 4: tile_rows512<4>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N); break;
+    case 3: tile_rows512<3>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N); break;
+    case 2: tile_rows512<2>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N); break;
+    case 1: tile_rows512<1>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N); break;
+    default: break;
+  }
+}
+#else
 // Two rows at a time share one read of the tile's codes (at four, the accumulators outgrow
 // AVX2's 16 registers: 4 rows took 2x the time of 2, benchmarks/int4_f32.py).
 static void rows_of_tile(const float* X, int64_t M, int64_t K, int64_t group, const uint8_t* P,
@@ -143,6 +228,7 @@ static void rows_of_tile(const float* X, int64_t M, int64_t K, int64_t group, co
   for (; r + 2 <= M; r += 2) tile_rows<2>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N);
   if (r < M) tile_rows<1>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N);
 }
+#endif
 
 }  // namespace
 
