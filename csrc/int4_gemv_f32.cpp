@@ -31,45 +31,116 @@ namespace {
 
 constexpr int64_t TILE = 64;
 
-// The tile's 64 codes of column k as floats 0..15, outputs in order: c[0..63].
 #if defined(__AVX2__) && defined(__FMA__)
-static inline void widen8(__m128i bytes8, __m256& out) {
-  out = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8));
-}
-
-static inline void codes64(const uint8_t* P, int64_t K, int64_t t, int64_t k, int64_t block_n,
-                           __m256 c[8]) {
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  if (block_n == 64) {
-    const uint8_t* p = P + (t * K + k) * 32;
-    for (int h = 0; h < 2; ++h) {  // bytes 16h..16h+15: outputs 16h.. (lo), 32 + 16h.. (hi)
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h));
-      const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-      widen8(lo, c[2 * h]);
-      widen8(_mm_srli_si128(lo, 8), c[2 * h + 1]);
-      widen8(hi, c[4 + 2 * h]);
-      widen8(_mm_srli_si128(hi, 8), c[4 + 2 * h + 1]);
-    }
-  } else {  // block_n == 32: blocks 2t (outputs 0..31) and 2t + 1 (32..63)
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* p = P + ((2 * t + h) * K + k) * 16;
+// A tile loop's vector width: 8 float32 lanes (AVX2) or 16 (AVX-512), and the tile's 64 codes
+// of column k as floats 0..15 in TILE / LANES vectors, outputs in order. Layouts: block_n
+// 64: bytes 16h.. of the column hold outputs 16h.. (low nibbles) and 32 + 16h.. (high);
+// block_n 32: block 2t + h's 16 bytes hold outputs 32h.. (low) and 32h + 16.. (high).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int LANES = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V load(const float* p) { return _mm256_load_ps(p); }
+  static void store(float* p, V v) { _mm256_store_ps(p, v); }
+  static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void codes(const uint8_t* P, int64_t K, int64_t t, int64_t k, int64_t block_n,
+                    V c[8]) {
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const auto widen8 = [](__m128i bytes8) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8));
+    };
+    // 16 bytes: low nibbles to lo0 (bytes 0..7) and lo1, high nibbles to hi0 and hi1
+    const auto split = [&](const uint8_t* p, V& lo0, V& lo1, V& hi0, V& hi1) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
       const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-      widen8(lo, c[4 * h]);
-      widen8(_mm_srli_si128(lo, 8), c[4 * h + 1]);
-      widen8(hi, c[4 * h + 2]);
-      widen8(_mm_srli_si128(hi, 8), c[4 * h + 3]);
+      lo0 = widen8(lo), lo1 = widen8(_mm_srli_si128(lo, 8));
+      hi0 = widen8(hi), hi1 = widen8(_mm_srli_si128(hi, 8));
+    };
+    if (block_n == 64) {  // constant indices: the code vectors stay in registers
+      const uint8_t* p = P + (t * K + k) * 32;
+      split(p, c[0], c[1], c[4], c[5]);
+      split(p + 16, c[2], c[3], c[6], c[7]);
+    } else {
+      split(P + (2 * t * K + k) * 16, c[0], c[1], c[2], c[3]);
+      split(P + ((2 * t + 1) * K + k) * 16, c[4], c[5], c[6], c[7]);
     }
   }
-}
+};
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* p = block_n == 64 ? P + (t * K + k) * 32 + 16 * h
+                                       : P + ((2 * t + h) * K + k) * 16;
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+      const V lo0 = widen8(lo), lo1 = widen8(_mm_srli_si128(lo, 8));
+      const V hi0 = widen8(hi), hi1 = widen8(_mm_srli_si128(hi, 8));
+      // constant indices: the code vectors stay in registers
+      if (block_n == 64) {
+        c[2 * h] = lo0, c[2 * h + 1] = lo1, c[4 + 2 * h] = hi0, c[4 + 2 * h + 1] = hi1;
+      } else {
+        c[4 * h] = lo0, c[4 * h + 1] = lo1, c[4 * h + 2] = hi0, c[4 * h + 3] = hi1;
+      }
+    }
+  }
+};
 
-template <int R>
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int LANES = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V load(const float* p) { return _mm512_load_ps(p); }
+  static void store(float* p, V v) { _mm512_store_ps(p, v); }
+  static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void codes(const uint8_t* P, int64_t K, int64_t t, int64_t k, int64_t block_n,
+                    V c[4]) {
+    const __m512i nib = _mm512_set1_epi32(0x0F);
+    // 16 bytes widened once to 32-bit lanes, the nibbles split there
+    const auto split = [&](const uint8_t* p, V& lo, V& hi) {
+      const __m512i b =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, nib));
+      hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    };
+    if (block_n == 64) {  // constant indices: the code vectors stay in registers
+      const uint8_t* p = P + (t * K + k) * 32;
+      split(p, c[0], c[2]);
+      split(p + 16, c[1], c[3]);
+    } else {
+      split(P + (2 * t * K + k) * 16, c[0], c[1]);
+      split(P + ((2 * t + 1) * K + k) * 16, c[2], c[3]);
+    }
+  }
+};
+// 4R accumulators and 4 code vectors fit AVX-512's 32 registers up to 6 rows.
+using Vec = Lanes16;
+constexpr int MAX_ROWS = 6;
+#else
+// At four rows the accumulators outgrow AVX2's 16 registers: 4 rows took 2x the time of 2
+// (benchmarks/int4_f32.py).
+using Vec = Lanes8;
+constexpr int MAX_ROWS = 2;
+#endif
+
+// R rows of one tile: per group, each row's sum of codes times x (one FMA chain per lane)
+// and sum of x, then the tile's totals (in memory: they change once per group) gain
+// scale * sum q x + (zero - 8 scale) * sum x. Each output lane runs these operations in this
+// order at either width, so both widths give the same bits.
+template <class L, int R>
 static void tile_rows(const float* X, int64_t K, int64_t group, const uint8_t* P,
                       const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
-  alignas(32) float s[TILE], z8[TILE];
-  __m256 tot[R][8], acc[R][8], c[8];
+  constexpr int NV = TILE / L::LANES;
+  alignas(64) float s[TILE], z8[TILE], tot[R][TILE];
+  typename L::V acc[R][NV], c[NV];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 8; ++i) tot[r][i] = _mm256_setzero_ps();
+    for (int i = 0; i < NV; ++i) L::store(tot[r] + L::LANES * i, L::zero());
   for (int64_t g = 0; g < K / group; ++g) {
     const float* src = SZ + (g * N + t * TILE) * 2;
     for (int j = 0; j < TILE; ++j) {
@@ -79,28 +150,49 @@ static void tile_rows(const float* X, int64_t K, int64_t group, const uint8_t* P
     float xs[R];
     for (int r = 0; r < R; ++r) {
       xs[r] = 0.f;
-      for (int i = 0; i < 8; ++i) acc[r][i] = _mm256_setzero_ps();
+      for (int i = 0; i < NV; ++i) acc[r][i] = L::zero();
     }
     for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-      codes64(P, K, t, k, block_n, c);
+      L::codes(P, K, t, k, block_n, c);
       for (int r = 0; r < R; ++r) {
         const float xv = X[r * K + k];
         xs[r] += xv;
-        const __m256 xb = _mm256_set1_ps(xv);
-        for (int i = 0; i < 8; ++i) acc[r][i] = _mm256_fmadd_ps(c[i], xb, acc[r][i]);
+        const typename L::V xb = L::set1(xv);
+        for (int i = 0; i < NV; ++i) acc[r][i] = L::fma(c[i], xb, acc[r][i]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_set1_ps(xs[r]);
-      for (int i = 0; i < 8; ++i) {
-        const __m256 part = _mm256_fmadd_ps(_mm256_load_ps(z8 + 8 * i), xb,
-                                            _mm256_mul_ps(_mm256_load_ps(s + 8 * i), acc[r][i]));
-        tot[r][i] = _mm256_add_ps(tot[r][i], part);
+      const typename L::V xb = L::set1(xs[r]);
+      for (int i = 0; i < NV; ++i) {
+        float* t_ri = tot[r] + L::LANES * i;
+        const typename L::V part = L::fma(L::load(z8 + L::LANES * i), xb,
+                                          L::mul(L::load(s + L::LANES * i), acc[r][i]));
+        L::store(t_ri, L::add(L::load(t_ri), part));
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(Y + r * N + t * TILE + 8 * i, tot[r][i]);
+    for (int i = 0; i < NV; ++i)
+      L::storeu(Y + r * N + t * TILE + L::LANES * i, L::load(tot[r] + L::LANES * i));
+}
+
+// The last M < MAX_ROWS rows in one pass (R counts down to M).
+template <int R>
+static void rest_of_tile(const float* X, int64_t M, int64_t K, int64_t group, const uint8_t* P,
+                         const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
+  if (M == R) return tile_rows<Vec, R>(X, K, group, P, SZ, N, t, block_n, Y);
+  if constexpr (R > 1) rest_of_tile<R - 1>(X, M, K, group, P, SZ, N, t, block_n, Y);
+}
+
+// Up to MAX_ROWS rows at a time share one read of the tile's codes (on AVX-512 a
+// speculative step's 5 rows, k = 4, read them once).
+static void rows_of_tile(const float* X, int64_t M, int64_t K, int64_t group, const uint8_t* P,
+                         const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
+  int64_t r = 0;
+  for (; r + MAX_ROWS <= M; r += MAX_ROWS)
+    tile_rows<Vec, MAX_ROWS>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N);
+  if (r < M)
+    rest_of_tile<MAX_ROWS - 1>(X + r * K, M - r, K, group, P, SZ, N, t, block_n, Y + r * N);
 }
 #else
 // Portable: the same sums, output by output.
@@ -115,10 +207,9 @@ static inline int code_at(const uint8_t* P, int64_t K, int64_t t, int64_t k, int
   return jj < 16 ? (b & 15) : (b >> 4);
 }
 
-template <int R>
-static void tile_rows(const float* X, int64_t K, int64_t group, const uint8_t* P,
-                      const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
-  for (int r = 0; r < R; ++r) {
+static void rows_of_tile(const float* X, int64_t M, int64_t K, int64_t group, const uint8_t* P,
+                         const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
+  for (int64_t r = 0; r < M; ++r) {
     for (int j = 0; j < TILE; ++j) {
       float tot = 0.f;
       for (int64_t g = 0; g < K / group; ++g) {
@@ -134,99 +225,6 @@ static void tile_rows(const float* X, int64_t K, int64_t group, const uint8_t* P
       Y[r * N + t * TILE + j] = tot;
     }
   }
-}
-#endif
-
-#if defined(__AVX512F__)
-// The tile's 64 codes of column k as floats 0..15 in four 16-lane vectors, outputs in order.
-static inline void codes64_512(const uint8_t* P, int64_t K, int64_t t, int64_t k,
-                               int64_t block_n, __m512 c[4]) {
-  const __m512i nib = _mm512_set1_epi32(0x0F);
-  for (int h = 0; h < 2; ++h) {
-    // block_n 64: bytes 16h.. hold outputs 16h.. (low nibbles) and 32 + 16h.. (high);
-    // block_n 32: block 2t + h's 16 bytes hold outputs 32h.. (low) and 32h + 16.. (high).
-    const uint8_t* p = block_n == 64 ? P + (t * K + k) * 32 + 16 * h
-                                     : P + ((2 * t + h) * K + k) * 16;
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, nib));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-    if (block_n == 64) {
-      c[h] = lo;
-      c[2 + h] = hi;
-    } else {
-      c[2 * h] = lo;
-      c[2 * h + 1] = hi;
-    }
-  }
-}
-
-// tile_rows with 16-lane vectors: R rows' accumulators (4R registers) and the codes (4) fit
-// AVX-512's 32 registers up to R = 6; the totals, added once per group, stay in memory.
-template <int R>
-static void tile_rows512(const float* X, int64_t K, int64_t group, const uint8_t* P,
-                         const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
-  alignas(64) float s[TILE], z8[TILE], tot[R][TILE];
-  __m512 acc[R][4], c[4];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) _mm512_store_ps(tot[r] + 16 * i, _mm512_setzero_ps());
-  for (int64_t g = 0; g < K / group; ++g) {
-    const float* src = SZ + (g * N + t * TILE) * 2;
-    for (int j = 0; j < TILE; ++j) {
-      s[j] = src[2 * j];
-      z8[j] = src[2 * j + 1] - 8.f * src[2 * j];  // exact for float16-derived scales
-    }
-    float xs[R];
-    for (int r = 0; r < R; ++r) {
-      xs[r] = 0.f;
-      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
-    }
-    for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-      codes64_512(P, K, t, k, block_n, c);
-      for (int r = 0; r < R; ++r) {
-        const float xv = X[r * K + k];
-        xs[r] += xv;
-        const __m512 xb = _mm512_set1_ps(xv);
-        for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_fmadd_ps(c[i], xb, acc[r][i]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(xs[r]);
-      for (int i = 0; i < 4; ++i) {
-        const __m512 part = _mm512_fmadd_ps(_mm512_load_ps(z8 + 16 * i), xb,
-                                            _mm512_mul_ps(_mm512_load_ps(s + 16 * i), acc[r][i]));
-        _mm512_store_ps(tot[r] + 16 * i, _mm512_add_ps(_mm512_load_ps(tot[r] + 16 * i), part));
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i)
-      _mm512_storeu_ps(Y + r * N + t * TILE + 16 * i, _mm512_load_ps(tot[r] + 16 * i));
-}
-
-// Up to six rows at a time share one read of the tile's codes: a speculative step's 5 rows
-// (k = 4) read them once.
-static void rows_of_tile(const float* X, int64_t M, int64_t K, int64_t group, const uint8_t* P,
-                         const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
-  int64_t r = 0;
-  for (; r + 6 <= M; r += 6)
-    tile_rows512<6>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N);
-  switch (M - r) {
-    case 5: tile_rows512<5>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N); break;
-    case 4: tile_rows512<4>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N); break;
-    case 3: tile_rows512<3>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N); break;
-    case 2: tile_rows512<2>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N); break;
-    case 1: tile_rows512<1>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N); break;
-    default: break;
-  }
-}
-#else
-// Two rows at a time share one read of the tile's codes (at four, the accumulators outgrow
-// AVX2's 16 registers: 4 rows took 2x the time of 2, benchmarks/int4_f32.py).
-static void rows_of_tile(const float* X, int64_t M, int64_t K, int64_t group, const uint8_t* P,
-                         const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
-  int64_t r = 0;
-  for (; r + 2 <= M; r += 2) tile_rows<2>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N);
-  if (r < M) tile_rows<1>(X + r * K, K, group, P, SZ, N, t, block_n, Y + r * N);
 }
 #endif
 
