@@ -70,24 +70,12 @@ struct Lanes8 {
     }
   }
 };
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* p = block_n == 64 ? P + (t * K + k) * 32 + 16 * h
-                                       : P + ((2 * t + h) * K + k) * 16;
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-      const V lo0 = widen8(lo), lo1 = widen8(_mm_srli_si128(lo, 8));
-      const V hi0 = widen8(hi), hi1 = widen8(_mm_srli_si128(hi, 8));
-      // constant indices: the code vectors stay in registers
-      if (block_n == 64) {
-        c[2 * h] = lo0, c[2 * h + 1] = lo1, c[4 + 2 * h] = hi0, c[4 + 2 * h + 1] = hi1;
-      } else {
-        c[4 * h] = lo0, c[4 * h + 1] = lo1, c[4 * h + 2] = hi0, c[4 * h + 3] = hi1;
-      }
-    }
-  }
-};
 
 #if defined(__AVX512F__)
+// GCC 12 takes the _mm512_undefined_* operand inside these intrinsics for a variable that
+// "may be used uninitialized" once they are inlined here: a false warning.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 struct Lanes16 {
   using V = __m512;
   static constexpr int LANES = 16;
@@ -119,6 +107,7 @@ struct Lanes16 {
     }
   }
 };
+#pragma GCC diagnostic pop
 // 4R accumulators and 4 code vectors fit AVX-512's 32 registers up to 6 rows.
 using Vec = Lanes16;
 constexpr int MAX_ROWS = 6;

@@ -800,3 +800,43 @@ def test_chunk_kernel_refuses_shared_state_with_a_window():
             q, kc, vc, c.tables, c.seq_lens, c.query_start, c.query_lens, 0.25, 4, 0.0,
             torch.empty(8, 4, 16), torch.tensor([1, 1]), *init,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (300, 0.0), (600, 2.0), (0, 3.0)])
+def test_long_contexts_match_torch_alone_or_batched(dtype, window, softcap):
+    """Decode over long contexts (W7's 1,489 tokens; windows inside them; soft-caps) against
+    the torch path; and each sequence's output has the same bits alone or in a batch, on 1
+    or 2 threads (the work split follows the batch, the arithmetic of a row does not)."""
+    tol, rtol = (6e-5, 0.0) if dtype == torch.float32 else (3 * 2**-8, 2**-7)
+    seq_lens = [1489, 700, 257, 256, 30, 512]
+    q, kc, vc, tables = _random_step([1] * 6, seq_lens, 16, 3, 3, 64, seed=11)
+    q, kc, vc = (t.to(dtype) * 3 for t in (q, kc, vc))
+    tplan = torch_paged.PagedAttentionPlan.build([1] * 6, seq_lens, tables, 16)
+    ref = torch_paged.paged_attention(
+        q.float(), kc.float(), vc.float(), tplan, 0.1, window, softcap
+    )
+    plan = cpu_paged.CpuPagedPlan.build([1] * 6, seq_lens, tables, 16)
+    batched = {}
+    for threads in (1, 2):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            batched[threads] = cpu_paged.paged_attention_cpu(q, kc, vc, plan, 0.1, window, softcap)
+            alone = [
+                cpu_paged.paged_attention_cpu(
+                    q[b : b + 1],
+                    kc,
+                    vc,
+                    cpu_paged.CpuPagedPlan.build([1], [n], [tables[b]], 16),
+                    0.1,
+                    window,
+                    softcap,
+                )
+                for b, n in enumerate(seq_lens)
+            ]
+        finally:
+            torch.set_num_threads(old)
+        torch.testing.assert_close(batched[threads].float(), ref, rtol=rtol, atol=tol)
+        assert torch.equal(torch.cat(alone), batched[threads])
+    assert torch.equal(batched[1], batched[2])
