@@ -10,7 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from asyncllm.bench.engine_process import LlamaCppWorker, Unsupported
+from asyncllm.bench.engine_protocol import Unsupported
+from asyncllm.bench.llamacpp_worker import LlamaCppWorker
 
 
 def _next(tok: int, pos: int) -> int:

@@ -114,16 +114,17 @@ def llamacpp_class() -> Any:
     """``LlamaCppWorker`` with fidelity specs: a window is one ``llama_decode`` with logits
     at every position (log-probs computed here in float64 from llama.cpp's float32 logits);
     a question is its prompt, then one token a step (argmax, first index on a tie)."""
-    ep = _engine_process()
+    base = _engine_process().llamacpp_worker_class()
+    pad256 = sys.modules[base.__module__].pad256
 
-    class LlamaCppFidelityWorker(ep.LlamaCppWorker):  # type: ignore[misc,name-defined]
+    class LlamaCppFidelityWorker(base):  # type: ignore[misc,valid-type]
         def run(self, spec: dict[str, Any]) -> dict[str, Any]:
             f = spec.get("fidelity")
             if f is None:
                 return super().run(spec)  # type: ignore[no-any-return]
             n = f["max_tokens"]
             longest = max([len(w) for w in f["windows"]] + [len(p) + n for p in f["questions"]])
-            self.context(1, ep.pad256(longest))
+            self.context(1, pad256(longest))
             t0 = time.perf_counter()
             windows = [self.score(w) for w in f["windows"]]
             t1 = time.perf_counter()
