@@ -37,6 +37,7 @@ logger = logging.getLogger("asyncllm")
 SWITCHES = {
     "int4": "ASYNCLLM_INT4_DEQUANT_KERNEL",
     "q8": "ASYNCLLM_Q8_KERNEL",
+    "decoder": "ASYNCLLM_NATIVE_DECODE",
 }
 
 _lock = threading.Lock()

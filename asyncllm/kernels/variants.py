@@ -52,12 +52,14 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...], frozenset[str]]] = {
 #: its own extension module per variant, ``asyncllm._kernels._<family>_<variant>``.
 #: -ffast-math (attention): GCC vectorizes expf through glibc's libmvec and reassociates the
 #: sums (the kernel keeps every value finite: the running max starts at -1e30, not -inf).
+#: -ffast-math (decoder): the SiLU's exp vectorized through libmvec, as the attention's.
 #: -ffp-contract=off (int4): no fused multiply-add, so dequantized values equal torch's float32
 #: arithmetic bit for bit.
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "attention": (("paged_attention.cpp",), ("-ffast-math",)),
     "int4": (("int4_linear.cpp", "int4_gemv.cpp", "int4_gemv_f32.cpp"), ("-ffp-contract=off",)),
     "q8": (("q8_linear.cpp",), ()),
+    "decoder": (("decoder_layer.cpp",), ("-ffast-math",)),
 }
 
 #: Flags of every kernel. -g0: Python's own CFLAGS ask for debug info, which made the build

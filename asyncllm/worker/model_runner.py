@@ -9,6 +9,7 @@ end of its request).
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Literal
 
 import torch
@@ -31,12 +32,16 @@ from asyncllm.layers.quant_linear import load_kernels
 from asyncllm.layers.sibling_linears import fuse_siblings
 from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
 from asyncllm.worker.kv_cache import KVCache
+from asyncllm.worker.native_decode import NativeDecoder
+from asyncllm.worker.native_decode import build as build_native_decoder
 from asyncllm.worker.paged_check import check_paged_forward
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.sampling.logprobs import PromptRows, prompt_logprobs
 from asyncllm.worker.sampling.sampler import Sampler, sample_chunks
 from asyncllm.worker.sampling.speculative import verify_chunks
 from asyncllm.worker.step_timing import StepTimings
+
+logger = logging.getLogger("asyncllm")
 
 
 def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
@@ -133,6 +138,8 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.num_groups = kv_cache.spec.layer_groups.num_groups
         self.sampler = Sampler(seed, self.device)
+        #: The C++ decoder of decode-only steps (None: the modeling code runs them too).
+        self.native: NativeDecoder | None = build_native_decoder(model)
         #: The current step's timings when the engine has a step observer (its ``prep``,
         #: ``forward`` and ``sample`` phases are lapped here); None: nothing is measured.
         self.timings: StepTimings | None = None
@@ -208,7 +215,8 @@ class ModelRunner:
         clock = self.sampler.timings = self.timings
         if clock is not None:
             clock.lap("prep")
-        logits = self._forward(input_ids, positions, meta, keep)
+        decode_only = len(input_ids) == len(plan.chunks)  # one token per chunk
+        logits = self._forward(input_ids, positions, meta, keep, decode_only)
         if clock is not None:
             clock.lap("forward")
         if not sample_rows and not prompt_rows:
@@ -229,8 +237,20 @@ class ModelRunner:
         positions: list[int],
         meta: AttentionMetadata,
         keep: torch.Tensor,
+        decode_only: bool = False,
     ) -> torch.Tensor:
         dev = self.device
+        if decode_only and self.native is not None:
+            try:
+                with step_metadata(meta, len(input_ids)):
+                    return self.native.forward(input_ids, positions, keep)
+            except Exception as e:  # never a dead engine: the modeling code from now on
+                logger.warning(
+                    "asyncllm: the native decode path failed (%r); decode steps "
+                    "run the modeling code from now on",
+                    e,
+                )
+                self.native = None
         compiled = self.compiled
         if compiled is not None and compiled.ready:
             try:

@@ -1,0 +1,199 @@
+"""The native decode path: a decode step of a Llama-family model as one C++ call.
+
+At decode a step's work is small per op: a batch-1 step of the default model makes ~270 op
+calls whose fixed costs (Python, dispatch, an OpenMP region, code and data evicted by the
+step's 100 MB weight sweep) add up to as much as its weight reads (docs/tuning.md,
+"Compiled forward"). ``csrc/decoder_layer.cpp`` runs every decoder layer, the final norm
+and the LM head in one call, as llama.cpp does: the linears and the paged attention are the
+same ops the modeling code calls (``asyncllm::int4_linear``, ``asyncllm::q8_0_linear``,
+``asyncllm::paged_attention``, ``aten::linear``, with the layers' own arguments), reached
+from C++; the norms, rotary embedding, SiLU-and-multiply and residual adds are its own
+loops. transformers' modeling code (eager or compiled) stays the reference and runs every
+other step (prefill chunks, speculative verification).
+
+:func:`build` accepts a model only where its structure is exactly what the C++ computes:
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``
+with their own decoder layers, RMSNorms and SiLU MLPs, float32 on CPU. Any other model,
+dtype or device keeps the modeling code; ``ASYNCLLM_NATIVE_DECODE=0`` switches it off.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncllm.kernels import int4_dequant, native
+from asyncllm.layers import q8_linear
+from asyncllm.layers.q8_linear import Q8Linear
+from asyncllm.layers.quant_linear import INT4_GEMV_MAX_ROWS, Int4Linear, int4_max_rows
+from asyncllm.layers.sibling_linears import SiblingLinear
+
+__all__ = ["FAMILIES", "NativeDecoder", "build", "unsupported_reason"]
+
+logger = logging.getLogger("asyncllm")
+
+#: Causal LM class -> (its decoder layer, its RMSNorm), the transformers classes the C++
+#: decoder computes exactly. Mistral passes the config's window to every layer; Qwen2/3 a
+#: window per layer (``sliding_window`` on the attention module); Qwen3 norms q and k per head.
+FAMILIES = {
+    "LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaRMSNorm"),
+    "MistralForCausalLM": ("MistralDecoderLayer", "MistralRMSNorm"),
+    "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2RMSNorm"),
+    "Qwen3ForCausalLM": ("Qwen3DecoderLayer", "Qwen3RMSNorm"),
+}
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why the C++ decoder cannot run ``model``'s decode steps exactly, or None where it can."""
+    name = type(model).__name__
+    if name not in FAMILIES:
+        return f"{name} is not one of {sorted(FAMILIES)}"
+    layer_cls, norm_cls = FAMILIES[name]
+    config = model.config
+    params = list(model.parameters())
+    if any(p.device.type != "cpu" for p in params):
+        return "the model is not on the CPU"
+    if getattr(model, "dtype", torch.float32) != torch.float32:
+        return f"the model computes in {model.dtype}, not float32"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not 'silu'"
+    inner = model.model
+    layers = list(inner.layers)
+    norms = [inner.norm] + [n for lay in layers for n in _norms(lay)]
+    if any(type(n).__name__ != norm_cls for n in norms):
+        return f"a norm is not a {norm_cls}"
+    if len({float(n.variance_epsilon) for n in norms}) != 1:
+        return "the norms' epsilons differ"
+    if any(n.weight.dtype != torch.float32 for n in norms):
+        return "a norm's weight is not float32"
+    for lay in layers:
+        if type(lay).__name__ != layer_cls:
+            return f"a decoder layer is a {type(lay).__name__}, not a {layer_cls}"
+        if type(lay.mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
+            return f"an MLP's activation is {type(lay.mlp.act_fn).__name__}"
+    head_dim = layers[0].self_attn.head_dim if layers else 0
+    if head_dim % 2 or getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        return "the rotary embedding does not cover whole, even heads"
+    return None
+
+
+def _norms(layer: Any) -> list[Any]:
+    attn = layer.self_attn
+    extra = [m for m in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if m]
+    return [layer.input_layernorm, layer.post_attention_layernorm, *extra]
+
+
+def _linear(mod: Any, k: Any) -> Any:
+    """The C++ ``Linear`` that calls ``mod`` as its own forward does."""
+    if type(mod) is Int4Linear and int4_dequant.op_available():
+        rows = [int4_max_rows(mod.scales_and_zeros.dtype), INT4_GEMV_MAX_ROWS]
+        sizes = [mod.group_size, mod.in_features, mod.out_features]
+        return k.Linear(k.INT4, [mod.packed, mod.scales_and_zeros, mod.bias], sizes + rows)
+    if type(mod) is Q8Linear and (mod.packed is not None or q8_linear.kernel() is not None):
+        tensors = [mod.q, mod.scale, mod.packed, mod.bias, mod.offset]
+        return k.Linear(k.Q8, tensors, [q8_linear.MAX_ROWS, int(mod.logits)])
+    if type(mod) is nn.Linear:
+        return k.Linear(k.DENSE, [mod.weight, mod.bias], [])
+    return k.Linear(k.MODULE, [], [], mod)
+
+
+def _siblings(parent: Any, names: tuple[str, ...], k: Any) -> list[Any]:
+    """One fused call where ``names`` are the members of one fused group in this order
+    (:mod:`asyncllm.layers.sibling_linears`), else one call per member."""
+    mods = [getattr(parent, n) for n in names]
+    group: Any = getattr(mods[0], "group", None)
+    if all(
+        isinstance(m, SiblingLinear) and getattr(m, "group", None) is group and m.index == i
+        for i, m in enumerate(mods)
+    ) and len(group.bounds) == len(names):
+        return [_linear(mods[0].fused, k)]
+    if any(isinstance(m, SiblingLinear) for m in mods):
+        raise ValueError(f"{names} are fused in another grouping")
+    return [_linear(m, k) for m in mods]
+
+
+def _window(model: Any, attn: Any) -> int:
+    if type(model).__name__ == "MistralForCausalLM":
+        return int(getattr(model.config, "sliding_window", None) or 0)
+    return int(getattr(attn, "sliding_window", None) or 0)
+
+
+class NativeDecoder:
+    """A model's decode steps through ``csrc/decoder_layer.cpp``.
+
+    Args:
+        model: a model :func:`unsupported_reason` accepts, after the runner's layer swaps
+            (fused siblings, quantized and packed linears).
+        kernels: the ``decoder`` kernel module.
+    """
+
+    def __init__(self, model: Any, kernels: Any) -> None:
+        k = kernels
+        inner = model.model
+        config = model.config
+        layers = []
+        for lay in inner.layers:
+            attn, mlp = lay.self_attn, lay.mlp
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            layers.append(
+                k.Layer(
+                    in_norm=lay.input_layernorm.weight.detach(),
+                    post_norm=lay.post_attention_layernorm.weight.detach(),
+                    q_norm=None if q_norm is None else q_norm.weight.detach(),
+                    k_norm=None if k_norm is None else k_norm.weight.detach(),
+                    qkv=_siblings(attn, ("q_proj", "k_proj", "v_proj"), k),
+                    o=_linear(attn.o_proj, k),
+                    gate_up=_siblings(mlp, ("gate_proj", "up_proj"), k),
+                    down=_linear(mlp.down_proj, k),
+                    index=int(attn.layer_idx),
+                    scale=float(attn.scaling),
+                    window=_window(model, attn),
+                    softcap=0.0,
+                )
+            )
+        head_dim = int(inner.layers[0].self_attn.head_dim)
+        self._decoder = k.Decoder(
+            layers=layers,
+            final_norm=inner.norm.weight.detach(),
+            head=_linear(model.lm_head, k),
+            eps=float(inner.norm.variance_epsilon),
+            num_heads=int(config.num_attention_heads),
+            num_kv_heads=int(config.num_key_value_heads),
+            head_dim=head_dim,
+        )
+        self._embed = model.get_input_embeddings()
+        self._rotary = inner.rotary_emb
+        #: Steps run (for stats and tests).
+        self.steps = 0
+
+    def forward(
+        self, input_ids: list[int], positions: list[int], keep: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``[len(keep), vocab]`` float32 of a step whose every row is one request's
+        next token (``input_ids``, ``positions``: one per row); inside the runner's
+        ``step_metadata`` (the attention reads its caches and plan there)."""
+        ids = torch.tensor([input_ids], dtype=torch.long)
+        pos = torch.tensor([positions], dtype=torch.long)
+        hidden = self._embed(ids)
+        cos, sin = self._rotary(hidden, pos)
+        logits: torch.Tensor = self._decoder.step(hidden[0], cos[0], sin[0], keep)
+        self.steps += 1
+        return logits
+
+
+def build(model: nn.Module) -> NativeDecoder | None:
+    """The native decoder of ``model``, or None where it does not run (switched off, the
+    kernels not installed, or a model :func:`unsupported_reason` refuses; logged at debug)."""
+    kernels = native.module("decoder")
+    reason = "not installed or switched off" if kernels is None else unsupported_reason(model)
+    if reason is not None:
+        logger.debug("asyncllm: decode steps run the modeling code: %s", reason)
+        return None
+    try:
+        return NativeDecoder(model, kernels)
+    except ValueError as e:
+        logger.debug("asyncllm: decode steps run the modeling code: %s", e)
+        return None
