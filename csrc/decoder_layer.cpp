@@ -1,9 +1,10 @@
-// A decode step of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) as one C++ call: every
-// decoder layer (RMSNorm, q/k/v projection, per-head RMSNorm (Qwen3), rotary embedding,
-// paged attention with its K/V write, output projection, residual, RMSNorm, gate/up
-// projection, SiLU-and-multiply, down projection, residual), the final norm and the LM head,
-// float32 activations. transformers' modeling code stays the reference and the path of
-// every other step (asyncllm/worker/native_decode.py decides and builds the Decoder).
+// A decode step of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) or Gemma 3 as one C++
+// call: every decoder layer (RMSNorm, q/k/v projection, per-head RMSNorm (Qwen3, Gemma 3),
+// rotary embedding, paged attention with its K/V write, output projection, Gemma's norm of
+// it, residual, RMSNorm, gate/up projection, SiLU or tanh-GELU and multiply, down projection,
+// Gemma's norm of it, residual), the final norm and the LM head, float32 activations.
+// transformers' modeling code stays the reference and the path of every other step
+// (asyncllm/worker/native_decode.py decides and builds the Decoder).
 //
 // The linears and the attention are the ops every other path calls (asyncllm::int4_linear,
 // asyncllm::q8_0_linear, asyncllm::paged_attention, aten::linear), reached through torch's
@@ -13,18 +14,20 @@
 // glue and the Python around ~270 op calls cost as much as the weights' reads
 // (docs/tuning.md, "Native decode path").
 //
-// Formulas (transformers' modeling_llama.py / modeling_qwen3.py):
-//   RMSNorm(x) = w * (x * rsqrt(mean(x^2) + eps))
+// Formulas (transformers' modeling_llama.py, modeling_qwen3.py, modeling_gemma3.py):
+//   RMSNorm(x) = w * (x * rsqrt(mean(x^2) + eps))   (Gemma: w = 1 + its weight, in float32)
 //   rotary(q)[i] = q[i] cos[i] - q[i + D/2] sin[i]      (i < D/2)
 //                = q[i] cos[i] + q[i - D/2] sin[i]      (i >= D/2)
 //   SiLU(g) * u = g / (1 + exp(-g)) * u
-// Compiled with -ffast-math (the exp vectorized through glibc's libmvec; sums reassociated):
+//   GELU_tanh(g) * u = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) * u
+// Compiled with -ffast-math (exp vectorized through glibc's libmvec; sums reassociated):
 // the same function as float32 eager, not always its last bit.
 #include "common.h"
 #include "python_module.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -96,8 +99,8 @@ at::Tensor run(const Linear& l, const at::Tensor& x) {
   return y.contiguous();
 }
 
-void rms_norm(const float* __restrict x, const float* __restrict w, int64_t n, float eps,
-              float* __restrict out) {
+// out may be x (in place): each element is read before it is written.
+void rms_norm(const float* x, const float* __restrict w, int64_t n, float eps, float* out) {
   float ss = 0.f;
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
   const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
@@ -127,16 +130,36 @@ void over_rows(int64_t B, int64_t width, const F& f) {
   at::parallel_for(0, B, grain, f);
 }
 
+enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
+
 struct Layer {
-  at::Tensor in_norm, post_norm;
-  OptTensor q_norm, k_norm;  // Qwen3: per-head RMSNorm of q and k before the rotation
+  at::Tensor in_norm, ffn_norm;      // before the attention, before the MLP
+  OptTensor attn_out_norm, ffn_out_norm;  // Gemma: on each block's output, before the residual
+  OptTensor q_norm, k_norm;  // Qwen3, Gemma 3: per-head RMSNorm of q and k before the rotation
   std::vector<Linear> qkv;   // one fused (columns q | k | v) or three
   Linear o;
   std::vector<Linear> gate_up;  // one fused (columns gate | up) or two
   Linear down;
-  int64_t index = 0, window = 0;
+  int64_t index = 0, window = 0, rope = 0, act = SILU;  // rope: which cos/sin pair
   double scale = 1.0, softcap = 0.0;
 };
+
+// g [n] -> act(g) * u into out.
+void act_mul(int64_t act, const float* __restrict g, const float* __restrict u, int64_t n,
+             float* __restrict out) {
+  if (act == SILU) {
+    for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    return;
+  }
+  constexpr float beta = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = g[i];
+    // tanh(y) = 1 - 2 / (exp(2y) + 1), y clamped where tanh is +-1 in float32 (no inf)
+    const float y = std::min(std::max(beta * (x + 0.044715f * x * x * x), -20.f), 20.f);
+    const float t = 1.f - 2.f / (std::exp(2.f * y) + 1.f);
+    out[i] = 0.5f * x * (1.f + t) * u[i];
+  }
+}
 
 class Decoder {
  public:
@@ -156,9 +179,12 @@ class Decoder {
     };
     TORCH_CHECK(f32(final_norm_), "Decoder: norms are contiguous float32 vectors");
     for (const Layer& l : layers_) {
-      TORCH_CHECK(f32(l.in_norm) && f32(l.post_norm) && l.in_norm.size(0) == hidden_ &&
-                      l.post_norm.size(0) == hidden_,
-                  "Decoder: a layer's norms are float32 [hidden]");
+      for (const OptTensor& t : {OptTensor(l.in_norm), OptTensor(l.ffn_norm), l.attn_out_norm,
+                                 l.ffn_out_norm})
+        TORCH_CHECK(!t || (f32(*t) && t->size(0) == hidden_),
+                    "Decoder: a layer's norms are float32 [hidden]");
+      TORCH_CHECK(l.act == SILU || l.act == GELU_TANH, "Decoder: unknown activation ", l.act);
+      TORCH_CHECK(l.rope >= 0, "Decoder: a negative rotary index");
       for (const OptTensor& t : {l.q_norm, l.k_norm})
         TORCH_CHECK(!t || (f32(*t) && t->size(0) == d_), "Decoder: head norms are float32 [D]");
       TORCH_CHECK(l.qkv.size() == 1 || l.qkv.size() == 3, "Decoder: q/k/v as one call or three");
@@ -167,31 +193,37 @@ class Decoder {
     }
   }
 
-  // hidden [B, hidden] float32 (the embedded tokens), cos/sin [B, D] float32 (the rotary
-  // embedding at each row's position), keep [R] int64 (the rows whose logits are returned)
-  // -> logits [R, vocab]. Runs inside the runner's step_metadata (the attention's caches).
-  at::Tensor step(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
-                  const at::Tensor& keep) const {
+  // hidden [B, hidden] float32 (the embedded tokens), cos/sin: per rotary kind (a layer's
+  // rope index) [B, D] float32 (the rotary embedding at each row's position), keep [R] int64
+  // (the rows whose logits are returned) -> logits [R, vocab]. Runs inside the runner's
+  // step_metadata (the attention's caches).
+  at::Tensor step(const at::Tensor& hidden, std::vector<at::Tensor> cos,
+                  std::vector<at::Tensor> sin, const at::Tensor& keep) const {
     TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat &&
                     hidden.size(1) == hidden_,
                 "Decoder.step: hidden must be float32 [B, ", hidden_, "]");
     const int64_t B = hidden.size(0);
-    const at::Tensor c = cos.contiguous(), s = sin.contiguous();
-    TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat &&
-                    c.sizes() == at::IntArrayRef({B, d_}) && c.sizes() == s.sizes(),
-                "Decoder.step: cos and sin must be float32 [B, D]");
+    TORCH_CHECK(cos.size() == sin.size(), "Decoder.step: one sin per cos");
+    for (size_t i = 0; i < cos.size(); ++i) {
+      cos[i] = cos[i].contiguous(), sin[i] = sin[i].contiguous();
+      TORCH_CHECK(cos[i].scalar_type() == at::kFloat && sin[i].scalar_type() == at::kFloat &&
+                      cos[i].sizes() == at::IntArrayRef({B, d_}) &&
+                      cos[i].sizes() == sin[i].sizes(),
+                  "Decoder.step: cos and sin must be float32 [B, D]");
+    }
     at::Tensor x = hidden.contiguous().clone();  // the residual stream
     at::Tensor h = at::empty_like(x);
     const auto opts = x.options();
     for (const Layer& l : layers_) {
+      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()), "Decoder.step: no rotary ", l.rope);
       norm_rows(x, l.in_norm, h);
       at::Tensor q = at::empty({B, hq_, d_}, opts), k = at::empty({B, hkv_, d_}, opts),
                  v = at::empty({B, hkv_, d_}, opts);
-      project_qkv(l, h, c, s, q, k, v);
+      project_qkv(l, h, cos[l.rope], sin[l.rope], q, k, v);
       const at::Tensor a = attention_op().call(q, k, v, l.index, l.scale, l.window, l.softcap);
-      add_rows(x, run(l.o, a.reshape({B, hq_ * d_})));
-      norm_rows(x, l.post_norm, h);
-      add_rows(x, run(l.down, silu_mul(l, h)));
+      add_rows(x, normed(run(l.o, a.reshape({B, hq_ * d_})), l.attn_out_norm));
+      norm_rows(x, l.ffn_norm, h);
+      add_rows(x, normed(run(l.down, act_mul_rows(l, h)), l.ffn_out_norm));
     }
     norm_rows(x, final_norm_, h);
     const bool all = keep.numel() == B &&
@@ -202,13 +234,21 @@ class Decoder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  void norm_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) const {
+  void norm_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& out) const {
+    TORCH_CHECK(x.size(1) == hidden_ && x.is_contiguous() && x.scalar_type() == at::kFloat,
+                "Decoder: a projection returned ", x.sizes());
     const int64_t B = x.size(0), n = hidden_;
     const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
     float* po = out.data_ptr<float>();
     over_rows(B, n, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) rms_norm(px + b * n, pw, n, eps_, po + b * n);
     });
+  }
+
+  // y RMS-normed in place by w where given.
+  at::Tensor normed(at::Tensor y, const OptTensor& w) const {
+    if (w) norm_rows(y, *w, y);
+    return y;
   }
 
   static void add_rows(at::Tensor& x, const at::Tensor& y) {
@@ -263,8 +303,8 @@ class Decoder {
     });
   }
 
-  // SiLU(gate) * up [B, I] of the normed rows h.
-  at::Tensor silu_mul(const Layer& l, const at::Tensor& h) const {
+  // act(gate) * up [B, I] of the normed rows h.
+  at::Tensor act_mul_rows(const Layer& l, const at::Tensor& h) const {
     std::vector<at::Tensor> ys;
     for (const Linear& lin : l.gate_up) ys.push_back(run(lin, h));
     const int64_t B = h.size(0);
@@ -279,11 +319,7 @@ class Decoder {
     const int64_t stride = ys[0].size(1);
     float* po = out.data_ptr<float>();
     over_rows(B, I, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const float *gb = g + b * stride, *ub = u + b * stride;
-        float* ob = po + b * I;
-        for (int64_t i = 0; i < I; ++i) ob[i] = gb[i] / (1.f + std::exp(-gb[i])) * ub[i];
-      }
+      for (int64_t b = b0; b < b1; ++b) act_mul(l.act, g + b * stride, u + b * stride, I, po + b * I);
     });
     return out;
   }
@@ -307,6 +343,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("Q8") = static_cast<int64_t>(Q8);
   m.attr("DENSE") = static_cast<int64_t>(DENSE);
   m.attr("MODULE") = static_cast<int64_t>(MODULE);
+  m.attr("SILU") = static_cast<int64_t>(SILU);
+  m.attr("GELU_TANH") = static_cast<int64_t>(GELU_TANH);
   py::class_<Linear>(m, "Linear")
       .def(py::init([](int64_t kind, std::vector<OptTensor> t, std::vector<int64_t> n,
                        py::object module) {
@@ -320,18 +358,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("kind"), py::arg("tensors"), py::arg("ints"), py::arg("module") = py::none());
   py::class_<Layer>(m, "Layer")
-      .def(py::init([](at::Tensor in_norm, at::Tensor post_norm, OptTensor q_norm,
-                       OptTensor k_norm, std::vector<Linear> qkv, Linear o,
-                       std::vector<Linear> gate_up, Linear down, int64_t index, double scale,
-                       int64_t window, double softcap) {
-             return Layer{std::move(in_norm), std::move(post_norm), std::move(q_norm),
-                          std::move(k_norm),  std::move(qkv),       std::move(o),
-                          std::move(gate_up), std::move(down),      index,
-                          window,             scale,                softcap};
+      .def(py::init([](at::Tensor in_norm, at::Tensor ffn_norm, OptTensor attn_out_norm,
+                       OptTensor ffn_out_norm, OptTensor q_norm, OptTensor k_norm,
+                       std::vector<Linear> qkv, Linear o, std::vector<Linear> gate_up,
+                       Linear down, int64_t index, double scale, int64_t window, double softcap,
+                       int64_t rope, int64_t act) {
+             Layer l;
+             l.in_norm = std::move(in_norm), l.ffn_norm = std::move(ffn_norm);
+             l.attn_out_norm = std::move(attn_out_norm), l.ffn_out_norm = std::move(ffn_out_norm);
+             l.q_norm = std::move(q_norm), l.k_norm = std::move(k_norm);
+             l.qkv = std::move(qkv), l.o = std::move(o);
+             l.gate_up = std::move(gate_up), l.down = std::move(down);
+             l.index = index, l.window = window, l.rope = rope, l.act = act;
+             l.scale = scale, l.softcap = softcap;
+             return l;
            }),
-           py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
-           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("index"),
-           py::arg("scale"), py::arg("window"), py::arg("softcap"));
+           py::arg("in_norm"), py::arg("ffn_norm"), py::arg("attn_out_norm"),
+           py::arg("ffn_out_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("index"), py::arg("scale"),
+           py::arg("window"), py::arg("softcap"), py::arg("rope"), py::arg("act"));
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<std::vector<Layer>, at::Tensor, Linear, double, int64_t, int64_t, int64_t>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("head"), py::arg("eps"),

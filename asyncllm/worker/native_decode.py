@@ -1,4 +1,4 @@
-"""The native decode path: a decode step of a Llama-family model as one C++ call.
+"""The native decode path: a decode step of a Llama-family model or Gemma 3 as one C++ call.
 
 At decode a step's work is small per op: a batch-1 step of the default model makes ~270 op
 calls whose fixed costs (Python, dispatch, an OpenMP region, code and data evicted by the
@@ -13,13 +13,16 @@ other step (prefill chunks, speculative verification).
 
 :func:`build` accepts a model only where its structure is exactly what the C++ computes:
 ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``
-with their own decoder layers, RMSNorms and SiLU MLPs, float32 on CPU. Any other model,
-dtype or device keeps the modeling code; ``ASYNCLLM_NATIVE_DECODE=0`` switches it off.
+with their own decoder layers, RMSNorms and SiLU MLPs, and ``Gemma3ForCausalLM`` (norms of
+``1 + w``, a norm on each block's output, tanh-GELU, a rotary embedding per layer type),
+float32 on CPU. Any other model, dtype or device keeps the modeling code;
+``ASYNCLLM_NATIVE_DECODE=0`` switches it off.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,14 +38,28 @@ __all__ = ["FAMILIES", "NativeDecoder", "build", "unsupported_reason"]
 
 logger = logging.getLogger("asyncllm")
 
-#: Causal LM class -> (its decoder layer, its RMSNorm), the transformers classes the C++
-#: decoder computes exactly. Mistral passes the config's window to every layer; Qwen2/3 a
-#: window per layer (``sliding_window`` on the attention module); Qwen3 norms q and k per head.
+
+@dataclass(frozen=True)
+class Family:
+    """A causal LM's transformers classes that the C++ decoder computes exactly."""
+
+    layer: str
+    norm: str
+    #: Gemma 3: norms scale by ``1 + w`` (``eps``, not ``variance_epsilon``), each block's
+    #: output is normed before its residual add, the MLP is tanh-GELU, and each layer type
+    #: has its own rotary embedding.
+    gemma: bool = False
+
+
+#: Causal LM class -> its :class:`Family`. Mistral passes the config's window to every
+#: layer; Qwen2/3 and Gemma 3 a window per layer (``sliding_window`` on the attention
+#: module); Qwen3 and Gemma 3 norm q and k per head.
 FAMILIES = {
-    "LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaRMSNorm"),
-    "MistralForCausalLM": ("MistralDecoderLayer", "MistralRMSNorm"),
-    "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2RMSNorm"),
-    "Qwen3ForCausalLM": ("Qwen3DecoderLayer", "Qwen3RMSNorm"),
+    "LlamaForCausalLM": Family("LlamaDecoderLayer", "LlamaRMSNorm"),
+    "MistralForCausalLM": Family("MistralDecoderLayer", "MistralRMSNorm"),
+    "Qwen2ForCausalLM": Family("Qwen2DecoderLayer", "Qwen2RMSNorm"),
+    "Qwen3ForCausalLM": Family("Qwen3DecoderLayer", "Qwen3RMSNorm"),
+    "Gemma3ForCausalLM": Family("Gemma3DecoderLayer", "Gemma3RMSNorm", gemma=True),
 }
 
 
@@ -51,28 +68,33 @@ def unsupported_reason(model: Any) -> str | None:
     name = type(model).__name__
     if name not in FAMILIES:
         return f"{name} is not one of {sorted(FAMILIES)}"
-    layer_cls, norm_cls = FAMILIES[name]
+    fam = FAMILIES[name]
+    layer_cls, norm_cls = fam.layer, fam.norm
     config = model.config
     params = list(model.parameters())
     if any(p.device.type != "cpu" for p in params):
         return "the model is not on the CPU"
     if getattr(model, "dtype", torch.float32) != torch.float32:
         return f"the model computes in {model.dtype}, not float32"
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not 'silu'"
+    act = "hidden_activation" if fam.gemma else "hidden_act"
+    want = "gelu_pytorch_tanh" if fam.gemma else "silu"
+    if getattr(config, act, None) != want:
+        return f"{act} {getattr(config, act, None)!r} is not {want!r}"
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return "the logits are soft-capped"
     inner = model.model
     layers = list(inner.layers)
-    norms = [inner.norm] + [n for lay in layers for n in _norms(lay)]
+    norms = [inner.norm] + [n for lay in layers for n in _norms(lay, fam)]
     if any(type(n).__name__ != norm_cls for n in norms):
         return f"a norm is not a {norm_cls}"
-    if len({float(n.variance_epsilon) for n in norms}) != 1:
+    if len({_eps(n, fam) for n in norms}) != 1:
         return "the norms' epsilons differ"
     if any(n.weight.dtype != torch.float32 for n in norms):
         return "a norm's weight is not float32"
     for lay in layers:
         if type(lay).__name__ != layer_cls:
             return f"a decoder layer is a {type(lay).__name__}, not a {layer_cls}"
-        if type(lay.mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
+        if type(lay.mlp.act_fn).__name__ not in _ACTS[fam.gemma]:
             return f"an MLP's activation is {type(lay.mlp.act_fn).__name__}"
     head_dim = layers[0].self_attn.head_dim if layers else 0
     if head_dim % 2 or getattr(config, "partial_rotary_factor", 1.0) != 1.0:
@@ -80,10 +102,29 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def _norms(layer: Any) -> list[Any]:
+#: The activation modules of the MLP (SiLU; Gemma: tanh-GELU), by ``Family.gemma``.
+_ACTS = {False: ("SiLUActivation", "SiLU"), True: ("GELUTanh", "PytorchGELUTanh")}
+
+
+def _norms(layer: Any, fam: Family) -> list[Any]:
     attn = layer.self_attn
     extra = [m for m in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if m]
+    if fam.gemma:
+        extra += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
     return [layer.input_layernorm, layer.post_attention_layernorm, *extra]
+
+
+def _eps(norm: Any, fam: Family) -> float:
+    return float(norm.eps if fam.gemma else norm.variance_epsilon)
+
+
+def _weight(norm: Any, fam: Family) -> torch.Tensor | None:
+    """The norm's multiplier: its weight, or Gemma's ``1 + w`` as its forward computes it
+    (float32); None for no norm."""
+    if norm is None:
+        return None
+    w: torch.Tensor = norm.weight.detach()
+    return (1.0 + w.float()).contiguous() if fam.gemma else w
 
 
 def _linear(mod: Any, k: Any) -> Any:
@@ -121,6 +162,11 @@ def _window(model: Any, attn: Any) -> int:
     return int(getattr(attn, "sliding_window", None) or 0)
 
 
+def _rope_kinds(model: Any, fam: Family) -> list[str | None]:
+    """The rotary embeddings a step computes: one (None), or Gemma's one per layer type."""
+    return sorted(set(model.config.layer_types)) if fam.gemma else [None]
+
+
 class NativeDecoder:
     """A model's decode steps through ``csrc/decoder_layer.cpp``.
 
@@ -134,16 +180,24 @@ class NativeDecoder:
         k = kernels
         inner = model.model
         config = model.config
+        fam = FAMILIES[type(model).__name__]
+        self._ropes = _rope_kinds(model, fam)
         layers = []
-        for lay in inner.layers:
+        for i, lay in enumerate(inner.layers):
             attn, mlp = lay.self_attn, lay.mlp
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            gemma = fam.gemma
             layers.append(
                 k.Layer(
-                    in_norm=lay.input_layernorm.weight.detach(),
-                    post_norm=lay.post_attention_layernorm.weight.detach(),
-                    q_norm=None if q_norm is None else q_norm.weight.detach(),
-                    k_norm=None if k_norm is None else k_norm.weight.detach(),
+                    in_norm=_weight(lay.input_layernorm, fam),
+                    ffn_norm=_weight(
+                        lay.pre_feedforward_layernorm if gemma else lay.post_attention_layernorm,
+                        fam,
+                    ),
+                    attn_out_norm=_weight(lay.post_attention_layernorm, fam) if gemma else None,
+                    ffn_out_norm=_weight(lay.post_feedforward_layernorm, fam) if gemma else None,
+                    q_norm=_weight(q_norm, fam),
+                    k_norm=_weight(k_norm, fam),
                     qkv=_siblings(attn, ("q_proj", "k_proj", "v_proj"), k),
                     o=_linear(attn.o_proj, k),
                     gate_up=_siblings(mlp, ("gate_proj", "up_proj"), k),
@@ -151,15 +205,17 @@ class NativeDecoder:
                     index=int(attn.layer_idx),
                     scale=float(attn.scaling),
                     window=_window(model, attn),
-                    softcap=0.0,
+                    softcap=float(getattr(attn, "attn_logit_softcapping", None) or 0.0),
+                    rope=self._ropes.index(config.layer_types[i] if gemma else None),
+                    act=k.GELU_TANH if gemma else k.SILU,
                 )
             )
         head_dim = int(inner.layers[0].self_attn.head_dim)
         self._decoder = k.Decoder(
             layers=layers,
-            final_norm=inner.norm.weight.detach(),
+            final_norm=_weight(inner.norm, fam),
             head=_linear(model.lm_head, k),
-            eps=float(inner.norm.variance_epsilon),
+            eps=_eps(inner.norm, fam),
             num_heads=int(config.num_attention_heads),
             num_kv_heads=int(config.num_key_value_heads),
             head_dim=head_dim,
@@ -178,8 +234,9 @@ class NativeDecoder:
         ids = torch.tensor([input_ids], dtype=torch.long)
         pos = torch.tensor([positions], dtype=torch.long)
         hidden = self._embed(ids)
-        cos, sin = self._rotary(hidden, pos)
-        logits: torch.Tensor = self._decoder.step(hidden[0], cos[0], sin[0], keep)
+        ropes = [self._rotary(hidden, pos, *([] if t is None else [t])) for t in self._ropes]
+        cos, sin = [c[0] for c, _ in ropes], [s[0] for _, s in ropes]
+        logits: torch.Tensor = self._decoder.step(hidden[0], cos, sin, keep)
         self.steps += 1
         return logits
 

@@ -39,6 +39,16 @@ pytestmark = pytest.mark.slow
 SMALL = dict(max_model_len=256, kv_cache_bytes=2**22, max_num_batched_tokens=64, dtype="float32")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _modeling_code_decodes() -> Iterator[None]:
+    """Decode steps through the compiled forward too: the C++ decoder, on by default for
+    these families, would take them (tests/worker/test_native_decode.py; the default model's
+    test runs the two together)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("ASYNCLLM_NATIVE_DECODE", "0")
+        yield
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def compiled_engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
     """An engine on the tiny model with its forward compiled (in a child process, into an
@@ -639,17 +649,20 @@ def test_unclosed_compiled_forward_is_joined_at_exit(tmp_path: pathlib.Path) -> 
 def test_artifact_key_follows_the_kernel_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     """A forward is traced through the paths the switches select: with a kernel family
     switched off it is another artifact (the fidelity harness's no-int4-kernel path loaded
-    the default path's artifact and ran the C++ kernel all the same)."""
+    the default path's artifact and ran the C++ kernel all the same). The C++ decoder runs
+    beside the graph: its switch keeps the artifact."""
     from asyncllm.kernels.native import SWITCHES
     from asyncllm.worker.compiled import artifact_key
 
     model = torch.nn.Linear(4, 4)
     keys = {artifact_key(model, 2)}
-    for var in SWITCHES.values():
+    for family, var in SWITCHES.items():
         monkeypatch.setenv(var, "0")
-        keys.add(artifact_key(model, 2))
+        key = artifact_key(model, 2)
+        assert (key in keys) == (family == "decoder")
+        keys.add(key)
         monkeypatch.delenv(var)
-    assert len(keys) == 1 + len(SWITCHES)
+    assert len(keys) == len(SWITCHES)
     assert artifact_key(model, 2) in keys
 
 

@@ -1,6 +1,7 @@
 """The native decode path (``csrc/decoder_layer.cpp``, :mod:`asyncllm.worker.native_decode`)
 against transformers' modeling code: token for token on tiny Llama, Qwen2 (biases, a window
-on one layer), Qwen3 (per-head norms) and Mistral (a window on every layer) in float32, with
+on one layer), Qwen3 (per-head norms), Mistral (a window on every layer) and Gemma 3 (its
+norms, tanh-GELU, a rotary embedding per layer type, a window on one layer) in float32, with
 chunked prefill beside decodes, prefix hits, preemption in both modes, n > 1, int4 layers;
 on the default model (int4 decoder layers, Q8_0 head) too. The architecture matrix
 (tests/models/test_architectures.py) runs these families through it as well."""
@@ -33,6 +34,10 @@ FAMILIES = {
     ),
     "qwen3": (tf.Qwen3Config, dict(head_dim=16, attention_bias=True)),
     "mistral": (tf.MistralConfig, dict(sliding_window=6)),
+    "gemma3": (
+        tf.Gemma3TextConfig,
+        dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    ),
 }
 
 
@@ -61,6 +66,9 @@ def family_dirs(
                     if m is not None:
                         m.weight.mul_(4)
                 attn.o_proj.weight.mul_(4)
+                layer.mlp.gate_proj.weight.mul_(
+                    8
+                )  # gates of a few units: the activation's shape matters
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path)
         tok.save_pretrained(path)
@@ -151,7 +159,7 @@ def test_models_outside_the_families_keep_the_modeling_code(family_dirs):
     model = tf.AutoModelForCausalLM.from_pretrained(family_dirs["llama"], dtype=torch.float32)
     assert native_decode.unsupported_reason(model) is None
     assert "bfloat16" in str(native_decode.unsupported_reason(model.to(torch.bfloat16)))
-    gemma = tf.AutoModelForCausalLM.from_config(tf.Gemma3TextConfig(**TINY_CONFIG, head_dim=16))
-    assert "Gemma3ForCausalLM is not one of" in str(native_decode.unsupported_reason(gemma))
+    phi = tf.AutoModelForCausalLM.from_config(tf.Phi3Config(**TINY_CONFIG, pad_token_id=0))
+    assert "Phi3ForCausalLM is not one of" in str(native_decode.unsupported_reason(phi))
     cfg = tf.LlamaConfig(**{**TINY_CONFIG, "hidden_act": "gelu"})
     assert "hidden_act" in str(native_decode.unsupported_reason(tf.LlamaForCausalLM(cfg)))
