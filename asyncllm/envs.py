@@ -71,9 +71,9 @@ VARS: dict[str, EnvVar] = {
         EnvVar("ASYNCLLM_Q8_KERNEL", "switch", "1",
                "`0`: int8-code (Q8_0, Q6_K, Q5_K) linears run torch's path instead of the C++ "
                "kernels", read_by="asyncllm.kernels.native"),
-        EnvVar("ASYNCLLM_NATIVE_DECODE", "switch", "1",
-               "`0`: decode steps of Llama-family models run transformers' modeling code (or "
-               "the compiled forward) instead of the C++ decoder",
+        EnvVar("ASYNCLLM_NATIVE_FORWARD", "switch", "1",
+               "`0`: Llama-family and Gemma 3 models run transformers' modeling code (eager or "
+               "compiled) instead of the C++ forward",
                read_by="asyncllm.kernels.native"),
         EnvVar("ASYNCLLM_CPU_PACKED_LINEAR", "switch", "1",
                "`0`: float linears on CPU run `torch.nn.functional.linear` instead of oneDNN's "

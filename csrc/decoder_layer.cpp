@@ -1,10 +1,9 @@
-// A decode step of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) or Gemma 3 as one C++
-// call: every decoder layer (RMSNorm, q/k/v projection, per-head RMSNorm (Qwen3, Gemma 3),
+// A step of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) or Gemma 3 as one C++ call: every decoder layer (RMSNorm, q/k/v projection, per-head RMSNorm (Qwen3, Gemma 3),
 // rotary embedding, paged attention with its K/V write, output projection, Gemma's norm of
 // it, residual, RMSNorm, gate/up projection, SiLU or tanh-GELU and multiply, down projection,
 // Gemma's norm of it, residual), the final norm and the LM head, float32 activations.
-// transformers' modeling code stays the reference and the path of every other step
-// (asyncllm/worker/native_decode.py decides and builds the Decoder).
+// transformers' modeling code stays the reference and the path of every other model
+// (asyncllm/worker/native_forward.py decides and builds the Decoder).
 //
 // The linears and the attention are the ops every other path calls (asyncllm::int4_linear,
 // asyncllm::q8_0_linear, asyncllm::paged_attention, aten::linear), reached through torch's
@@ -12,7 +11,7 @@
 // bits; what this file computes itself is the elementwise glue between them, which eager
 // runs as ~10 ATen calls per layer and a compiled graph as Inductor kernels. At batch 1 that
 // glue and the Python around ~270 op calls cost as much as the weights' reads
-// (docs/tuning.md, "Native decode path").
+// (docs/tuning.md, "Native forward").
 //
 // Formulas (transformers' modeling_llama.py, modeling_qwen3.py, modeling_gemma3.py):
 //   RMSNorm(x) = w * (x * rsqrt(mean(x^2) + eps))   (Gemma: w = 1 + its weight, in float32)
@@ -36,7 +35,7 @@ namespace {
 
 using OptTensor = std::optional<at::Tensor>;
 
-// How a linear layer is called (asyncllm/worker/native_decode.py: linear_spec).
+// How a linear layer is called (asyncllm/worker/native_forward.py: linear_spec).
 enum Kind : int64_t {
   INT4 = 0,    // asyncllm::int4_linear(x, packed, scales_and_zeros, bias?, 5 ints)
   Q8 = 1,      // asyncllm::q8_0_linear(x, q, scale, packed?, bias?, max_rows, logits, offset?)

@@ -468,10 +468,11 @@ class LLMEngine:
         ``dtype``: the activations' and KV cache's dtype (``EngineConfig.dtype`` resolved,
         e.g. "float32"); the compiled forward's ``compile`` state ("off", "compiling",
         "ready" or "failed"; ``EngineConfig.compile``) and ``compile_seconds`` (seconds it
-        took, or has taken so far; 0.0 when off); ``native_decode_steps``: decode steps the
-        C++ decoder ran (:mod:`asyncllm.worker.native_decode`; 0 where it does not run the
-        model); ``cpu_kernels``: per C++ kernel family,
-        what runs on CPU (the instruction-set variant installed, "off" or "torch":
+        took, or has taken so far; 0.0 when off); ``native_steps``: steps the C++ forward
+        ran (:mod:`asyncllm.worker.native_forward`; 0 where it does not run the model, which
+        the modeling code runs then, compiled where ``compile`` says); ``cpu_kernels``: per
+        C++ kernel family, what runs on CPU (the instruction-set variant installed, "off" or
+        "torch":
         :func:`asyncllm.kernels.native.status`), "" on other devices; ``kv_layout``: the
         KV pool's shape and element type, e.g. "6 groups of 3 layers (1 full, 5 window 512),
         9000 blocks of 16, int8" (:mod:`asyncllm.core.kv_groups`); ``kv_cache_dtype``: the
@@ -517,7 +518,7 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "compile": compiled.state if compiled else "off",
             "compile_seconds": compiled.seconds if compiled else 0.0,
-            "native_decode_steps": self.runner.native.steps if self.runner.native else 0,
+            "native_steps": self.runner.native.steps if self.runner.native else 0,
             "cpu_kernels": self._cpu_kernels(),
             "kv_layout": f"{bm.groups.describe()}, {bm.num_total_blocks} blocks of "
             f"{bm.block_size}, {self.kv_cache.spec.kv_dtype_name}",

@@ -2,7 +2,8 @@
 which variant this CPU runs, and each kernel family's module.
 
 Each family (``attention``: the paged attention; ``int4``: the int4 linear layer; ``q8``:
-GGUF's Q8_0 layer) is one extension module per instruction-set variant
+GGUF's Q8_0 layer; ``decoder``: the C++ forward of :mod:`asyncllm.worker.native_forward`)
+is one extension module per instruction-set variant
 (:mod:`asyncllm.kernels.variants`). :func:`module` imports the best variant whose CPU flags
 this machine has, registers its op kernels (:mod:`asyncllm.kernels.ops`) and returns it;
 nothing is ever compiled at run time and no process is started. Where no variant is
@@ -37,7 +38,7 @@ logger = logging.getLogger("asyncllm")
 SWITCHES = {
     "int4": "ASYNCLLM_INT4_DEQUANT_KERNEL",
     "q8": "ASYNCLLM_Q8_KERNEL",
-    "decoder": "ASYNCLLM_NATIVE_DECODE",
+    "decoder": "ASYNCLLM_NATIVE_FORWARD",
 }
 
 _lock = threading.Lock()

@@ -32,8 +32,8 @@ from asyncllm.layers.quant_linear import load_kernels
 from asyncllm.layers.sibling_linears import fuse_siblings
 from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
 from asyncllm.worker.kv_cache import KVCache
-from asyncllm.worker.native_decode import NativeDecoder
-from asyncllm.worker.native_decode import build as build_native_decoder
+from asyncllm.worker.native_forward import NativeForward
+from asyncllm.worker.native_forward import build as build_native_forwardr
 from asyncllm.worker.paged_check import check_paged_forward
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.sampling.logprobs import PromptRows, prompt_logprobs
@@ -98,7 +98,8 @@ class ModelRunner:
         seed: seeds sampling for requests without their own seed.
         attention_backend: "auto", "cpu", "torch" or "triton" (:func:`select_attention_backend`).
         compile: compile the forward with ``torch.compile`` in the background and switch to
-            it between two steps once ready (:mod:`asyncllm.worker.compiled`); "cached":
+            it between two steps once ready (:mod:`asyncllm.worker.compiled`), where the C++
+            forward does not run the model (:mod:`asyncllm.worker.native_forward`); "cached":
             only where an earlier engine saved it for this model and machine (loaded, never
             built; eager otherwise).
         model_source: how a child process loads the same model to compile it there (None:
@@ -138,14 +139,16 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.num_groups = kv_cache.spec.layer_groups.num_groups
         self.sampler = Sampler(seed, self.device)
-        #: The C++ decoder of decode-only steps (None: the modeling code runs them too).
-        self.native: NativeDecoder | None = build_native_decoder(model)
+        #: The C++ forward (:mod:`asyncllm.worker.native_forward`) of every step where it runs
+        #: the model; None: the modeling code (eager, or compiled) runs them.
+        self.native: NativeForward | None = build_native_forwardr(model)
         #: The current step's timings when the engine has a step observer (its ``prep``,
         #: ``forward`` and ``sample`` phases are lapped here); None: nothing is measured.
         self.timings: StepTimings | None = None
-        #: The compiled forward (None: eager only); used once ``ready``.
+        #: The compiled forward (None: eager only, or the C++ forward runs every step);
+        #: used once ``ready``.
         self.compiled: CompiledForward | None = None
-        if compile:
+        if compile and self.native is None:
             compiled = CompiledForward(model, self.device, model_source, compile != "cached")
             if compiled.build or compiled.path.is_file():
                 self.compiled = compiled
@@ -215,8 +218,7 @@ class ModelRunner:
         clock = self.sampler.timings = self.timings
         if clock is not None:
             clock.lap("prep")
-        decode_only = len(input_ids) == len(plan.chunks)  # one token per chunk
-        logits = self._forward(input_ids, positions, meta, keep, decode_only)
+        logits = self._forward(input_ids, positions, meta, keep)
         if clock is not None:
             clock.lap("forward")
         if not sample_rows and not prompt_rows:
@@ -237,17 +239,16 @@ class ModelRunner:
         positions: list[int],
         meta: AttentionMetadata,
         keep: torch.Tensor,
-        decode_only: bool = False,
     ) -> torch.Tensor:
         dev = self.device
-        if decode_only and self.native is not None:
+        if self.native is not None:
             try:
                 with step_metadata(meta, len(input_ids)):
                     return self.native.forward(input_ids, positions, keep)
             except Exception as e:  # never a dead engine: the modeling code from now on
                 logger.warning(
-                    "asyncllm: the native decode path failed (%r); decode steps "
-                    "run the modeling code from now on",
+                    "asyncllm: the C++ forward failed (%r); the modeling code runs the "
+                    "steps from now on, eagerly",
                     e,
                 )
                 self.native = None

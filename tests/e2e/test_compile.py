@@ -41,11 +41,10 @@ SMALL = dict(max_model_len=256, kv_cache_bytes=2**22, max_num_batched_tokens=64,
 
 @pytest.fixture(scope="module", autouse=True)
 def _modeling_code_decodes() -> Iterator[None]:
-    """Decode steps through the compiled forward too: the C++ decoder, on by default for
-    these families, would take them (tests/worker/test_native_decode.py; the default model's
-    test runs the two together)."""
+    """The modeling code for these families: the C++ forward, on by default for them, runs
+    every step, and no forward is compiled then (tests/worker/test_native_forward.py)."""
     with pytest.MonkeyPatch.context() as m:
-        m.setenv("ASYNCLLM_NATIVE_DECODE", "0")
+        m.setenv("ASYNCLLM_NATIVE_FORWARD", "0")
         yield
 
 

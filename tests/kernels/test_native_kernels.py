@@ -94,13 +94,13 @@ def test_unknown_family_is_refused():
 def test_callers_follow_the_switches(monkeypatch):
     """The layers' own accessors answer None / False while their family is off; the
     attention has no switch of its own (``EngineConfig.attention_backend`` is it)."""
-    from asyncllm.worker import native_decode
+    from asyncllm.worker import native_forward
 
     assert set(native.SWITCHES) == {"int4", "q8", "decoder"}
     for var in native.SWITCHES.values():
         monkeypatch.setenv(var, "0")
     assert native.status()["int4"] == native.status()["q8"] == native.status()["decoder"] == "off"
-    assert native_decode.build(torch.nn.Linear(2, 2)) is None
+    assert native_forward.build(torch.nn.Linear(2, 2)) is None
     assert int4_dequant.kernel() is None and not int4_dequant.op_available()
     assert not int4_dequant.fused_available() and not int4_dequant.gemv_available()
     assert int4_dequant.path_calls() == (0, 0, 0)

@@ -1,4 +1,4 @@
-"""The native decode path: a decode step of a Llama-family model or Gemma 3 as one C++ call.
+"""The native forward: a step of a Llama-family model or Gemma 3 as one C++ call.
 
 At decode a step's work is small per op: a batch-1 step of the default model makes ~270 op
 calls whose fixed costs (Python, dispatch, an OpenMP region, code and data evicted by the
@@ -8,15 +8,18 @@ and the LM head in one call, as llama.cpp does: the linears and the paged attent
 same ops the modeling code calls (``asyncllm::int4_linear``, ``asyncllm::q8_0_linear``,
 ``asyncllm::paged_attention``, ``aten::linear``, with the layers' own arguments), reached
 from C++; the norms, rotary embedding, SiLU-and-multiply and residual adds are its own
-loops. transformers' modeling code (eager or compiled) stays the reference and runs every
-other step (prefill chunks, speculative verification).
+loops. Every step of such a model runs here: decodes (the attention's C++ kernel writes and
+attends straight from C++), prefill chunks and speculative verifications (the attention
+op's Python implementation plans those), so a model it runs needs no compiled forward
+(docs/tuning.md, "Native forward"). transformers' modeling code stays the reference and
+the path of every other model.
 
 :func:`build` accepts a model only where its structure is exactly what the C++ computes:
 ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``
 with their own decoder layers, RMSNorms and SiLU MLPs, and ``Gemma3ForCausalLM`` (norms of
 ``1 + w``, a norm on each block's output, tanh-GELU, a rotary embedding per layer type),
 float32 on CPU. Any other model, dtype or device keeps the modeling code;
-``ASYNCLLM_NATIVE_DECODE=0`` switches it off.
+``ASYNCLLM_NATIVE_FORWARD=0`` switches it off.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from asyncllm.layers.q8_linear import Q8Linear
 from asyncllm.layers.quant_linear import INT4_GEMV_MAX_ROWS, Int4Linear, int4_max_rows
 from asyncllm.layers.sibling_linears import SiblingLinear
 
-__all__ = ["FAMILIES", "NativeDecoder", "build", "unsupported_reason"]
+__all__ = ["FAMILIES", "NativeForward", "build", "unsupported_reason"]
 
 logger = logging.getLogger("asyncllm")
 
@@ -64,7 +67,7 @@ FAMILIES = {
 
 
 def unsupported_reason(model: Any) -> str | None:
-    """Why the C++ decoder cannot run ``model``'s decode steps exactly, or None where it can."""
+    """Why the C++ forward cannot run ``model`` exactly, or None where it can."""
     name = type(model).__name__
     if name not in FAMILIES:
         return f"{name} is not one of {sorted(FAMILIES)}"
@@ -167,8 +170,8 @@ def _rope_kinds(model: Any, fam: Family) -> list[str | None]:
     return sorted(set(model.config.layer_types)) if fam.gemma else [None]
 
 
-class NativeDecoder:
-    """A model's decode steps through ``csrc/decoder_layer.cpp``.
+class NativeForward:
+    """A model's steps through ``csrc/decoder_layer.cpp``.
 
     Args:
         model: a model :func:`unsupported_reason` accepts, after the runner's layer swaps
@@ -228,9 +231,10 @@ class NativeDecoder:
     def forward(
         self, input_ids: list[int], positions: list[int], keep: torch.Tensor
     ) -> torch.Tensor:
-        """Logits ``[len(keep), vocab]`` float32 of a step whose every row is one request's
-        next token (``input_ids``, ``positions``: one per row); inside the runner's
-        ``step_metadata`` (the attention reads its caches and plan there)."""
+        """Logits ``[len(keep), vocab]`` float32 of the step's rows ``keep`` (int64 indices)
+        for its tokens ``input_ids`` at ``positions`` (one each: the plan's chunks side by
+        side); inside the runner's ``step_metadata`` (the attention reads its caches and
+        plan there)."""
         ids = torch.tensor([input_ids], dtype=torch.long)
         pos = torch.tensor([positions], dtype=torch.long)
         hidden = self._embed(ids)
@@ -241,16 +245,16 @@ class NativeDecoder:
         return logits
 
 
-def build(model: nn.Module) -> NativeDecoder | None:
-    """The native decoder of ``model``, or None where it does not run (switched off, the
+def build(model: nn.Module) -> NativeForward | None:
+    """The native forward of ``model``, or None where it does not run (switched off, the
     kernels not installed, or a model :func:`unsupported_reason` refuses; logged at debug)."""
     kernels = native.module("decoder")
     reason = "not installed or switched off" if kernels is None else unsupported_reason(model)
     if reason is not None:
-        logger.debug("asyncllm: decode steps run the modeling code: %s", reason)
+        logger.debug("asyncllm: the modeling code runs the steps: %s", reason)
         return None
     try:
-        return NativeDecoder(model, kernels)
+        return NativeForward(model, kernels)
     except ValueError as e:
-        logger.debug("asyncllm: decode steps run the modeling code: %s", e)
+        logger.debug("asyncllm: the modeling code runs the steps: %s", e)
         return None

@@ -1,4 +1,4 @@
-"""The native decode path (``csrc/decoder_layer.cpp``, :mod:`asyncllm.worker.native_decode`)
+"""The native decode path (``csrc/decoder_layer.cpp``, :mod:`asyncllm.worker.native_forward`)
 against transformers' modeling code: token for token on tiny Llama, Qwen2 (biases, a window
 on one layer), Qwen3 (per-head norms), Mistral (a window on every layer) and Gemma 3 (its
 norms, tanh-GELU, a rotary embedding per layer type, a window on one layer) in float32, with
@@ -18,7 +18,7 @@ import transformers as tf
 
 from asyncllm import SamplingParams
 from asyncllm.bench.tiny_model import TINY_CONFIG
-from asyncllm.worker import native_decode
+from asyncllm.worker import native_forward
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 #: 16-token chunks and blocks of 4: prompts longer than the budget are prefilled in chunks
@@ -85,25 +85,25 @@ async def _run(engine: Any, prompts: list[list[int]], params: SamplingParams) ->
 
 def _off(monkeypatch: pytest.MonkeyPatch, make: Any, *args: Any, **kw: Any) -> Any:
     with monkeypatch.context() as m:
-        m.setenv("ASYNCLLM_NATIVE_DECODE", "0")
+        m.setenv("ASYNCLLM_NATIVE_FORWARD", "0")
         engine = make(*args, **kw)
     assert engine.core.runner.native is None
     return engine
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-async def test_native_decode_equals_the_modeling_code(
+async def test_native_forward_equals_the_modeling_code(
     family, family_dirs, make_engine, monkeypatch
 ):
     path = family_dirs[family]
     native = make_engine(path, **SMALL)
-    assert native.core.runner.native is not None, native_decode.unsupported_reason(
+    assert native.core.runner.native is not None, native_forward.unsupported_reason(
         native.core.runner.model
     )
     *got, stats = await _run(native, _prompts(), GREEDY)
     *want, _ = await _run(_off(monkeypatch, make_engine, path, **SMALL), _prompts(), GREEDY)
     assert got == want
-    assert stats["native_decode_steps"] > 0
+    assert stats["native_steps"] > 0
     # and transformers' own generate, for the first prompt
     ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([_prompts()[0]])
@@ -113,7 +113,7 @@ async def test_native_decode_equals_the_modeling_code(
 
 
 @pytest.mark.parametrize("mode", ["offload", "recompute"])
-async def test_native_decode_through_prefix_hits_and_preemption(
+async def test_native_forward_through_prefix_hits_and_preemption(
     mode, family_dirs, make_engine, monkeypatch
 ):
     """Eight prompts after one 9-token prefix (hits) in a pool that preempts them."""
@@ -127,10 +127,10 @@ async def test_native_decode_through_prefix_hits_and_preemption(
     *want, _ = await _run(_off(monkeypatch, make_engine, path, **kw), prompts, GREEDY)
     assert got == want
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["native_decode_steps"] > 0
+    assert stats["native_steps"] > 0
 
 
-async def test_native_decode_with_parallel_samples_and_int4(family_dirs, make_engine, monkeypatch):
+async def test_native_forward_with_parallel_samples_and_int4(family_dirs, make_engine, monkeypatch):
     """n = 3 seeded samples (their logits through the sampler) over int4 layers (the C++
     decoder calls asyncllm::int4_linear itself)."""
     path = family_dirs["llama"]
@@ -140,7 +140,7 @@ async def test_native_decode_with_parallel_samples_and_int4(family_dirs, make_en
     assert native.core.runner.native is not None
     *got, stats = await _run(native, _prompts(3), params)
     *want, _ = await _run(_off(monkeypatch, make_engine, path, **kw), _prompts(3), params)
-    assert got == want and stats["native_decode_steps"] > 0
+    assert got == want and stats["native_steps"] > 0
 
 
 async def test_default_model_decodes_natively_like_the_modeling_code(make_engine, monkeypatch):
@@ -152,14 +152,14 @@ async def test_default_model_decodes_natively_like_the_modeling_code(make_engine
     *got, stats = await _run(native, prompts, params)
     off = _off(monkeypatch, make_engine, "default", compile=False, max_model_len=128)
     *want, _ = await _run(off, prompts, params)
-    assert got == want and stats["native_decode_steps"] >= 20
+    assert got == want and stats["native_steps"] >= 20
 
 
 def test_models_outside_the_families_keep_the_modeling_code(family_dirs):
     model = tf.AutoModelForCausalLM.from_pretrained(family_dirs["llama"], dtype=torch.float32)
-    assert native_decode.unsupported_reason(model) is None
-    assert "bfloat16" in str(native_decode.unsupported_reason(model.to(torch.bfloat16)))
+    assert native_forward.unsupported_reason(model) is None
+    assert "bfloat16" in str(native_forward.unsupported_reason(model.to(torch.bfloat16)))
     phi = tf.AutoModelForCausalLM.from_config(tf.Phi3Config(**TINY_CONFIG, pad_token_id=0))
-    assert "Phi3ForCausalLM is not one of" in str(native_decode.unsupported_reason(phi))
+    assert "Phi3ForCausalLM is not one of" in str(native_forward.unsupported_reason(phi))
     cfg = tf.LlamaConfig(**{**TINY_CONFIG, "hidden_act": "gelu"})
-    assert "hidden_act" in str(native_decode.unsupported_reason(tf.LlamaForCausalLM(cfg)))
+    assert "hidden_act" in str(native_forward.unsupported_reason(tf.LlamaForCausalLM(cfg)))
