@@ -65,6 +65,8 @@ class FidelityPath:
 PATHS: tuple[FidelityPath, ...] = (
     FidelityPath("default", "engine defaults (dtype, quantization and compile \"auto\")"),
     FidelityPath("eager", "defaults, compile off", {"compile": False}),
+    FidelityPath("no-native-forward", "defaults, C++ forward off (the modeling code)",
+                 env={"ASYNCLLM_NATIVE_FORWARD": "0"}),
     FidelityPath("no-attention-kernel", "defaults, C++ paged attention kernel off",
                  {"attention_backend": "torch"}),
     FidelityPath("no-int4-kernel", "defaults, C++ int4 dequant/GEMV kernel off",
