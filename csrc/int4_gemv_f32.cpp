@@ -132,6 +132,9 @@ static void tile_rows(const float* X, int64_t K, int64_t group, const uint8_t* P
     for (int i = 0; i < NV; ++i) L::store(tot[r] + L::LANES * i, L::zero());
   for (int64_t g = 0; g < K / group; ++g) {
     const float* src = SZ + (g * N + t * TILE) * 2;
+    if (g + 1 < K / group)  // the next group's scales: 512 bytes, a row of N on
+      for (int j = 0; j < TILE * 2 * 4; j += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(src + N * 2) + j, _MM_HINT_T0);
     for (int j = 0; j < TILE; ++j) {
       s[j] = src[2 * j];
       z8[j] = src[2 * j + 1] - 8.f * src[2 * j];  // exact for float16-derived scales

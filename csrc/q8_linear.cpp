@@ -241,14 +241,20 @@ void q8_gemv(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s, at:
     constexpr int64_t GC = decltype(group)::value;
     constexpr bool Q5 = decltype(five)::value;
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t m = 0; m < M; m += 4) {
+      // up to 8 rows per read of the codes (a speculative step's k + 1 <= 8 rows read them
+      // once): 16 accumulators and the two weight vectors fit AVX-512's 32 registers
+      for (int64_t m = 0; m < M; m += 8) {
         const float* x = X + m * K;
         float* out = Y + m * N;
-        switch (std::min<int64_t>(4, M - m)) {
+        switch (std::min<int64_t>(8, M - m)) {
           case 1: gemv_rows<1, GC, Q5>(x, W, n0, n1, out, N); break;
           case 2: gemv_rows<2, GC, Q5>(x, W, n0, n1, out, N); break;
           case 3: gemv_rows<3, GC, Q5>(x, W, n0, n1, out, N); break;
-          default: gemv_rows<4, GC, Q5>(x, W, n0, n1, out, N); break;
+          case 4: gemv_rows<4, GC, Q5>(x, W, n0, n1, out, N); break;
+          case 5: gemv_rows<5, GC, Q5>(x, W, n0, n1, out, N); break;
+          case 6: gemv_rows<6, GC, Q5>(x, W, n0, n1, out, N); break;
+          case 7: gemv_rows<7, GC, Q5>(x, W, n0, n1, out, N); break;
+          default: gemv_rows<8, GC, Q5>(x, W, n0, n1, out, N); break;
         }
       }
     });

@@ -200,19 +200,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1 - k)
                 spec_rows.extend(range(len(input_ids) - k, len(input_ids)))
         dev = self.device
-        cache = self.kv_cache
-        meta = grouped_metadata(
-            cache.key_caches,
-            cache.value_caches,
-            cache.layer_groups,
-            self.attention_backend,
-            [len(c.token_ids) for c in plan.chunks],
-            [c.start_pos + len(c.token_ids) for c in plan.chunks],
-            [c.block_tables for c in plan.chunks],
-            slots,
-            bs,
-            dev,
-        )
+        meta = self._metadata(plan, slots, spread=not prompt_rows)
         sample_rows += spec_rows
         keep = torch.tensor(sample_rows + prompt_flat, dtype=torch.long, device=dev)
         clock = self.sampler.timings = self.timings
@@ -232,6 +220,37 @@ class ModelRunner:
         if clock is not None:
             clock.lap("sample")
         return out
+
+    def _metadata(
+        self, plan: SchedulerOutput, slots: list[list[int]], spread: bool
+    ) -> AttentionMetadata:
+        """The step's attention metadata; ``spread``: a step of decodes and speculative
+        verifications only (no prompt rows) gets one decode row per token."""
+        cache, chunks = self.kv_cache, plan.chunks
+        if spread and all(len(c.token_ids) == 1 + len(c.spec_token_ids) for c in chunks):
+            # Each row attends as the decode of its own position (the kernels write every
+            # row's K/V before attending), so a chunk of k + 1 proposals runs the decode
+            # kernel, as the plain decode steps do.
+            rows = [(c, i) for c in chunks for i in range(len(c.token_ids))]
+            query_lens = [1] * len(rows)
+            seq_lens = [c.start_pos + i + 1 for c, i in rows]
+            tables = [c.block_tables for c, _ in rows]
+        else:
+            query_lens = [len(c.token_ids) for c in chunks]
+            seq_lens = [c.start_pos + len(c.token_ids) for c in chunks]
+            tables = [c.block_tables for c in chunks]
+        return grouped_metadata(
+            cache.key_caches,
+            cache.value_caches,
+            cache.layer_groups,
+            self.attention_backend,
+            query_lens,
+            seq_lens,
+            tables,
+            slots,
+            self.block_size,
+            self.device,
+        )
 
     def _forward(
         self,

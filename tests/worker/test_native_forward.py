@@ -163,3 +163,24 @@ def test_models_outside_the_families_keep_the_modeling_code(family_dirs):
     assert "Phi3ForCausalLM is not one of" in str(native_forward.unsupported_reason(phi))
     cfg = tf.LlamaConfig(**{**TINY_CONFIG, "hidden_act": "gelu"})
     assert "hidden_act" in str(native_forward.unsupported_reason(tf.LlamaForCausalLM(cfg)))
+
+
+async def test_speculative_verification_rows_attend_as_decodes(family_dirs, make_engine):
+    """A step of decodes and k + 1 proposal rows gets one decode row per token (the decode
+    kernel, as plain steps), and speculation gives the tokens of plain decoding."""
+    from asyncllm.core.plan import ScheduledChunk, SchedulerOutput
+
+    path = family_dirs["llama"]
+    prompt = [5, 77, 1000, 23, 9, 400] * 4  # repetitive: proposals from the prompt
+    *plain, _ = await _run(make_engine(path, **SMALL), [prompt], GREEDY)
+    engine = make_engine(path, **SMALL, speculative_tokens=3)
+    *spec, stats = await _run(engine, [prompt], GREEDY)
+    assert spec == plain and stats["spec_num_draft_tokens"] > 0
+    runner = engine.core.runner
+    tables = [[0, 1, 2, 3, 4, 5, 6, 7]]
+    chunk = ScheduledChunk(request_id="r", token_ids=[42, 7, 8, 9], start_pos=10,
+                           block_tables=tables, sample=True, num_output_tokens=0,
+                           params=GREEDY, spec_token_ids=(7, 8, 9))  # fmt: skip
+    meta = runner._metadata(SchedulerOutput(chunks=[chunk]), [list(range(40, 44))], spread=True)
+    assert not meta.plan.base.prefills and meta.plan.base.decodes is not None
+    assert meta.plan.dec_lens.tolist() == [11, 12, 13, 14]
