@@ -104,7 +104,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             True: always, False: never. "cached": as "auto", but only a compiled forward an
             earlier engine built for this model and machine is loaded, never built: for
             one-shot commands (``generate``), which would stop the child with them before
-            it finishes and only pay for it.
+            it finishes and only pay for it. A model the C++ forward runs (Llama, Mistral,
+            Qwen2/3 and Gemma 3 in float32 on CPU: :mod:`asyncllm.worker.native_forward`)
+            has nothing to compile: no child starts and ``stats()["compile"]`` is "off".
         max_waiting: the most requests waiting to be scheduled (submitted, not yet
             running; calls waiting for or in tokenization included); past it
             ``stream()``/``generate()``/``chat()`` raise ``QueueFull`` at once instead of
