@@ -33,8 +33,8 @@ from asyncllm.layers.sibling_linears import fuse_siblings
 from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
 from asyncllm.worker.kv_cache import KVCache
 from asyncllm.worker.native_forward import NativeForward
-from asyncllm.worker.native_forward import build as build_native_forwardr
-from asyncllm.worker.paged_check import check_paged_forward
+from asyncllm.worker.native_forward import build as build_native_forward
+from asyncllm.worker.paged_check import check_paged_forward, native_forward_error
 from asyncllm.worker.runner_output import RunnerOutput
 from asyncllm.worker.sampling.logprobs import PromptRows, prompt_logprobs
 from asyncllm.worker.sampling.sampler import Sampler, sample_chunks
@@ -141,7 +141,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device)
         #: The C++ forward (:mod:`asyncllm.worker.native_forward`) of every step where it runs
         #: the model; None: the modeling code (eager, or compiled) runs them.
-        self.native: NativeForward | None = build_native_forwardr(model)
+        self.native: NativeForward | None = self._checked_native(model, kv_cache)
         #: The current step's timings when the engine has a step observer (its ``prep``,
         #: ``forward`` and ``sample`` phases are lapped here); None: nothing is measured.
         self.timings: StepTimings | None = None
@@ -153,6 +153,29 @@ class ModelRunner:
             if compiled.build or compiled.path.is_file():
                 self.compiled = compiled
                 compiled.start()
+
+    def _checked_native(self, model: torch.nn.Module, kv_cache: KVCache) -> NativeForward | None:
+        """The model's C++ forward where it runs the model and its logits on the load-time
+        probe agree with the eager forward's (:func:`native_forward_error`); else None, with
+        one warning where it was built but disagrees or fails (the modeling code serves)."""
+        native = build_native_forward(model)
+        if native is None:
+            return None
+        try:
+            err = native_forward_error(native.forward, model, kv_cache, self.attention_backend)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:
+            logger.warning("asyncllm: the C++ forward fails on the load-time probe (%r); the "
+                           "modeling code serves this model", e)  # fmt: skip
+            return None
+        if err is not None:
+            logger.warning("asyncllm: the C++ forward's logits differ from the modeling "
+                           "code's by %.3g of their scale on the load-time probe; the "
+                           "modeling code serves this model", err)  # fmt: skip
+            return None
+        native.steps = 0
+        return native
 
     @torch.inference_mode()
     def execute(

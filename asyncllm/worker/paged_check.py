@@ -34,6 +34,7 @@ module that produced them) or, its weights finite, its activations overflow the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,11 +49,25 @@ from asyncllm.attention.backend_registry import (
 from asyncllm.errors import ModelLoadError, UnsupportedModelError
 from asyncllm.worker.kv_cache import KVCache, expected_windows
 
-__all__ = ["PROBE_CHUNKS", "check_paged_forward", "expected_windows", "logits_agree"]
+__all__ = [
+    "NATIVE_PROBE_CHUNKS",
+    "PROBE_CHUNKS",
+    "check_paged_forward",
+    "expected_windows",
+    "logits_agree",
+    "native_forward_error",
+]
 
 #: The probe prompt's two chunks, in tokens: a prefill, then a chunk that reads it from the
 #: cache.
 PROBE_CHUNKS = (5, 3)
+#: The C++ forward's probe (:mod:`asyncllm.worker.native_forward`): a prefill, a chunk that
+#: reads it from the cache, and a decode step (the decode kernel armed from C++).
+NATIVE_PROBE_CHUNKS = (5, 2, 1)
+
+#: ``forward(ids, positions, keep) -> logits [len(keep), vocab]`` of one step, run inside
+#: its ``step_metadata`` (the C++ forward's ``NativeForward.forward``).
+StepForward = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
 
 #: Largest ``max |paged - eager| / max |eager|`` over the probe's logits that counts as the
 #: same function, per compute dtype. Measured (docs/models.md, "Two checks at load"):
@@ -344,18 +359,44 @@ def _counting(
     )
 
 
+def native_forward_error(
+    forward: StepForward, model: Any, kv_cache: KVCache, backend: AttentionBackend
+) -> float | None:
+    """Run the probe prompt through ``forward`` (the C++ forward) in
+    :data:`NATIVE_PROBE_CHUNKS` and compare its logits with the model's eager forward;
+    returns ``max|native - eager| / max|eager|`` where it is beyond rounding
+    (:func:`logits_agree`: the C++ forward must not serve this model), None where they
+    agree. Call it before any request holds a block (it writes blocks ``0..n``).
+
+    Raises:
+        Exception: what ``forward`` raises (the caller keeps the modeling code then).
+    """
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    ids = [(17 * i + 5) % vocab for i in range(sum(NATIVE_PROBE_CHUNKS))]
+    got = _paged_logits(model, kv_cache, backend, ids, NATIVE_PROBE_CHUNKS, forward)
+    want = _eager_logits(model, ids)
+    dtype, kv_int8 = kv_cache.spec.dtype, kv_cache.spec.quantized
+    agree, err = logits_agree(got, want, dtype, kv_int8=kv_int8)
+    return None if agree else err
+
+
 def _paged_logits(
-    model: Any, kv_cache: KVCache, backend: AttentionBackend, ids: list[int]
+    model: Any,
+    kv_cache: KVCache,
+    backend: AttentionBackend,
+    ids: list[int],
+    chunks: tuple[int, ...] = PROBE_CHUNKS,
+    forward: StepForward | None = None,
 ) -> torch.Tensor:
-    """Logits [len(ids), vocab] of ``ids`` fed to the paged path in :data:`PROBE_CHUNKS`
-    (each layer group in blocks of its own)."""
+    """Logits [len(ids), vocab] of ``ids`` fed to the paged path in ``chunks`` (each layer
+    group in blocks of its own), through the modeling code or ``forward``."""
     bs = kv_cache.spec.block_size
     per_group = -(-len(ids) // bs)
     num_groups = kv_cache.spec.layer_groups.num_groups
     tables = [list(range(g * per_group, (g + 1) * per_group)) for g in range(num_groups)]
     dev = kv_cache.key_caches[0].device
     out, start = [], 0
-    for n in PROBE_CHUNKS:
+    for n in chunks:
         end = start + n
         meta = grouped_metadata(
             kv_cache.key_caches,
@@ -370,6 +411,10 @@ def _paged_logits(
             dev,
         )
         with torch.inference_mode(), step_metadata(meta, n):
+            if forward is not None:
+                out.append(forward(ids[start:end], list(range(start, end)), torch.arange(n)))
+                start = end
+                continue
             logits = model(
                 input_ids=torch.tensor([ids[start:end]], device=dev),
                 position_ids=torch.arange(start, end, device=dev)[None],

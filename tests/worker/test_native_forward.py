@@ -184,3 +184,32 @@ async def test_speculative_verification_rows_attend_as_decodes(family_dirs, make
     meta = runner._metadata(SchedulerOutput(chunks=[chunk]), [list(range(40, 44))], spread=True)
     assert not meta.plan.base.prefills and meta.plan.base.decodes is not None
     assert meta.plan.dec_lens.tolist() == [11, 12, 13, 14]
+
+
+def test_a_native_forward_that_disagrees_at_load_is_not_used(
+    family_dirs, make_engine, monkeypatch, caplog
+):
+    """The load-time probe (a prefill, a chunk, a decode) compares the C++ forward's logits
+    with the model's eager forward: one that disagrees (here made to) or raises never serves;
+    the modeling code does, with one warning."""
+    real = native_forward.NativeForward.forward
+
+    def off(self, *args):
+        return real(self, *args) * 1.01
+
+    monkeypatch.setattr(native_forward.NativeForward, "forward", off)
+    with caplog.at_level("WARNING", logger="asyncllm"):
+        engine = make_engine(family_dirs["llama"], **SMALL)
+    assert engine.core.runner.native is None
+    assert "differ from the modeling code's" in caplog.text
+
+    def fails(self, *args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(native_forward.NativeForward, "forward", fails)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncllm"):
+        engine = make_engine(family_dirs["llama"], **SMALL)
+    assert engine.core.runner.native is None and "fails on the load-time probe" in caplog.text
+    *got, _ = asyncio.run(_run(engine, _prompts(2), GREEDY))
+    assert [len(t) for t in got] == [10, 10]
