@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import sys
 
 import pytest
@@ -10,10 +12,22 @@ import torch
 from asyncllm.worker.kv_cache import KVCache, KVCacheSpec, zeros_on_demand
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
+def _resident_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of ``tensors``' pages in memory, by ``mincore(2)``: the tensors' own pages, not
+    the process's RSS, which other tests' freed memory (same xdist worker) moved by -226 MB
+    in one CI run."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    total = 0
+    for t in tensors:
+        lo = t.data_ptr() // page * page
+        n = -(-(t.data_ptr() + t.numel() * t.element_size() - lo) // page)
+        vec = ctypes.create_string_buffer(n)
+        if libc.mincore(lo, n * page, vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        total += sum(b & 1 for b in vec.raw) * page
+    return total
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -25,20 +39,20 @@ def test_zeros_on_demand_is_a_writable_zero_tensor(dtype):
     assert float(t.sum()) == 2.5 * 16
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
+@pytest.mark.skipif(sys.platform != "linux", reason="calls mincore(2)")
 def test_an_unused_kv_cache_takes_no_resident_memory():
     """A 512 MiB cache adds next to nothing to the resident set until blocks are written;
     writing a quarter of one layer's blocks commits about that much (huge pages aside)."""
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                        block_size=16)  # fmt: skip
     num_blocks = (512 << 20) // spec.bytes_per_block
-    before = _rss_bytes()
     cache = KVCache(spec, num_blocks, torch.device("cpu"))
+    pool = cache.key_slots + cache.value_slots
     assert cache.num_bytes >= 500 << 20
-    assert _rss_bytes() - before < 32 << 20
+    assert _resident_bytes(pool) < 32 << 20
     layer = cache.key_caches[0]
     layer[: num_blocks // 4].fill_(1.0)
-    grown = _rss_bytes() - before
+    grown = _resident_bytes(pool)
     quarter = layer.numel() * layer.element_size() // 4
     assert quarter <= grown < quarter + (32 << 20)
     assert torch.count_nonzero(cache.value_caches[-1]) == 0
