@@ -90,11 +90,39 @@ def model_context_length(source: pathlib.Path) -> int | None:
         raise ModelLoadError(f"cannot read {source}: {exc}") from exc
     if not isinstance(config, dict):
         raise ModelLoadError(f"cannot read {source}: not a JSON object")
-    for key in _LENGTH_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+    return context_length(config)
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def context_length(config: Mapping[str, Any]) -> int | None:
+    """The longest sequence a model of this config.json runs exactly, in tokens, or None when
+    the config does not say: ``max_position_embeddings`` (``n_positions``); for a
+    ``longrope`` model (Phi-3 and 3.5's long-context configs) at most its
+    ``original_max_position_embeddings``. Past that, transformers' rotary embedding gives
+    every position of a forward call the long factors, chosen by the call's largest
+    position: a sequence's rotary would depend on what else its step holds and on how its
+    prompt was chunked (``generate`` prefills a long prompt with the long factors, a first
+    chunk here would get the short ones). Reads ``rope_parameters`` (transformers 5, also
+    one per layer type) and ``rope_scaling`` (older files)."""
+    limit = next(filter(None, (_positive_int(config.get(k)) for k in _LENGTH_KEYS)), None)
+    ropes: list[Mapping[str, Any]] = []
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = config.get(key)
+        if isinstance(rope, Mapping):
+            nested = [r for r in rope.values() if isinstance(r, Mapping)]
+            ropes += nested if nested and "rope_type" not in rope else [rope]
+    for rope in ropes:
+        if rope.get("rope_type", rope.get("type")) == "longrope":
+            original = _positive_int(
+                rope.get("original_max_position_embeddings")
+                or config.get("original_max_position_embeddings")
+            )
+            if original is not None:
+                limit = original if limit is None else min(limit, original)
+    return limit
 
 
 def check_engine_config(model: str, fields: Mapping[str, Any]) -> EngineConfig:
@@ -114,7 +142,8 @@ def check_engine_config(model: str, fields: Mapping[str, Any]) -> EngineConfig:
         if limit is not None and config.max_model_len > limit:
             raise ValueError(
                 f"EngineConfig.max_model_len={config.max_model_len} is above the model's "
-                f"limit of {limit} tokens (max_position_embeddings); use at most {limit} or "
+                f"limit of {limit} tokens (max_position_embeddings, or a longrope model's "
+                f"original_max_position_embeddings); use at most {limit} or "
                 "leave it None"
             )
     return config

@@ -140,7 +140,7 @@ struct Layer {
   std::vector<Linear> gate_up;  // one fused (columns gate | up) or two
   Linear down;
   int64_t index = 0, window = 0, rope = 0, act = SILU;  // rope: which cos/sin pair
-  double scale = 1.0, softcap = 0.0;
+  double scale = 1.0;
 };
 
 // g [n] -> act(g) * u into out.
@@ -219,7 +219,8 @@ class Decoder {
       at::Tensor q = at::empty({B, hq_, d_}, opts), k = at::empty({B, hkv_, d_}, opts),
                  v = at::empty({B, hkv_, d_}, opts);
       project_qkv(l, h, cos[l.rope], sin[l.rope], q, k, v);
-      const at::Tensor a = attention_op().call(q, k, v, l.index, l.scale, l.window, l.softcap);
+      // softcap 0: no family here soft-caps attention (native_forward.py)
+      const at::Tensor a = attention_op().call(q, k, v, l.index, l.scale, l.window, 0.0);
       add_rows(x, normed(run(l.o, a.reshape({B, hq_ * d_})), l.attn_out_norm));
       norm_rows(x, l.ffn_norm, h);
       add_rows(x, normed(run(l.down, act_mul_rows(l, h)), l.ffn_out_norm));
@@ -360,8 +361,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](at::Tensor in_norm, at::Tensor ffn_norm, OptTensor attn_out_norm,
                        OptTensor ffn_out_norm, OptTensor q_norm, OptTensor k_norm,
                        std::vector<Linear> qkv, Linear o, std::vector<Linear> gate_up,
-                       Linear down, int64_t index, double scale, int64_t window, double softcap,
-                       int64_t rope, int64_t act) {
+                       Linear down, int64_t index, double scale, int64_t window, int64_t rope,
+                       int64_t act) {
              Layer l;
              l.in_norm = std::move(in_norm), l.ffn_norm = std::move(ffn_norm);
              l.attn_out_norm = std::move(attn_out_norm), l.ffn_out_norm = std::move(ffn_out_norm);
@@ -369,13 +370,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              l.qkv = std::move(qkv), l.o = std::move(o);
              l.gate_up = std::move(gate_up), l.down = std::move(down);
              l.index = index, l.window = window, l.rope = rope, l.act = act;
-             l.scale = scale, l.softcap = softcap;
+             l.scale = scale;
              return l;
            }),
            py::arg("in_norm"), py::arg("ffn_norm"), py::arg("attn_out_norm"),
            py::arg("ffn_out_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
            py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("index"), py::arg("scale"),
-           py::arg("window"), py::arg("softcap"), py::arg("rope"), py::arg("act"));
+           py::arg("window"), py::arg("rope"), py::arg("act"));
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<std::vector<Layer>, at::Tensor, Linear, double, int64_t, int64_t, int64_t>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("head"), py::arg("eps"),

@@ -85,8 +85,10 @@ class LLMEngine:
 
     Raises:
         ValueError: ``config.max_model_len`` above the model's own limit (its
-            ``max_position_embeddings``; vLLM refuses it too), or a KV cache budget that
-            cannot hold one block per layer or one sequence of ``max_model_len`` tokens.
+            ``max_position_embeddings``, or a longrope model's
+            ``original_max_position_embeddings``: :func:`asyncllm.preflight.context_length`;
+            vLLM refuses the former too), or a KV cache budget that cannot hold one block per
+            layer or one sequence of ``max_model_len`` tokens.
     """
 
     def __init__(
@@ -108,7 +110,8 @@ class LLMEngine:
             # Positions past the model's limit were never trained (or do not exist).
             raise ValueError(
                 f"EngineConfig.max_model_len={config.max_model_len} is above the model's "
-                f"limit of {loaded.max_model_len} tokens (max_position_embeddings); use at "
+                f"limit of {loaded.max_model_len} tokens (max_position_embeddings, or a "
+                "longrope model's original_max_position_embeddings); use at "
                 f"most {loaded.max_model_len} or leave it None"
             )
         self.max_model_len = config.max_model_len or loaded.max_model_len

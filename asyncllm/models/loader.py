@@ -58,7 +58,7 @@ from asyncllm.models.fingerprint import fingerprint, memoized
 from asyncllm.models.quant_cache import gguf_source
 from asyncllm.models.quantization import resolve_quantization
 from asyncllm.models.weights import load_weights
-from asyncllm.preflight import default_gguf
+from asyncllm.preflight import context_length, default_gguf
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -120,7 +120,8 @@ class LoadedModel:
         config: its config.
         eos_token_ids: token ids that end a generation (possibly empty if the model names none).
         model_dir: the local Hugging Face directory it was loaded from.
-        max_model_len: the longest sequence it supports, in tokens (prompt plus output).
+        max_model_len: the longest sequence it runs exactly, in tokens (prompt plus output;
+            :func:`asyncllm.preflight.context_length`).
         precision: what the weights run at: the dtype (``"float32"``...) or the quantization
             (``"int8"``, ``"int4 g32"``, ``"gguf (Q4_1 int4 x210, ...)"``).
         weight_bytes: bytes of the model's parameters and buffers as loaded.
@@ -298,7 +299,7 @@ def _read_config(model_dir: pathlib.Path) -> PretrainedConfig:
 
 
 def _max_model_len(config: PretrainedConfig) -> int:
-    return int(getattr(config, "max_position_embeddings", None) or 2048)
+    return context_length(config.to_dict()) or 2048
 
 
 def _first_line(exc: BaseException) -> str:

@@ -207,8 +207,9 @@ class NativeForward:
                     down=_linear(mlp.down_proj, k),
                     index=int(attn.layer_idx),
                     scale=float(attn.scaling),
+                    # No attention soft-cap: these families' modeling code passes none (Gemma
+                    # 3 keeps attn_logit_softcapping in its config but never applies it).
                     window=_window(model, attn),
-                    softcap=float(getattr(attn, "attn_logit_softcapping", None) or 0.0),
                     rope=self._ropes.index(config.layer_types[i] if gemma else None),
                     act=k.GELU_TANH if gemma else k.SILU,
                 )

@@ -25,6 +25,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MptConfig,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     T5Config,
@@ -43,6 +44,7 @@ from asyncllm.models.loader import (
     load_model,
     resolve_model_dir,
 )
+from asyncllm.preflight import context_length
 
 TINY_LLAMA = dict(
     vocab_size=256,
@@ -188,8 +190,42 @@ def test_eos_falls_back_to_tokenizer():
 
 def test_max_model_len():
     assert loader._max_model_len(LlamaConfig(**TINY_LLAMA)) == 128
-    assert loader._max_model_len(types.SimpleNamespace()) == 2048
-    assert loader._max_model_len(types.SimpleNamespace(max_position_embeddings=None)) == 2048
+    assert loader._max_model_len(PretrainedConfig()) == 2048
+    assert context_length({"max_position_embeddings": None}) is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # Phi-3.5-mini's config.json: rope_scaling, the original length at the top level
+        {
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]},
+        },
+        # transformers 5's rope_parameters, also one per layer type
+        {
+            "max_position_embeddings": 131072,
+            "rope_parameters": {"rope_type": "longrope", "original_max_position_embeddings": 4096},
+        },
+        {
+            "max_position_embeddings": 131072,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default"},
+                "sliding_attention": {
+                    "rope_type": "longrope",
+                    "original_max_position_embeddings": 4096,
+                },
+            },
+        },
+    ],
+)
+def test_a_longrope_model_is_limited_to_its_original_context(config):
+    """Past ``original_max_position_embeddings`` transformers switches a whole call to the
+    long factors (asyncllm.preflight.context_length); llama3 or yarn scaling changes nothing."""
+    assert context_length(config) == 4096
+    yarn = {"rope_type": "yarn", "original_max_position_embeddings": 4096, "factor": 32.0}
+    assert context_length({"max_position_embeddings": 131072, "rope_parameters": yarn}) == 131072
 
 
 # --- not found -------------------------------------------------------------------------------

@@ -34,9 +34,16 @@ FAMILIES = {
     ),
     "qwen3": (tf.Qwen3Config, dict(head_dim=16, attention_bias=True)),
     "mistral": (tf.MistralConfig, dict(sliding_window=6)),
+    # attn_logit_softcapping: in the config, never applied by transformers' Gemma 3 (the C++
+    # forward applied it once, and its load check refused it, or not, by the cap's size)
     "gemma3": (
         tf.Gemma3TextConfig,
-        dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+        dict(
+            head_dim=16,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=4.0,
+        ),
     ),
 }
 
