@@ -5,7 +5,7 @@ the dense float32 weights they replaced, in one process.
 ``down_proj``; 2048x640, ``gate/up_proj``) at M rows: ``q8_mm_f32`` (codes dequantized per
 block of 64 outputs into a per-thread scratch, oneDNN's float32 brgemm), the few-row
 matrix-vector kernel (``q8_gemv``), ``q8_mm_f32``'s two ways of multiplying a dequantized
-block (oneDNN's brgemm up to 128 rows; ``at::mm`` above), each forced, and the dense
+block (oneDNN's brgemm where it runs; ``at::mm`` where not), each forced, and the dense
 float32 weight through ``F.linear`` and through oneDNN's packed copy (what ``pack_linears``
 makes of a dense layer). Each candidate cycles through enough weights (>= 64 MiB of float32)
 that they do not stay in cache; the order is shuffled per repeat; median microseconds per

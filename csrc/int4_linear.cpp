@@ -241,23 +241,6 @@ static inline void store64(const float* c, at::BFloat16* o) {
 // The fused many-row path is there: oneDNN's bfloat16 brgemm runs (AMX or AVX-512 BF16).
 static bool fused_available() { return brgemm_bf16_runs(); }
 
-// Row tiles for the many-row paths: NB column blocks times MT row tiles of mt rows, so that
-// the threads get about the same work.
-static std::pair<int64_t, int64_t> row_tiles(int64_t M, int64_t NB, int64_t m_tile) {
-  int64_t MT = (M + m_tile - 1) / m_tile;
-  // Few blocks (N = 192: 3) for the threads: split the rows further so that each thread
-  // gets about the same work (a block then is dequantized by up to two threads).
-  const int64_t threads = at::get_num_threads(), want = 2 * threads;
-  if (NB * MT < want) MT = std::min((want + NB - 1) / NB, (M + 15) / 16);
-  // An item count the threads do not divide leaves one thread idle at the end (N = 576: 9
-  // blocks, 5 + 4 on 2 threads): split the rows further where a split of >= 16 rows evens it.
-  // ``python benchmarks/int4_many_rows.py``, Zen 5, 2 threads: 32 rows 1.07x, 64 rows 1.01-1.03x.
-  for (int64_t more = MT + 1; NB * MT % threads != 0 && more <= 2 * MT; ++more)
-    if (NB * more % threads == 0 && M / more >= 16) MT = more;
-  const int64_t mt = (M + MT - 1) / MT;
-  return {(M + mt - 1) / mt, mt};
-}
-
 // y [M, N] = rows [M, K] W^T (bfloat16), block by block without the whole W^T: a work item is
 // one 64-column block of W^T times m_tile rows; items run block-major, so a thread's
 // consecutive items share a block, dequantized once into the thread's scratch [K, 64] (72 or

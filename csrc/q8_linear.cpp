@@ -22,11 +22,7 @@
 // as the file holds it). The same weights, 5.5 bits each instead of 9.
 constexpr int64_t BLOCK = 32;
 constexpr int64_t CHUNK = 16;  // columns per vector (16 float32 lanes)
-constexpr int64_t PREFETCH = 8;
-// q8_mm_f32 multiplies a block by oneDNN's float32 brgemm up to this many rows, by at::mm
-// above (one core, 640x2048 at 512 rows: brgemm 2.1-2.4x the dense GEMM's time, at::mm on the
-// dequantized blocks 1.1-1.2x; at 64 rows brgemm 0.65-0.85x: benchmarks/q8_linears.py).
-constexpr int64_t Q8_F32_BRGEMM_ROWS = 128;  // rows ahead (4.5 KiB of SmolLM2's head)
+constexpr int64_t PREFETCH = 8;  // rows ahead (4.5 KiB of SmolLM2's head)
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -358,79 +354,126 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
   return y;
 }
 
-// Rows n0 .. n0 + rows - 1 of W as float32 [rows, K] (row stride ld): weight_at's values,
-// gguf's dequantized weights bit for bit.
-template <int64_t G, bool Q5>
-static void dequant_rows_f32(const Codes& W, int64_t n0, int64_t rows, bool prefetch_next,
-                             float* out, int64_t ld) {
-  const int64_t K = W.K;
-  for (int64_t j = 0; j < rows; ++j) {
-    const Row r = W.row(n0 + j);
-    float* row = out + j * ld;
 #if Q8_FAST
-    if (prefetch_next) prefetch_row<_MM_HINT_T1>(W.codes(n0 + 64 + j), W.row_bytes());
-    for (int64_t k = 0; k < K; k += BLOCK) {
-      __m512 w0, w1;
-      weights32<G, Q5>(r, k, w0, w1);
-      _mm512_storeu_ps(row + k, w0);
-      _mm512_storeu_ps(row + k + CHUNK, w1);
-    }
-#else
-    (void)prefetch_next;
-    for (int64_t k = 0; k < K; ++k) row[k] = weight_at<G, Q5>(r, k);
-#endif
+// r[i] <- column i of the 16 x 16 block whose row j is r[j] (4 shuffle stages, 64 shuffles).
+static inline void transpose16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
   }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c], lane l: rows 4g .. 4g + 3 at column 4l + c
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * g + 1]), d = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4l + c: lane l of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512 p0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);
+    const __m512 p1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 p2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 p3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(p0, p2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(p0, p2, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(p1, p3, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(p1, p3, 0xDD);
+  }
+}
+#endif
+
+// W's rows n0 .. n0 + rows - 1 (rows <= 64) transposed into out [K, 64] float32 (column j:
+// row n0 + j; columns from rows on are zero): weight_at's values, gguf's dequantized weights
+// bit for bit. 16 rows at a time: their next 32 weights, two 16 x 16 transposes, 32 stores.
+template <int64_t G, bool Q5>
+static void dequant_cols_f32(const Codes& W, int64_t n0, int64_t rows, bool prefetch_next,
+                             float* out) {
+  const int64_t K = W.K;
+#if Q8_FAST
+  for (int64_t j0 = 0; j0 < 64; j0 += 16) {
+    Row r[16];
+    const int64_t n = std::clamp<int64_t>(rows - j0, 0, 16);
+    for (int64_t j = 0; j < n; ++j) {
+      r[j] = W.row(n0 + j0 + j);
+      if (prefetch_next) prefetch_row<_MM_HINT_T1>(W.codes(n0 + 64 + j0 + j), W.row_bytes());
+    }
+    for (int64_t k = 0; k < K; k += BLOCK) {
+      __m512 lo[16], hi[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j < n) {
+          weights32<G, Q5>(r[j], k, lo[j], hi[j]);
+        } else {
+          lo[j] = hi[j] = _mm512_setzero_ps();
+        }
+      }
+      transpose16(lo);
+      transpose16(hi);
+      for (int64_t i = 0; i < CHUNK; ++i) {
+        _mm512_storeu_ps(out + (k + i) * 64 + j0, lo[i]);
+        _mm512_storeu_ps(out + (k + CHUNK + i) * 64 + j0, hi[i]);
+      }
+    }
+  }
+#else
+  (void)prefetch_next;
+  for (int64_t j = 0; j < 64; ++j) {
+    if (j >= rows) {
+      for (int64_t k = 0; k < K; ++k) out[k * 64 + j] = 0.f;
+      continue;
+    }
+    const Row r = W.row(n0 + j);
+    for (int64_t k = 0; k < K; ++k) out[k * 64 + j] = weight_at<G, Q5>(r, k);
+  }
+#endif
 }
 
 // y [M, N] float32 = x [M, K] float32 W^T (W: codes, scales per G columns, offsets or none),
-// without a dense copy of W (a float32 model's many-row path): per block of 64 output
-// features, W's rows are dequantized exactly into the thread's scratch [64, K] float32 (160
-// KiB at K = 640: L2), which is brgemm's A; x^T [K, M], made once per call, is B; C = W_blk
-// x^T [64, MT] (float32 throughout: x W^T of the exact weights up to float32 summation
-// order) is stored transposed into y. Above brgemm_rows rows (Q8_F32_BRGEMM_ROWS for
-// q8_mm_f32), or where oneDNN's float32 brgemm does not run, at::mm multiplies the same
-// scratch (single-threaded: inside the loop). Both A's and B's rows are padded by 64 bytes: at
-// K = 2048 (8 KiB rows) or M = 512, rows a power of two apart share the L1's sets, and 512
-// rows of 640x2048 ran 3.5x the dense GEMM.
+// without a dense copy of W (a float32 model's many-row path), as int4's: a work item is a
+// block of 64 output features and a tile of rows (row_tiles: enough items for the threads);
+// the block's W^T is dequantized exactly into the thread's scratch [K, 64] float32 (160 KiB at
+// K = 640: L2) once for its tiles, and oneDNN's float32 brgemm multiplies the tile's rows of x
+// by it straight into y (float32 throughout: x W^T of the exact weights up to float32
+// summation order). The rows are the GEMM's M, the 64 features its vector dimension: W_blk
+// x^T (features as M, rows as N) left a 41-row prefill's 41 columns in 48 lanes and stored
+// C transposed by gathers: 1.5x the packed dense GEMM at 640x2048, and at::mm above 128 rows,
+// where brgemm over those x^T rows ran 2.4x it. Now brgemm matches the packed dense GEMM at
+// 9-512 rows (benchmarks/q8_linears.py, docs/tuning.md). Above brgemm_rows rows (tests force
+// it), or where the float32 brgemm does not run, at::mm multiplies the same scratch
+// (single-threaded: inside the loop).
 at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
                           int64_t brgemm_rows, const OptTensor& offset) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "q8_mm_f32: x float32 [M, K], contiguous");
   const Codes W = codes_of("q8_mm_f32", q, s, offset, x.size(1));
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NBLK = (N + 63) / 64;
-  constexpr int64_t MT = 64;  // rows per brgemm call (C is [64, MT] float32: 16 KiB)
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NB = (N + 63) / 64;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const bool brgemm = M <= brgemm_rows && brgemm_f32_runs();
-  const int64_t lda = K + 16, ldb = M + 16;  // padded rows (see above)
-  at::Tensor xt;  // [K, ldb]: x^T, its first M columns
-  if (brgemm) {
-    xt = at::empty({K, ldb}, x.options());
-    xt.narrow(1, 0, M).copy_(x.t());
-  }
-  const float* B = brgemm ? xt.data_ptr<float>() : nullptr;
+  const auto [MT, mt] = row_tiles(M, NB, 64);
+  const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  at::parallel_for(0, NBLK, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> abuf, cbuf;  // grow to the largest K seen
-    if (static_cast<int64_t>(abuf.size()) < 64 * lda) abuf.resize(64 * lda);
-    if (cbuf.size() < static_cast<size_t>(64 * MT)) cbuf.resize(64 * MT);
-    float* A = abuf.data();
-    float* C = cbuf.data();
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * 64, rows = std::min<int64_t>(64, N - n0);
-      const bool next = blk + 1 < end;
-      with_format(W, [&](auto g, auto five) {
-        dequant_rows_f32<decltype(g)::value, decltype(five)::value>(W, n0, rows, next, A, lda);
-      });
-      if (!brgemm) {
-        at::Tensor out = at::from_blob(Y + n0, {M, rows}, {N, 1}, y.options());
-        at::mm_out(out, x, at::from_blob(A, {rows, K}, {lda, 1}, y.options()).t());
-        continue;
+  at::parallel_for(0, NB * MT, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> wbuf;  // grows to the largest K seen
+    if (static_cast<int64_t>(wbuf.size()) < K * 64) wbuf.resize(K * 64);
+    float* Wt = wbuf.data();
+    int64_t have = -1;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / MT, m0 = (i % MT) * mt, mr = std::min(mt, M - m0);
+      const int64_t n0 = b * 64, cols = std::min<int64_t>(64, N - n0);
+      if (b != have) {
+        const bool next = (i / MT + 1) * MT < end;  // this thread's next item is a new block
+        with_format(W, [&](auto g, auto five) {
+          dequant_cols_f32<decltype(g)::value, decltype(five)::value>(W, n0, cols, next, Wt);
+        });
+        have = b;
       }
-      for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int64_t mt = std::min(MT, M - m0);
-        at::native::cpublas::brgemm(rows, mt, K, lda, ldb, mt, false, A, B + m0, C, false);
-        store_transposed(C, mt, rows, Y + m0 * N + n0, N);
+      if (brgemm) {
+        at::native::cpublas::brgemm(mr, cols, K, K, 64, N, false, X + m0 * K, Wt,
+                                    Y + m0 * N + n0, false);
+      } else {
+        at::Tensor out = at::from_blob(Y + m0 * N + n0, {mr, cols}, {N, 1}, y.options());
+        at::mm_out(out, x.narrow(0, m0, mr), at::from_blob(Wt, {K, cols}, {64, 1}, y.options()));
       }
     }
     if (brgemm) at::native::cpublas::brgemm_release(false);
@@ -440,7 +483,7 @@ at::Tensor q8_mm_f32_with(const at::Tensor& x, const at::Tensor& q, const at::Te
 
 at::Tensor q8_mm_f32(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
                      const OptTensor& offset) {
-  return q8_mm_f32_with(x, q, s, Q8_F32_BRGEMM_ROWS, offset);
+  return q8_mm_f32_with(x, q, s, INT64_MAX, offset);
 }
 
 // The op's CPU kernel (its schema and torch reference: asyncllm/kernels/ops.py and

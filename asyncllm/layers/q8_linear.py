@@ -35,9 +35,9 @@ codes ``q - 32`` and a float32 scale ``d * sc`` per 16 columns, exact) run throu
 with ``logits=False``: the output in the
 activations' dtype, and no packed dense copy: more rows than :data:`MAX_ROWS` take ``q8_mm``
 (bfloat16, where it runs) or ``q8_mm_f32`` (float32: per block of 64 outputs the codes
-dequantized exactly into a per-thread scratch and multiplied there by oneDNN's float32
-brgemm, by ``at::mm`` above 128 rows, where brgemm measured slower than the dense GEMM at
-K = 2048: docs/tuning.md, "GGUF Q8_0 and Q5_0 decoder linears as codes"), so a float32
+dequantized exactly into a per-thread scratch ``W^T`` [K, 64], by which oneDNN's float32
+brgemm multiplies a tile of rows: as fast as the packed dense GEMM at 9-512 rows,
+docs/tuning.md, "GGUF Q8_0 and Q5_0 decoder linears as codes"), so a float32
 model computes ``x W^T`` of the file's exact weights up to float32 summation order and holds
 ~1.13 bytes a weight instead of 4 (1.25 for ``Q6_K``).
 
