@@ -36,8 +36,10 @@ import kernel_at_rev
 
 #: (batch, context tokens, tokens of it that all the batch's sequences share from the start):
 #: W3, W1 (its chat template's first 32 tokens shared), longer W1 contexts, W2 without and
-#: with its 528-token shared system prompt (cascade attention in the new kernel).
-CASES = [(1, 100, 0), (64, 100, 32), (64, 256, 0), (32, 570, 0), (32, 570, 528)]
+#: with its 528-token shared system prompt (cascade attention in the new kernel), W7's
+#: decode alone and with 4 speculative rows (5 rows of one sequence's positions).
+CASES = [(1, 100, 0), (64, 100, 32), (64, 256, 0), (32, 570, 0), (32, 570, 528), (1, 1750, 0),
+         (5, 1750, 1744)]  # fmt: skip
 H, HKV, D, BS, BLOCKS = 9, 3, 64, 16, 2900
 
 

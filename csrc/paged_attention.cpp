@@ -680,6 +680,28 @@ struct RowState {
 // Query rows of a work item of attend_shared at most (64 rows of D = 128: 32 KiB of state).
 constexpr int64_t SHARED_ROWS = 64;
 
+// Positions per part of a decode: a sequence's blocks are attended in parts of this many
+// positions, counted from position 0 whatever the batch, each part's online-softmax state
+// merged into the sequence's in order (merge_state), so that a sequence's sums do not depend
+// on the rest of its batch or on the threads: with few sequences the parts are the work
+// items (one long sequence keeps every thread busy), with many each sequence is one.
+constexpr int64_t DECODE_PART = 256;
+
+// The online-softmax state of H query rows (acc [H, D] unnormalized, running max m [H], sum
+// l [H]) merged with another over other positions: both rescaled to the larger max. One
+// out-of-line copy, so every caller rounds alike (the file is built with -ffast-math).
+__attribute__((noinline)) static void merge_state(float* acc, float* m, float* l,
+                                                  const float* acc2, const float* m2,
+                                                  const float* l2, int64_t H, int64_t D) {
+  for (int64_t h = 0; h < H; ++h) {
+    const float mx = std::max(m[h], m2[h]);
+    const float a = std::exp(m[h] - mx), b = std::exp(m2[h] - mx);
+    for (int64_t d = 0; d < D; ++d) acc[h * D + d] = acc[h * D + d] * a + acc2[h * D + d] * b;
+    l[h] = l[h] * a + l2[h] * b;
+    m[h] = mx;
+  }
+}
+
 // Query tokens per prefill work item: a KV tile's K and V rows are read (and widened) once
 // for the QT * G query rows of QT tokens and the G heads that share its KV head.
 constexpr int64_t QT = 16;
@@ -812,53 +834,136 @@ struct PagedLayer {
       st.l.resize(n * H);
       attend_shared(groups, slot.data(), sc, st);
     }
-    // A work item is a sequence with all its KV heads (each block's rows are read whole and
-    // in order) or, with fewer sequences than threads, one KV head of one sequence.
-    const int64_t per = B >= at::get_num_threads() ? Hkv : 1;
-    at::parallel_for(0, B * (Hkv / per), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qv_(H * D), acc_(H * D), buf_(TILE * D), s_(G * TILE), c_(G), m_(H),
-          l_(H);
-      std::vector<int64_t> lo(G);
-      float* __restrict qv = qv_.data();
-      float* __restrict acc = acc_.data();
-      float *m = m_.data(), *l = l_.data();
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / (Hkv / per), h0 = (i % (Hkv / per)) * per, h1 = h0 + per;
-        for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
-          const T* src = Q + b * qs0 + hq * qs1;
-          for (int64_t d = 0; d < D; ++d) qv[hq * D + d] = to_f(src[d * qs2]) * sc;
-          if (slot[b] >= 0) {  // continue from the shared prefix's state
-            const int64_t row = slot[b] * H + hq;
-            std::copy(st.acc.begin() + row * D, st.acc.begin() + (row + 1) * D, acc + hq * D);
-            m[hq] = st.m[row];
-            l[hq] = st.l[row];
-          } else {
-            for (int64_t d = 0; d < D; ++d) acc[hq * D + d] = 0.f;
-            m[hq] = -1e30f;  // finite: exp(m - max) is 0 on the first block
-            l[hq] = 0.f;
-          }
+    // Sequence b's parts: blocks [j, j1) from its first visible or unshared block, cut at
+    // multiples of DECODE_PART positions; parts [first[b], first[b + 1]).
+    std::vector<int64_t> pj0, pj1, first(B + 1);
+    const int64_t pb = std::max<int64_t>(1, DECODE_PART / bs);
+    for (int64_t b = 0; b < B; ++b) {
+      first[b] = static_cast<int64_t>(pj0.size());
+      const int64_t nblk = (L[b] + bs - 1) / bs;
+      int64_t j = std::max(skip[b], window_start(b, window) / bs);
+      do {
+        pj0.push_back(j);
+        j = std::min(nblk, (j / pb + 1) * pb);
+        pj1.push_back(j);
+      } while (j < nblk);
+    }
+    first[B] = static_cast<int64_t>(pj0.size());
+    // Work items: each sequence whole where there are enough of them, else each part (its
+    // state kept, the sequence's parts merged after). Each block's rows are read whole.
+    const bool whole = B >= 2 * at::get_num_threads();
+    const int64_t N = whole ? B : first[B];
+    std::vector<float> pacc(whole ? 0 : N * H * D), pm(whole ? 0 : N * H), pl(whole ? 0 : N * H);
+    std::vector<int64_t> order(N);  // longest first, from a shared counter
+    for (int64_t i = 0; i < N; ++i) order[i] = i;
+    auto blocks = [&](int64_t i) {
+      return whole ? pj1[first[i + 1] - 1] - pj0[first[i]] : pj1[i] - pj0[i];
+    };
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return blocks(x) > blocks(y); });
+    std::atomic<int64_t> next{0};
+    auto seq_of = [&](int64_t p) {
+      return std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;
+    };
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N));
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      DecodeScratch w(H, D, G);
+      for (int64_t i = next.fetch_add(1); i < N; i = next.fetch_add(1)) {
+        const int64_t it = order[i], b = whole ? it : seq_of(it);
+        load_query(b, sc, w.qv.data());
+        const int64_t p0 = whole ? first[b] : it, p1 = whole ? first[b + 1] : it + 1;
+        float* acc = whole ? w.acc.data() : pacc.data() + it * H * D;
+        float* m = whole ? w.m.data() : pm.data() + it * H;
+        float* l = whole ? w.l.data() : pl.data() + it * H;
+        start_state(p0 == first[b] ? slot[b] : -1, st, acc, m, l);
+        attend_part(b, pj0[p0], pj1[p0], window, cap, w, acc, m, l);
+        for (int64_t p = p0 + 1; p < p1; ++p) {  // whole: the later parts, merged in order
+          start_state(-1, st, w.acc2.data(), w.m2.data(), w.l2.data());
+          attend_part(b, pj0[p], pj1[p], window, cap, w, w.acc2.data(), w.m2.data(),
+                      w.l2.data());
+          merge_state(acc, m, l, w.acc2.data(), w.m2.data(), w.l2.data(), H, D);
         }
-        // The first visible position: blocks wholly before it are not read.
-        const int64_t start = window > 0 ? std::max<int64_t>(0, L[b] - window) : 0;
-        for_each_tile(K, V, BT + b * M, L[b], bs, tok, hs, h0, h1, std::max(skip[b], start / bs),
-                      [&](int64_t h, const C* k, const C* v, const C* kp, const C* vp, int64_t n,
-                          int64_t p0) {
-                        Visible vis{nullptr, nullptr, cap};
-                        if (start > p0) {
-                          std::fill(lo.begin(), lo.end(), std::min(n, start - p0));
-                          vis.lo = lo.data();
-                        }
-                        run_tile<C, DC>(qv + h * G * D, k, v, kp, vp, tok, n, vis, G, D,
-                                        buf_.data(), s_.data(), c_.data(), acc + h * G * D,
-                                        m + h * G, l + h * G);
-                      });
-        for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
-          T* dst = O + (b * H + hq) * D;
-          const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
-          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[hq * D + d] * inv);
-        }
+        if (whole) finish(b, acc, l);
       }
     });
+    if (whole) return;
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t p0 = first[b];
+        for (int64_t p = p0 + 1; p < first[b + 1]; ++p)
+          merge_state(pacc.data() + p0 * H * D, pm.data() + p0 * H, pl.data() + p0 * H,
+                      pacc.data() + p * H * D, pm.data() + p * H, pl.data() + p * H, H, D);
+        finish(b, pacc.data() + p0 * H * D, pl.data() + p0 * H);
+      }
+    });
+  }
+
+  // The first position sequence b sees with a window (0 without).
+  int64_t window_start(int64_t b, int64_t window) const {
+    return window > 0 ? std::max<int64_t>(0, L[b] - window) : 0;
+  }
+
+  // A decode worker's buffers: the query rows, two states, a tile's scratch.
+  struct DecodeScratch {
+    std::vector<float> qv, acc, m, l, acc2, m2, l2, buf, s, c;
+    std::vector<int64_t> lo;
+    DecodeScratch(int64_t H, int64_t D, int64_t G)
+        : qv(H * D), acc(H * D), m(H), l(H), acc2(H * D), m2(H), l2(H), buf(TILE * D),
+          s(G * TILE), c(G), lo(G) {}
+  };
+
+  // Sequence b's query rows, scaled, as float32 [H, D].
+  void load_query(int64_t b, float sc, float* qv) const {
+    for (int64_t hq = 0; hq < H; ++hq) {
+      const T* src = Q + b * qs0 + hq * qs1;
+      for (int64_t d = 0; d < D; ++d) qv[hq * D + d] = to_f(src[d * qs2]) * sc;
+    }
+  }
+
+  // A state to start from: the shared prefix's rows of slot `row` (>= 0) or an empty one.
+  void start_state(int64_t row, const RowState& st, float* acc, float* m, float* l) const {
+    for (int64_t hq = 0; hq < H; ++hq) {
+      if (row >= 0) {  // continue from the shared prefix's state
+        const int64_t r = row * H + hq;
+        std::copy(st.acc.begin() + r * D, st.acc.begin() + (r + 1) * D, acc + hq * D);
+        m[hq] = st.m[r];
+        l[hq] = st.l[r];
+      } else {
+        std::fill(acc + hq * D, acc + (hq + 1) * D, 0.f);
+        m[hq] = -1e30f;  // finite: exp(m - max) is 0 on the first block
+        l[hq] = 0.f;
+      }
+    }
+  }
+
+  // Blocks [j0, j1) of sequence b attended by its query rows (w.qv) into the state, all KV
+  // heads; positions before its window's start masked. Out of line: the same code for whole
+  // sequences and for parts.
+  __attribute__((noinline)) void attend_part(int64_t b, int64_t j0, int64_t j1, int64_t window,
+                                             float cap, DecodeScratch& w, float* acc, float* m,
+                                             float* l) const {
+    const int64_t start = window_start(b, window);
+    for_each_tile(K, V, BT + b * M, std::min(L[b], j1 * bs), bs, tok, hs, 0, Hkv, j0,
+                  [&](int64_t h, const C* k, const C* v, const C* kp, const C* vp, int64_t n,
+                      int64_t p0) {
+                    Visible vis{nullptr, nullptr, cap};
+                    if (start > p0) {
+                      std::fill(w.lo.begin(), w.lo.end(), std::min(n, start - p0));
+                      vis.lo = w.lo.data();
+                    }
+                    run_tile<C, DC>(w.qv.data() + h * G * D, k, v, kp, vp, tok, n, vis, G, D,
+                                    w.buf.data(), w.s.data(), w.c.data(), acc + h * G * D,
+                                    m + h * G, l + h * G);
+                  });
+  }
+
+  // Sequence b's output rows: acc / l.
+  void finish(int64_t b, const float* acc, const float* l) const {
+    for (int64_t hq = 0; hq < H; ++hq) {
+      T* dst = O + (b * H + hq) * D;
+      const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[hq * D + d] * inv);
+    }
   }
 
   // Chunks of any length: sequence b's query rows QS[b] .. QS[b] + QL[b] - 1 are its last

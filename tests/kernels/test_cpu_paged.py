@@ -273,12 +273,43 @@ def test_write_and_decode_leaves_mixed_steps_to_write_then_attend():
     assert cpu_paged.write_and_decode(q, k, k, kc, vc, torch.arange(5), plan, 0.1) is None
 
 
-def test_decode_kernel_splits_heads_when_sequences_are_fewer_than_threads():
-    # One work item per KV head instead of per sequence (the W3 shape with 2 threads).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_attends_to_the_same_bits_in_any_batch_on_any_threads(dtype):
+    """A long sequence is attended in parts of 256 positions (the work items when the batch
+    has few sequences, merged in order; one item with all its parts when it has many): its
+    output is bit for bit the same alone or beside 7 others, on 1 or 2 threads, with its
+    window or without."""
+    seq_lens = [1750, 300, 40, 256, 257, 900, 5, 600]
+    q, kc, vc, tables = _random_step([1] * 8, seq_lens, 16, 3, 3, 64, seed=4)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    for window in (0, 700):
+        alone = cpu_paged.CpuPagedPlan.build([1], seq_lens[:1], tables[:1], 16)
+        batch = cpu_paged.CpuPagedPlan.build([1] * 8, seq_lens, tables, 16)
+        outs = []
+        for threads in (1, 2):
+            old = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                outs.append(cpu_paged.paged_attention_cpu(q[:1], kc, vc, alone, 0.1, window))
+                outs.append(cpu_paged.paged_attention_cpu(q, kc, vc, batch, 0.1, window)[:1])
+            finally:
+                torch.set_num_threads(old)
+        assert all(torch.equal(o, outs[0]) for o in outs[1:])
+        ref = torch_paged.paged_attention(
+            q[:1].float(), kc.float(), vc.float(),
+            torch_paged.PagedAttentionPlan.build([1], seq_lens[:1], tables[:1], 16), 0.1,
+            window=window,
+        )  # fmt: skip
+        tol = 2e-5 if dtype == torch.float32 else 2**-8
+        torch.testing.assert_close(outs[0].float(), ref, rtol=tol, atol=max(tol, 1e-5))
+
+
+def test_decode_kernel_splits_long_contexts_when_sequences_are_fewer_than_threads():
+    # Parts of a sequence as work items (the W3 and W7 shapes with 2 threads).
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for seq_lens in ([250], [7, 33]):
+        for seq_lens in ([250], [7, 33], [1750], [600, 20]):
             query_lens = [1] * len(seq_lens)
             q, kc, vc, tables = _random_step(query_lens, seq_lens, 16, 3, 3, 64, seed=1)
             plan = torch_paged.PagedAttentionPlan.build(query_lens, seq_lens, tables, 16)
