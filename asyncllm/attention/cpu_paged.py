@@ -10,7 +10,11 @@ kernels read K and V in place through the block tables instead, once, with an on
 softmax over a tile of up to 16 positions of a block at a time, for the ``G`` query heads
 that share a KV head together (vLLM's CPU backend does the same in its own C++).
 
-Decode-only steps go through ``paged_decode`` (one query token per sequence). A step with
+Decode-only steps go through ``paged_decode`` (one query token per sequence, its blocks read
+in parts of 256 positions with all KV heads: the work items when the sequences are fewer
+than twice the threads, else one item per sequence; the parts' softmax states merged in
+order either way, so a sequence's output does not depend on its batch or the thread count:
+docs/tuning.md, "Decode attention in parts"). A step with
 prefill chunks (a new prompt, a prompt after a prefix-cache hit, a chunk of a long prompt,
 decodes mixed in) goes through ``paged_prefill``: a work item is one sequence's KV head and
 a tile of up to 16 of its query tokens (16 x G query rows), causal within the chunk (query
