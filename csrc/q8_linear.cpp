@@ -384,16 +384,16 @@ static inline void transpose16(__m512* r) {
 #endif
 
 // W's rows n0 .. n0 + rows - 1 (rows <= 64) transposed into out [K, 64] float32 (column j:
-// row n0 + j; columns from rows on are zero): weight_at's values, gguf's dequantized weights
-// bit for bit. 16 rows at a time: their next 32 weights, two 16 x 16 transposes, 32 stores.
+// row n0 + j; columns from rows on are not read): weight_at's values, gguf's dequantized
+// weights bit for bit. 16 rows at a time: their next 32 weights, two 16 x 16 transposes.
 template <int64_t G, bool Q5>
 static void dequant_cols_f32(const Codes& W, int64_t n0, int64_t rows, bool prefetch_next,
                              float* out) {
   const int64_t K = W.K;
 #if Q8_FAST
-  for (int64_t j0 = 0; j0 < 64; j0 += 16) {
+  for (int64_t j0 = 0; j0 < rows; j0 += 16) {
     Row r[16];
-    const int64_t n = std::clamp<int64_t>(rows - j0, 0, 16);
+    const int64_t n = std::min<int64_t>(rows - j0, 16);
     for (int64_t j = 0; j < n; ++j) {
       r[j] = W.row(n0 + j0 + j);
       if (prefetch_next) prefetch_row<_MM_HINT_T1>(W.codes(n0 + 64 + j0 + j), W.row_bytes());
@@ -417,11 +417,7 @@ static void dequant_cols_f32(const Codes& W, int64_t n0, int64_t rows, bool pref
   }
 #else
   (void)prefetch_next;
-  for (int64_t j = 0; j < 64; ++j) {
-    if (j >= rows) {
-      for (int64_t k = 0; k < K; ++k) out[k * 64 + j] = 0.f;
-      continue;
-    }
+  for (int64_t j = 0; j < rows; ++j) {
     const Row r = W.row(n0 + j);
     for (int64_t k = 0; k < K; ++k) out[k * 64 + j] = weight_at<G, Q5>(r, k);
   }
