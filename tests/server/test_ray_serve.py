@@ -23,6 +23,7 @@ serve = pytest.importorskip("ray.serve")
 import openai  # noqa: E402
 
 from asyncllm import SamplingParams  # noqa: E402
+from asyncllm.bench.tiny_model import save_tiny_llama  # noqa: E402
 from asyncllm.core.block_manager import BlockManager, prompt_block_hashes  # noqa: E402
 from asyncllm.integrations import ray_serve as rs  # noqa: E402
 from asyncllm.worker.device import COMPILE_ENV  # noqa: E402
@@ -291,22 +292,33 @@ async def test_handle_and_http_streaming_and_cancel(ray_cluster: int, prefix_app
     await client.close()
 
 
-async def test_queue_full_is_429(ray_cluster: int, tiny_llama_dir: pathlib.Path) -> None:
+#: The queue-full test's context: its slot's request decodes this many tokens (seconds even
+#: at the C++ forward's ~1 ms a step for the tiny model), so the queue stays full while
+#: both refused callers ask. 250 tokens (within 256 positions) took a second or two in the
+#: modeling code, and under the C++ forward a 429 was once answered after the slot had
+#: finished.
+LONG_CONTEXT = 4096
+
+
+async def test_queue_full_is_429(
+    ray_cluster: int, tmp_path: pathlib.Path, default_model_dir: pathlib.Path
+) -> None:
     """A replica whose waiting queue is full refuses: the handle caller gets QueueFull, an
     HTTP client 429 (nothing waits without bound). Both ask at once, right after the queue
-    is seen full: the slot's request finishes its 250 tokens within a second or two, and a
-    later question would find room (a flake once, on a loaded machine)."""
+    is seen full, while the slot's request still has thousands of tokens to go."""
     from asyncllm.errors import QueueFull
 
-    with _deployed(tiny_llama_dir, "full", replicas=1, max_waiting=1, max_num_seqs=1) as llm:
-        await _queue_full_refuses(llm, ray_cluster, tiny_llama_dir, QueueFull)
+    tiny = save_tiny_llama(tmp_path / "tiny-long", default_model_dir, max_positions=LONG_CONTEXT)
+    engine = dict(max_model_len=LONG_CONTEXT, kv_cache_bytes=2**23)
+    with _deployed(tiny, "full", replicas=1, max_waiting=1, max_num_seqs=1, **engine) as llm:
+        await _queue_full_refuses(llm, ray_cluster, tiny, QueueFull)
 
 
 async def _queue_full_refuses(
     llm: Any, port: int, tiny_llama_dir: pathlib.Path, queue_full: type[Exception]
 ) -> None:
-    client = rs.EngineClient(llm, str(tiny_llama_dir), 256)
-    long = SamplingParams(max_tokens=250, ignore_eos=True)
+    client = rs.EngineClient(llm, str(tiny_llama_dir), LONG_CONTEXT)
+    long = SamplingParams(max_tokens=LONG_CONTEXT - 64, ignore_eos=True)
     running = client.stream("One long story", long)
     await running.__anext__()  # running: the one sequence slot is taken
     waiting = client.stream("Another long story", long)
