@@ -756,11 +756,12 @@ struct PagedLayer {
 
   // Cascade attention's first part: each shared prefix's blocks attended for the query rows of
   // all its sequences at once, so that a shared block's K/V rows are read (and widened) once
-  // per group and KV head, not once per sequence; the rows' state goes to st, row
-  // slot[b] * H + hq (the later blocks continue from it in `decode`). A work item is (group,
-  // KV head, part of the group's sequences): parts split a group for the threads.
+  // per group, not once per sequence; the rows' state goes to st, row slot[b] * H + hq (the
+  // later blocks continue from it in `decode`). Through prefix_gemm (bfloat16) a work item is
+  // (group, KV head, part of the group's sequences); else attend_shared_rows.
   void attend_shared(const std::vector<SharedPrefix>& groups, const int64_t* slot, float sc,
                      RowState& st) const {
+    if (!gemm_shared()) return attend_shared_rows(groups, slot, sc, st);
     struct Item {
       int64_t g, h, s0, s1;
     };
@@ -776,36 +777,95 @@ struct PagedLayer {
       for (int64_t h = 0; h < Hkv; ++h)
         for (int64_t p = 0; p < parts; ++p) items.push_back({gi, h, n * p / parts, n * (p + 1) / parts});
     }
-    if (gemm_shared()) {
-      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-        static thread_local GemmScratch w;  // grown once: no zero-fill per call
-        for (int64_t i = begin; i < end; ++i)
-          shared_item_gemm(groups[items[i].g], items[i].h, items[i].s0, items[i].s1, sc, slot, w,
-                           st);
-        at::native::cpublas::brgemm_release();
-      });
-      return;
-    }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      static thread_local GemmScratch w;  // grown once: no zero-fill per call
+      for (int64_t i = begin; i < end; ++i)
+        shared_item_gemm(groups[items[i].g], items[i].h, items[i].s0, items[i].s1, sc, slot, w,
+                         st);
+      at::native::cpublas::brgemm_release();
+    });
+  }
+
+  // attend_shared by the row tiles: a work item is (group, part of its sequences: at most
+  // SHARED_ROWS query rows, KV head) or, where those are fewer than twice the threads, also
+  // part of its blocks (DECODE_PART positions), so a few sequences (a speculative step's rows
+  // of one sequence, all sharing its context) still keep every thread busy; a (group,
+  // sequence part, head)'s block parts are merged in order (merge_state) into st.
+  void attend_shared_rows(const std::vector<SharedPrefix>& groups, const int64_t* slot,
+                          float sc, RowState& st) const {
+    struct Item {
+      int64_t g, s0, s1, h, j0, j1, at;  // at: the item's state's first row in the scratch
+    };
+    std::vector<Item> items;
+    // At most SHARED_ROWS rows an item (their state stays in L1/L2); blocks in parts only
+    // where the items are otherwise fewer than twice the threads.
+    auto seq_parts = [&](const SharedPrefix& g) {
+      const int64_t n = static_cast<int64_t>(g.seqs.size());
+      return std::min(n, (n * G + SHARED_ROWS - 1) / SHARED_ROWS);
+    };
+    int64_t whole = 0;
+    for (const SharedPrefix& g : groups) whole += seq_parts(g) * Hkv;
+    const int64_t pb = whole < 2 * at::get_num_threads() ? std::max<int64_t>(1, DECODE_PART / bs)
+                                                         : M;
+    int64_t rows = 0;
+    for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
+      const int64_t n = static_cast<int64_t>(groups[gi].seqs.size()), parts = seq_parts(groups[gi]);
+      for (int64_t sp = 0; sp < parts; ++sp) {
+        const int64_t s0 = n * sp / parts, s1 = n * (sp + 1) / parts;
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t j = 0, j1; j < groups[gi].blocks; j = j1) {
+            j1 = std::min(groups[gi].blocks, (j / pb + 1) * pb);
+            items.push_back({gi, s0, s1, h, j, j1, rows});
+            rows += (s1 - s0) * G;
+          }
+      }
+    }
+    std::vector<float> acc(rows * D), m(rows), l(rows);
+    const int64_t N = static_cast<int64_t>(items.size());
+    std::vector<int64_t> order(N);  // longest first, from a shared counter
+    for (int64_t i = 0; i < N; ++i) order[i] = i;
+    auto cost = [&](int64_t i) { return (items[i].j1 - items[i].j0) * (items[i].s1 - items[i].s0); };
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return cost(x) > cost(y); });
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N));
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       RowTiles w;
-      for (int64_t i = begin; i < end; ++i) {
-        const Item it = items[i];
+      for (int64_t i = next.fetch_add(1); i < N; i = next.fetch_add(1)) {
+        const Item it = items[order[i]];
         const SharedPrefix& grp = groups[it.g];
-        // Rows member-major, head-minor.
-        w.load<T>((it.s1 - it.s0) * G, D, qs2, sc, [&](int64_t r) {
+        const int64_t R = (it.s1 - it.s0) * G;
+        w.load<T>(R, D, qs2, sc, [&](int64_t r) {  // rows member-major, head-minor
           return Q + grp.seqs[it.s0 + r / G] * qs0 + (it.h * G + r % G) * qs1;
         });
-        for_each_tile(K, V, BT + grp.seqs[0] * M, grp.blocks * bs, bs, tok, hs, it.h, it.h + 1, 0,
+        for_each_tile(K, V, BT + grp.seqs[0] * M, it.j1 * bs, bs, tok, hs, it.h, it.h + 1, it.j0,
                       [&](int64_t, const C* k, const C* v, const C* kp, const C* vp, int64_t n,
                           int64_t) { w.tile<C, DC>(k, v, kp, vp, tok, n, Visible{}); });
-        for (int64_t r = 0; r < w.R; ++r) {
-          const int64_t row = slot[grp.seqs[it.s0 + r / G]] * H + it.h * G + r % G;
-          std::copy(w.acc.begin() + r * D, w.acc.begin() + (r + 1) * D, st.acc.begin() + row * D);
-          st.m[row] = w.m[r];
-          st.l[row] = w.l[r];
-        }
+        std::copy(w.acc.begin(), w.acc.begin() + R * D, acc.begin() + it.at * D);
+        std::copy(w.m.begin(), w.m.begin() + R, m.begin() + it.at);
+        std::copy(w.l.begin(), w.l.begin() + R, l.begin() + it.at);
       }
     });
+    // A (group, sequence part, head)'s block parts are consecutive items: merged into the
+    // first, in order, whose rows then go to st.
+    for (int64_t i = 0, first = 0; i < N; ++i) {
+      const Item& it = items[i];
+      const int64_t R = (it.s1 - it.s0) * G;
+      if (it.j0 == 0) {
+        first = it.at;
+      } else {
+        merge_state(acc.data() + first * D, m.data() + first, l.data() + first,
+                    acc.data() + it.at * D, m.data() + it.at, l.data() + it.at, R, D);
+      }
+      if (i + 1 < N && items[i + 1].j0 != 0) continue;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t row = slot[groups[it.g].seqs[it.s0 + r / G]] * H + it.h * G + r % G;
+        std::copy(acc.begin() + (first + r) * D, acc.begin() + (first + r + 1) * D,
+                  st.acc.begin() + row * D);
+        st.m[row] = m[first + r];
+        st.l[row] = l[first + r];
+      }
+    }
   }
 
   // out[b, hq, :] = softmax(q[b, hq] . K^T * scale) V over positions [0, lens[b]) of
