@@ -11,12 +11,15 @@ makes of a dense layer). Each candidate cycles through enough weights (>= 64 MiB
 that they do not stay in cache; the order is shuffled per repeat; median microseconds per
 call. ``--group 16``: scales per 16 columns (Q6_K's codes) instead of 32.
 
+``--part sweep``: Gemma 3's Q5_0-sized layers, 18 of each, at M rows, as int8 codes and as
+5-bit codes, swept in a model's order (from memory, as a decode step reads them).
+
 ``--part decode``: Gemma 3 270M's Q4_K_M file (``--model``) loaded twice with default settings
 and ``compile=False``, before and after: ``--before q8dense``, ``Q8_0_LINEAR = "dense"``
 (Q8_0/Q5_0/Q6_K dequantized to float32) against ``"codes"``; ``--before q6k``,
 ``Q8_CODE_TYPES = {"Q5_0", "Q8_0"}`` (the Q6_K linears dense, as before issue 36) against
-every type as codes; ``--before q5bits8``, ``Q5_0_BITS = 8`` (int8 codes, the default)
-against 5-bit codes; ``--before unfused``, ``ASYNCLLM_FUSED_SIBLINGS=0`` (q/k/v and gate/up
+every type as codes; ``--before q5bits8``, ``Q5_0_BITS = 8`` (int8 codes) against
+5-bit codes (the default); ``--before unfused``, ``ASYNCLLM_FUSED_SIBLINGS=0`` (q/k/v and gate/up
 as separate calls) against fused; one stream of 128 generated tokens (W3-like), TPOT = (time of 128
 tokens - time of 1) / 127, interleaved, medians of ``--repeats``; ``weight_bytes`` and the
 precision string from ``engine.stats()``.
@@ -24,6 +27,7 @@ precision string from ``engine.stats()``.
 Run::
 
     PYTHONPATH=. python benchmarks/q8_linears.py --part kernel --rows 1 8 64 512
+    PYTHONPATH=. python benchmarks/q8_linears.py --part sweep --rows 1 5 --repeats 15
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --repeats 3
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --repeats 3 --threads 1
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --before q6k --repeats 5
@@ -108,6 +112,43 @@ def _time_rows(
     ), flush=True)  # fmt: skip
 
 
+def _sweep(rows: list[int], repeats: int) -> None:
+    """Gemma 3 270M's Q5_0-sized layers (q 1024 x 640, k 256 x 640, gate/up 4096 x 640, a
+    640 x 2048 down), 18 of each, as int8 codes and as 5-bit codes, swept in a model's order
+    (each weight read from memory, as a decode step reads it) through ``q8_gemv``; the two
+    formats alternate, medians of ``repeats``, microseconds per layer call."""
+    from asyncllm.layers import q8_linear
+
+    mod = q8_linear.kernel()
+    assert mod is not None, "build the q8 kernel first"
+    shapes = [(1024, 640), (256, 640), (4096, 640), (640, 2048)]
+    g = torch.Generator().manual_seed(0)
+
+    def layer(n: int, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
+        s = torch.rand(n, k // 32, generator=g) * 0.01
+        return (q8_linear.pack5(q), s.half()) if bits == 5 else (q, s)
+
+    model = {b: [[layer(n, k, b) for n, k in shapes] for _ in range(18)] for b in (8, 5)}
+    for m in rows:
+        xs = {k: torch.randn(m, k) for _, k in shapes}
+        ys = {n: torch.empty(m, n) for n, _ in shapes}
+        times = {(b, sh): [] for b in (8, 5) for sh in shapes}
+        for _ in range(repeats):
+            for b in (8, 5):
+                acc = dict.fromkeys(shapes, 0.0)
+                for weights in model[b]:
+                    for (n, k), (q, s) in zip(shapes, weights, strict=True):
+                        t = time.perf_counter()
+                        mod.q8_gemv(xs[k], q, s, ys[n], None)
+                        acc[(n, k)] += time.perf_counter() - t
+                for sh in shapes:
+                    times[(b, sh)].append(acc[sh] / 18 * 1e6)
+        for n, k in shapes:
+            i8, i5 = (statistics.median(times[(b, (n, k))]) for b in (8, 5))
+            print(f"{m} rows, {n}x{k}: int8 {i8:.1f} us, 5-bit {i5:.1f} us ({i5 / i8:.2f}x)")
+
+
 def _decode(model: str, repeats: int, tokens: int, threads: int, before: str) -> None:
     from asyncllm import LLM, SamplingParams
     from asyncllm.models import quantization as qz
@@ -123,7 +164,7 @@ def _decode(model: str, repeats: int, tokens: int, threads: int, before: str) ->
         os.environ["ASYNCLLM_FUSED_SIBLINGS"] = "0" if before + mode == "unfusedbefore" else "1"
         extra = {"num_threads": threads} if threads else {}
         llms[mode] = LLM(model, compile=False, **extra)
-    qz.Q8_0_LINEAR, qz.Q8_CODE_TYPES, qz.Q5_0_BITS = "codes", None, 8
+    qz.Q8_0_LINEAR, qz.Q8_CODE_TYPES, qz.Q5_0_BITS = "codes", None, 5
     os.environ.pop("ASYNCLLM_FUSED_SIBLINGS")
     prompt = ["The capital of France is"]
     full = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -156,7 +197,7 @@ def _decode(model: str, repeats: int, tokens: int, threads: int, before: str) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("kernel", "decode"), default="kernel")
+    p.add_argument("--part", choices=("kernel", "sweep", "decode"), default="kernel")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
@@ -169,6 +210,8 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     if a.part == "kernel":
         _kernel(a.rows, a.repeats, a.group)
+    elif a.part == "sweep":
+        _sweep(a.rows, a.repeats)
     else:
         _decode(a.model, a.repeats, a.tokens, a.threads, a.before)
 

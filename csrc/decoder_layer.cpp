@@ -135,7 +135,7 @@ struct Layer {
   at::Tensor in_norm, ffn_norm;      // before the attention, before the MLP
   OptTensor attn_out_norm, ffn_out_norm;  // Gemma: on each block's output, before the residual
   OptTensor q_norm, k_norm;  // Qwen3, Gemma 3: per-head RMSNorm of q and k before the rotation
-  std::vector<Linear> qkv;   // one fused (columns q | k | v) or three
+  std::vector<Linear> qkv;   // columns q | k | v: one fused call, a fused pair and one, or three
   Linear o;
   std::vector<Linear> gate_up;  // one fused (columns gate | up) or two
   Linear down;
@@ -186,7 +186,7 @@ class Decoder {
       TORCH_CHECK(l.rope >= 0, "Decoder: a negative rotary index");
       for (const OptTensor& t : {l.q_norm, l.k_norm})
         TORCH_CHECK(!t || (f32(*t) && t->size(0) == d_), "Decoder: head norms are float32 [D]");
-      TORCH_CHECK(l.qkv.size() == 1 || l.qkv.size() == 3, "Decoder: q/k/v as one call or three");
+      TORCH_CHECK(!l.qkv.empty() && l.qkv.size() <= 3, "Decoder: q/k/v as one to three calls");
       TORCH_CHECK(l.gate_up.size() == 1 || l.gate_up.size() == 2,
                   "Decoder: gate/up as one call or two");
     }
@@ -270,20 +270,25 @@ class Decoder {
     const int64_t B = h.size(0), D = d_, nq = hq_ * D, nkv = hkv_ * D;
     std::vector<at::Tensor> ys;
     for (const Linear& lin : l.qkv) ys.push_back(run(lin, h));
-    // (tensor, first column, row stride) of q, k and v.
-    const bool fused = ys.size() == 1;
+    // (first column, row stride) of q, k and v: the calls' outputs side by side are the
+    // columns q | k | v (one fused call, three, or a fused pair and one).
     const float* src[3];
     int64_t stride[3];
+    const int64_t width[3] = {nq, nkv, nkv};
+    size_t yi = 0;
+    int64_t col = 0;
     for (int i = 0; i < 3; ++i) {
-      const at::Tensor& y = fused ? ys[0] : ys[i];
-      const int64_t first = fused ? (i == 0 ? 0 : i == 1 ? nq : nq + nkv) : 0;
-      const int64_t want = fused ? nq + 2 * nkv : (i == 0 ? nq : nkv);
-      TORCH_CHECK(y.dim() == 2 && y.size(0) == B && y.size(1) == want &&
+      TORCH_CHECK(yi < ys.size(), "Decoder: q/k/v projections return too few columns");
+      const at::Tensor& y = ys[yi];
+      TORCH_CHECK(y.dim() == 2 && y.size(0) == B && col + width[i] <= y.size(1) &&
                       y.scalar_type() == at::kFloat,
                   "Decoder: q/k/v projection returned ", y.sizes());
-      src[i] = y.data_ptr<float>() + first;
+      src[i] = y.data_ptr<float>() + col;
       stride[i] = y.size(1);
+      col += width[i];
+      if (col == y.size(1)) ++yi, col = 0;
     }
+    TORCH_CHECK(yi == ys.size(), "Decoder: q/k/v projections return too many columns");
     const float* wq = l.q_norm ? l.q_norm->data_ptr<float>() : nullptr;
     const float* wk = l.k_norm ? l.k_norm->data_ptr<float>() : nullptr;
     float *pq = q.data_ptr<float>(), *pk = k.data_ptr<float>(), *pv = v.data_ptr<float>();

@@ -16,10 +16,10 @@
 // a multiple of 32 (the dequantizers write 32 columns at a time).
 //
 // Or, for codes in -16..15 without offsets (GGUF's Q5_0), 5-bit codes: Q uint8 [N, K / 32 *
-// 20], per 32 columns 16 bytes of low nibbles (byte j: column j's, then column j + 16's in
-// the high nibble) and a little-endian 32-bit word whose bit j is column j's fifth bit, of
-// u = code + 16 (ggml's block_q5_0 without its d); the scale float16 [N, K / 32] (Q5_0's d,
-// as the file holds it). The same weights, 5.5 bits each instead of 9.
+// 20], per 32 columns of u = code + 16, 16 bytes (byte j: column j's u in bits 0-4, bits 2-4
+// of column j + 16's in bits 5-7) and a little-endian 32-bit word (bits 2j, 2j + 1: bits 0-1
+// of column j + 16's u); the scale float16 [N, K / 32] (Q5_0's d, as the file holds it). The
+// same weights, 5.5 bits each instead of 9 (q8_linear.pack5 writes them).
 constexpr int64_t BLOCK = 32;
 constexpr int64_t CHUNK = 16;  // columns per vector (16 float32 lanes)
 constexpr int64_t PREFETCH = 8;  // rows ahead (4.5 KiB of SmolLM2's head)
@@ -102,10 +102,10 @@ static decltype(auto) with_format(const Codes& W, F&& f) {
 
 // Column j's code (0 <= j < 32) of a block of 5-bit codes: u - 16.
 static inline int q5_code(const uint8_t* blk, int64_t j) {
-  const int low = j < 16 ? (blk[j] & 15) : (blk[j - 16] >> 4);
-  uint32_t high;
-  std::memcpy(&high, blk + 16, sizeof high);
-  return (low | static_cast<int>(((high >> j) & 1) << 4)) - 16;
+  if (j < 16) return (blk[j] & 31) - 16;
+  uint32_t word;
+  std::memcpy(&word, blk + 16, sizeof word);
+  return static_cast<int>(((blk[j - 16] >> 5) << 2) | ((word >> (2 * (j - 16))) & 3)) - 16;
 }
 
 // Weight k of a row (codes q, its scales s and offsets o or null), float32: the code times
@@ -141,29 +141,63 @@ static inline __m512 weights16(const Row& r, int64_t k) {
 }
 
 // Weights k .. k + 31 of a row (k % 32 == 0), as weight_at computes them, in w0 (the first
-// 16) and w1. 5-bit codes: one block's nibbles spread to 32 bytes in column order, its word's
-// bits add 16 under a mask, minus 16; the float16 scale converted once (F16C).
+// 16) and w1. 5-bit codes: a 32-entry table of the block's weights d * (u - 16) (exact:
+// weight_at's values), looked up by vpermi2ps, which reads an index's low 5 bits: the 16
+// bytes widened to 32 bits index columns 0-15 as they are; columns 16-31 take bits 2-4 from
+// the bytes shifted right by 3 and bits 0-1 from the word shifted right by 2j (one bitwise
+// select). ~10 instructions per 32 weights against ~19 to spread nibbles and add fifth bits.
 template <int64_t G, bool Q5>
 static inline void weights32(const Row& r, int64_t k, __m512& w0, __m512& w1) {
   if constexpr (Q5) {
     const uint8_t* blk = r.b + k / BLOCK * Q5_BLOCK_BYTES;
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-    const __m128i m15 = _mm_set1_epi8(15);
-    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m15),
-                                         _mm_and_si128(bytes, m15));
-    uint32_t high;
-    std::memcpy(&high, blk + 16, sizeof high);
-    const __m256i sixteen = _mm256_set1_epi8(16);
-    const __m256i code =
-        _mm256_sub_epi8(_mm256_mask_add_epi8(nib, high, nib, sixteen), sixteen);
-    const __m512 sc = _mm512_set1_ps(_cvtsh_ss(r.h[k / BLOCK].x));
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(code))), sc);
-    w1 = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(code, 1))), sc);
+    const __m512i bytes =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    uint32_t word;
+    std::memcpy(&word, blk + 16, sizeof word);
+    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                             28, 30);
+    const __m512i low2 = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts);
+    // bits 0-1 from low2, the rest from bytes >> 3 (0xCA: a ? b : c, a the mask 3)
+    const __m512i upper = _mm512_ternarylogic_epi32(_mm512_set1_epi32(3), low2,
+                                                    _mm512_srli_epi32(bytes, 3), 0xCA);
+    const __m512 d = _mm512_set1_ps(r.s[k / BLOCK]);  // float_scales' copy
+    const __m512 neg = _mm512_mul_ps(
+        d, _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1));
+    const __m512 pos =
+        _mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    w0 = _mm512_permutex2var_ps(neg, bytes, pos);
+    w1 = _mm512_permutex2var_ps(neg, upper, pos);
   } else {
     w0 = weights16<G>(r, k);
     w1 = weights16<G>(r, k + CHUNK);
   }
+}
+
+// r with its float16 scales (5-bit codes, NG of them) converted into out [NG] float32 as r.s,
+// which weights32 broadcasts from memory as the int8 codes' scales: converting each block's
+// scale in the loop took three shuffles per 32 weights.
+static inline Row float_scales(Row r, int64_t NG, float* out) {
+  for (int64_t g = 0; g < NG; g += 16) {
+    const __mmask16 m = NG - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (NG - g)) - 1);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, r.h + g);
+    _mm512_mask_storeu_ps(out + g, m, _mm512_cvtph_ps(h));
+  }
+  r.s = out;
+  return r;
+}
+
+// Row n of W as weights32 reads it (5-bit codes: float_scales into out [K / 32]).
+template <bool Q5>
+static inline Row fast_row(const Codes& W, int64_t n, float* out) {
+  if constexpr (Q5) return float_scales(W.row(n), W.K / BLOCK, out);
+  return W.row(n);
+}
+
+// This thread's scratch of at least `floats` float32 (float_scales' copies).
+static float* scale_scratch(int64_t floats) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < floats) buf.resize(floats);
+  return buf.data();
 }
 
 // Asks for the cache lines of bytes [0, bytes) at p (HINT: _MM_HINT_T0 or _MM_HINT_T1).
@@ -184,9 +218,12 @@ template <int R, int64_t G, bool Q5>
 static void gemv_rows(const float* X, const Codes& W, int64_t n0, int64_t n1, float* Y,
                       int64_t N) {
   const int64_t K = W.K, NG = K / G;
-  for (int64_t n = n0; n < n1; ++n) {
-    const Row r = W.row(n);
 #if Q8_FAST
+  float* scales = Q5 ? scale_scratch(NG) : nullptr;
+#endif
+  for (int64_t n = n0; n < n1; ++n) {
+#if Q8_FAST
+    const Row r = fast_row<Q5>(W, n, scales);
     // One core alone cannot keep enough cache misses in flight to reach the memory
     // bandwidth with the hardware prefetcher only: ask for rows a few ahead.
     if (n + PREFETCH < n1) {
@@ -211,6 +248,7 @@ static void gemv_rows(const float* X, const Codes& W, int64_t n0, int64_t n1, fl
     for (int i = 0; i < R; ++i) Y[i * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
 #else
     (void)NG;
+    const Row r = W.row(n);
     for (int i = 0; i < R; ++i) {
       const float* x = X + i * K;
       float t = 0.f;
@@ -267,10 +305,13 @@ template <int64_t G, bool Q5>
 static void dequant_rows(const Codes& W, int64_t n0, int64_t rows, bool prefetch_next,
                          at::BFloat16* out) {
   const int64_t K = W.K;
+#if Q8_FAST && defined(__AVX512BF16__)
+  float* scales = Q5 ? scale_scratch(K / BLOCK) : nullptr;
+#endif
   for (int64_t j = 0; j < rows; ++j) {
-    const Row r = W.row(n0 + j);
     at::BFloat16* row = out + j * K;
 #if Q8_FAST && defined(__AVX512BF16__)
+    const Row r = fast_row<Q5>(W, n0 + j, scales);
     if (prefetch_next) prefetch_row<_MM_HINT_T1>(W.codes(n0 + 64 + j), W.row_bytes());
     for (int64_t k = 0; k < K; k += BLOCK) {
       __m512 w0, w1;
@@ -279,6 +320,7 @@ static void dequant_rows(const Codes& W, int64_t n0, int64_t rows, bool prefetch
     }
 #else
     (void)prefetch_next;
+    const Row r = W.row(n0 + j);
     for (int64_t k = 0; k < K; ++k) row[k] = c10::BFloat16(weight_at<G, Q5>(r, k));
 #endif
   }
@@ -391,11 +433,12 @@ static void dequant_cols_f32(const Codes& W, int64_t n0, int64_t rows, bool pref
                              float* out) {
   const int64_t K = W.K;
 #if Q8_FAST
+  float* scales = Q5 ? scale_scratch(16 * (K / BLOCK)) : nullptr;
   for (int64_t j0 = 0; j0 < rows; j0 += 16) {
     Row r[16];
     const int64_t n = std::min<int64_t>(rows - j0, 16);
     for (int64_t j = 0; j < n; ++j) {
-      r[j] = W.row(n0 + j0 + j);
+      r[j] = fast_row<Q5>(W, n0 + j0 + j, Q5 ? scales + j * (K / BLOCK) : nullptr);
       if (prefetch_next) prefetch_row<_MM_HINT_T1>(W.codes(n0 + 64 + j0 + j), W.row_bytes());
     }
     for (int64_t k = 0; k < K; k += BLOCK) {

@@ -103,33 +103,35 @@ def _mm_runs(mod: Any) -> bool:
     return mod is not None and bool(mod.q8_mm_available())
 
 
-#: Bytes of 5-bit codes per :data:`BLOCK` columns: 16 of low nibbles, 4 of fifth bits.
+#: Bytes of 5-bit codes per :data:`BLOCK` columns: 16 bytes, then a 32-bit word.
 Q5_BLOCK_BYTES = 20
 
 
 def pack5(codes: torch.Tensor) -> torch.Tensor:
     """Integer codes [out, in] in -16..15 (``in`` a multiple of 32) as 5-bit codes, uint8
-    [out, in / 32 * 20]: per 32 columns of ``u = code + 16``, 16 bytes of low nibbles (byte
-    ``j``: column ``j``'s, column ``j + 16``'s in the high nibble) and a little-endian 32-bit
-    word whose bit ``j`` is column ``j``'s fifth bit (ggml's ``block_q5_0`` without its
-    ``d``). The layout ``csrc/q8_linear.cpp`` reads."""
+    [out, in / 32 * 20]: per 32 columns of ``u = code + 16``, 16 bytes (byte ``j``: column
+    ``j``'s ``u`` in bits 0-4, bits 2-4 of column ``j + 16``'s in bits 5-7) and a
+    little-endian 32-bit word (bits ``2j``, ``2j + 1``: bits 0-1 of column ``j + 16``'s).
+    The layout ``csrc/q8_linear.cpp`` reads: a byte widened to 32 bits is column ``j``'s
+    index into a 32-entry table as it is, column ``j + 16``'s after one shift and one
+    bitwise select, with no mask for either (``vpermi2ps`` reads the low 5 bits)."""
     out, cols = codes.shape
     u = (codes.to(torch.int64) + 16).view(out, cols // BLOCK, BLOCK)
-    low = u & 15
-    nibbles = low[..., :16] | (low[..., 16:] << 4)
-    word = (((u >> 4) & 1) << torch.arange(BLOCK)).sum(-1, keepdim=True)
-    high = (word >> torch.arange(0, 32, 8)) & 255
-    return torch.cat([nibbles, high], -1).to(torch.uint8).view(out, -1).contiguous()
+    lo, hi = u[..., :16], u[..., 16:]
+    first = lo | ((hi >> 2) << 5)
+    word = ((hi & 3) << (2 * torch.arange(16))).sum(-1, keepdim=True)
+    last = (word >> torch.arange(0, 32, 8)) & 255
+    return torch.cat([first, last], -1).to(torch.uint8).view(out, -1).contiguous()
 
 
 def unpack5(blocks: torch.Tensor) -> torch.Tensor:
     """The int8 codes [out, in] of :func:`pack5`'s blocks [out, in / 32 * 20]."""
     out = blocks.shape[0]
     b = blocks.view(out, -1, Q5_BLOCK_BYTES).to(torch.int64)
-    low = torch.cat([b[..., :16] & 15, b[..., :16] >> 4], -1)
+    first = b[..., :16]
     word = (b[..., 16:] << torch.arange(0, 32, 8)).sum(-1, keepdim=True)
-    fifth = (word >> torch.arange(BLOCK)) & 1
-    return ((low | (fifth << 4)) - 16).to(torch.int8).view(out, -1)
+    hi = ((first >> 5) << 2) | ((word >> (2 * torch.arange(16))) & 3)
+    return (torch.cat([first & 31, hi], -1) - 16).to(torch.int8).view(out, -1)
 
 
 def dequantize(

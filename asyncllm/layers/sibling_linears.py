@@ -138,31 +138,44 @@ def _shared(parts: list[_Part], model: nn.Module) -> bool:
 def fuse_siblings(model: nn.Module) -> int:
     """Replace each group of :data:`SIBLING_NAMES` children of one module by
     :class:`SiblingLinear` members over one fused layer, in place; returns the number of
-    groups fused. Idempotent (fused groups are no longer plain linears); groups that cannot
-    be fused (see the module docstring) are left as they are; none with
-    ``ASYNCLLM_FUSED_SIBLINGS=0``."""
+    groups fused. Where a whole group cannot be fused (see the module docstring), its
+    longest runs of consecutive members that can are (Gemma 3's q/k as 5-bit codes, its v
+    as int8 codes: q/k one call, v another). Idempotent (fused groups are no longer plain
+    linears); none with ``ASYNCLLM_FUSED_SIBLINGS=0``."""
     if not envs.switch(ENV_SWITCH):
         return 0
     n = 0
     for parent in list(model.modules()):
         for names in SIBLING_NAMES:
-            mods = [getattr(parent, name, None) for name in names]
-            if any(type(m) not in _FUSABLE for m in mods):
-                continue
-            parts = typing.cast(list[_Part], mods)
-            fused = _fused(parts)
-            if fused is None or _shared(parts, model):
-                continue
-            outs = [p.out_features for p in parts]
-            starts = [sum(outs[:i]) for i in range(len(outs))]
-            bounds = [(s, s + o) for s, o in zip(starts, outs, strict=True)]
-            ins = parts[0].in_features
-            leader = SiblingLinear(None, 0, ins, outs[0])
-            leader.fused = fused
-            group = _Group(leader, bounds)
-            for i, name in enumerate(names):
-                member = leader if i == 0 else SiblingLinear(group, i, ins, outs[i])
-                object.__setattr__(member, "group", group)
-                setattr(parent, name, member)
-            n += 1
+            i = 0
+            while i < len(names) - 1:
+                end = next(
+                    (j for j in range(len(names), i + 1, -1) if _fuse(parent, names[i:j], model)),
+                    i + 1,
+                )
+                n += end - i > 1
+                i = end
     return n
+
+
+def _fuse(parent: nn.Module, names: tuple[str, ...], model: nn.Module) -> bool:
+    """Fuse ``parent``'s children ``names`` into one group if they can be; whether they were."""
+    mods = [getattr(parent, name, None) for name in names]
+    if any(type(m) not in _FUSABLE for m in mods):
+        return False
+    parts = typing.cast(list[_Part], mods)
+    fused = _fused(parts)
+    if fused is None or _shared(parts, model):
+        return False
+    outs = [p.out_features for p in parts]
+    starts = [sum(outs[:i]) for i in range(len(outs))]
+    bounds = [(s, s + o) for s, o in zip(starts, outs, strict=True)]
+    ins = parts[0].in_features
+    leader = SiblingLinear(None, 0, ins, outs[0])
+    leader.fused = fused
+    group = _Group(leader, bounds)
+    for i, name in enumerate(names):
+        member = leader if i == 0 else SiblingLinear(group, i, ins, outs[i])
+        object.__setattr__(member, "group", group)
+        setattr(parent, name, member)
+    return True

@@ -31,7 +31,8 @@ logger = logging.getLogger("asyncllm")
 #: 7: Q8_0/Q5_0 decoder linears are Q8Linear codes (``logits`` recorded), not dense.
 #: 8: Q6_K (int8 codes, scales per 16 columns) and Q5_K (with offsets) linears too.
 #: 9: Q5_0 decoder linears as 5-bit codes with float16 scales.
-CACHE_VERSION = 9
+#: 10: those codes in the layout of ``q8_linear.pack5`` that a table lookup reads.
+CACHE_VERSION = 10
 
 
 def cache_key(model_dir: pathlib.Path, setting: str, gguf_file: pathlib.Path | None) -> str:

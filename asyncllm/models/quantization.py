@@ -514,12 +514,12 @@ Q8_0_LINEAR = "codes"
 #: only, the others dense (A/B runs, e.g. ``{"Q5_0", "Q8_0"}`` before the ``Q6_K`` codes; a
 #: cache file of their own).
 Q8_CODE_TYPES: frozenset[str] | None = None
-#: Bits a ``Q5_0`` decoder linear's codes keep: 8 (int8 codes and a float32 scale, 9 bits a
-#: weight) or 5 (:func:`~asyncllm.layers.q8_linear.pack5`: 5.5 bits with its float16 scale,
-#: the file's size; a cache file of its own). 8: the float32 matrix-vector kernel spends more
-#: time unpacking 5-bit codes than it saves reading them (docs/tuning.md, "Q5_0 as 5-bit
-#: codes").
-Q5_0_BITS = 8
+#: Bits a ``Q5_0`` decoder linear's codes keep: 5 (:func:`~asyncllm.layers.q8_linear.pack5`:
+#: 5.5 bits a weight with its float16 scale, the file's size) or 8 (int8 codes and a float32
+#: scale, 9 bits; kept for A/B runs, with a cache file of its own). The same outputs bit for
+#: bit; 5-bit codes are looked up in a per-block table as fast as int8 codes widen
+#: (docs/tuning.md, "Q5_0 as 5-bit codes").
+Q5_0_BITS = 5
 
 
 def _retie(lm: nn.Module) -> None:

@@ -145,18 +145,25 @@ def _linear(mod: Any, k: Any) -> Any:
 
 
 def _siblings(parent: Any, names: tuple[str, ...], k: Any) -> list[Any]:
-    """One fused call where ``names`` are the members of one fused group in this order
-    (:mod:`asyncllm.layers.sibling_linears`), else one call per member."""
+    """The calls that compute ``names`` in this order: one per fused group of consecutive
+    members (:mod:`asyncllm.layers.sibling_linears`), one per other member."""
     mods = [getattr(parent, n) for n in names]
-    group: Any = getattr(mods[0], "group", None)
-    if all(
-        isinstance(m, SiblingLinear) and getattr(m, "group", None) is group and m.index == i
-        for i, m in enumerate(mods)
-    ) and len(group.bounds) == len(names):
-        return [_linear(mods[0].fused, k)]
-    if any(isinstance(m, SiblingLinear) for m in mods):
-        raise ValueError(f"{names} are fused in another grouping")
-    return [_linear(m, k) for m in mods]
+    calls, i = [], 0
+    while i < len(mods):
+        m = mods[i]
+        if not isinstance(m, SiblingLinear):
+            calls.append(_linear(m, k))
+            i += 1
+            continue
+        group: Any = getattr(m, "group", None)
+        size = len(group.bounds)
+        run = mods[i : i + size]
+        members = [isinstance(r, SiblingLinear) and r.group is group for r in run]
+        if len(run) < size or not all(members) or [r.index for r in run] != list(range(size)):
+            raise ValueError(f"{names} are fused in another grouping")
+        calls.append(_linear(m.fused, k))
+        i += size
+    return calls
 
 
 def _window(model: Any, attn: Any) -> int:

@@ -399,16 +399,25 @@ def test_repeated_rows_are_computed_once_with_the_same_bits():
 # --- Q5_0 as 5-bit codes (quantization.Q5_0_BITS = 5) -----------------------------------------
 
 
-def test_5_bit_codes_are_the_file_s_blocks_without_their_scale():
-    """``pack5`` of a Q5_0 tensor's codes is its blocks' bytes (ggml's ``block_q5_0``) with
-    ``d`` dropped and the fifth bits after the nibbles; ``unpack5`` gives the codes back, all
-    32 values included."""
+def test_5_bit_codes_hold_the_file_s_codes_in_20_bytes_a_block():
+    """``pack5`` of a Q5_0 tensor's codes: 20 bytes per 32 columns, byte ``j`` column ``j``'s
+    ``u = q + 16`` in bits 0-4 and bits 2-4 of column ``j + 16``'s in bits 5-7, then a
+    little-endian word with bits 0-1 of column ``j + 16``'s at bit ``2j`` (the layout the C++
+    table lookup reads); ``unpack5`` gives the codes back, all 32 values in every column."""
     raw = random_q5_0(7, 128, seed=11)
     blocks = unpack("Q5_0", raw, (7, 128))
     packed = q8_linear.pack5(blocks.q)
-    b = torch.from_numpy(raw.reshape(7, 4, 22))
-    assert torch.equal(packed.view(7, 4, 20), torch.cat([b[..., 6:], b[..., 2:6]], -1))
-    every = torch.arange(-16, 16, dtype=torch.int8).repeat(3, 2)
+    assert packed.shape == (7, 4 * 20) and packed.dtype == torch.uint8
+    u = blocks.q.view(7, 4, 32).to(torch.int64) + 16
+    b = packed.view(7, 4, 20).to(torch.int64)
+    assert torch.equal(b[..., :16] & 31, u[..., :16])
+    word = sum(b[..., 16 + i] << (8 * i) for i in range(4))
+    for j in range(16):
+        hi = ((b[..., j] >> 5) << 2) | ((word >> (2 * j)) & 3)
+        assert torch.equal(hi, u[..., 16 + j])
+    assert torch.equal(q8_linear.unpack5(packed), blocks.q)
+    every = torch.arange(-16, 16, dtype=torch.int8)
+    every = torch.stack([every.roll(i) for i in range(32)])  # each value in each column
     assert torch.equal(q8_linear.unpack5(q8_linear.pack5(every)), every)
 
 

@@ -147,6 +147,29 @@ def test_gguf_code_layers_fuse_bit_for_bit(rows):
     assert fuse_siblings(offsets) == 0
 
 
+def test_a_run_of_members_fuses_where_the_whole_group_cannot():
+    """Gemma 3's q/k (Q5_0, 5-bit codes) and v (Q8_0, int8 codes) cannot be one layer: q/k
+    become one fused call and v stays as it is, with the same bits."""
+    parent = nn.Module()
+    bits = {"q_proj": 5, "k_proj": 5, "v_proj": 8}
+    for i, (name, out) in enumerate((("q_proj", 64), ("k_proj", 32), ("v_proj", 32))):
+        q, s = _codes(out, 96, 32, i)
+        if bits[name] == 5:
+            s = s.half()
+        setattr(parent, name, Q8Linear(q, s, None, torch.float32, False, None, bits[name]))
+    ref = copy.deepcopy(parent)
+    assert fuse_siblings(parent) == 1
+    assert isinstance(parent.k_proj, SiblingLinear) and parent.k_proj.group.bounds == [
+        (0, 64),
+        (64, 96),
+    ]
+    assert parent.q_proj.fused.bits == 5 and type(parent.v_proj) is Q8Linear
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert torch.equal(getattr(parent, name)(x), getattr(ref, name)(x))
+
+
 def test_switched_off(monkeypatch):
     monkeypatch.setenv("ASYNCLLM_FUSED_SIBLINGS", "0")
     model = _llama()

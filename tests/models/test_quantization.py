@@ -140,9 +140,10 @@ def test_a_gguf_type_without_a_kernel_runs_dense(tiny_llama_dir):
 def test_q5_0_and_q8_0_linears_run_as_codes(tiny_llama_dir):
     """quantization='gguf' with Q5_0 and Q8_0 decoder linears (quantized by gguf-py; the
     model holds what the file dequantizes to): each becomes a ``Q8Linear`` of the file's
-    codes (``logits=False``: float32 out in a float32 model), the logits equal the dense
-    model's within float32 summation order (one row and many), the modules round-trip the
-    cache state, and with ``Q8_0_LINEAR = "dense"`` they stay dense as before."""
+    codes (``logits=False``: float32 out in a float32 model; Q5_0's as 5-bit codes), the
+    logits equal the dense model's within float32 summation order (one row and many), the
+    modules round-trip the cache state, and with ``Q8_0_LINEAR = "dense"`` they stay dense as
+    before."""
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
@@ -161,8 +162,9 @@ def test_q5_0_and_q8_0_linears_run_as_codes(tiny_llama_dir):
     finally:
         qz.Q8_0_LINEAR = old
     modules, precision = qz._from_gguf(lm, tensors, torch.float32)
-    assert precision == f"gguf (Q5_0 int8 g32 x{n5}, Q8_0 int8 g32 x{n8})"
+    assert precision == f"gguf (Q5_0 int5 g32 x{n5}, Q8_0 int8 g32 x{n8})"
     assert all(isinstance(m, q8_linear.Q8Linear) and not m.logits for m in modules.values())
+    assert {m.bits for m in modules.values()} == {5, 8}
     modules = {n: ql.module_from_state(ql.module_state(m)) for n, m in modules.items()}
     for name, module in modules.items():
         ql.replace_module(lm, name, module)

@@ -150,6 +150,26 @@ async def test_native_forward_with_parallel_samples_and_int4(family_dirs, make_e
     assert got == want and stats["native_steps"] > 0
 
 
+async def test_q_k_fused_and_v_apart_feed_the_decoder_their_columns(
+    family_dirs, make_engine, monkeypatch
+):
+    """q/k/v as a fused pair and one call (Gemma 3's Q5_0 q/k and Q8_0 v): the C++ decoder
+    takes q and k from the pair's columns and v from its own call."""
+    from asyncllm.layers import sibling_linears
+
+    path = family_dirs["qwen3"]
+    pairs = (("q_proj", "k_proj"), ("gate_proj", "up_proj"))
+    monkeypatch.setattr(sibling_linears, "SIBLING_NAMES", pairs)
+    native = make_engine(path, **SMALL)
+    attn = native.core.runner.model.model.layers[0].self_attn
+    assert isinstance(attn.k_proj, sibling_linears.SiblingLinear)
+    assert not isinstance(attn.v_proj, sibling_linears.SiblingLinear)
+    assert native.core.runner.native is not None
+    *got, stats = await _run(native, _prompts(), GREEDY)
+    *want, _ = await _run(_off(monkeypatch, make_engine, path, **SMALL), _prompts(), GREEDY)
+    assert got == want and stats["native_steps"] > 0
+
+
 async def test_default_model_decodes_natively_like_the_modeling_code(make_engine, monkeypatch):
     """The default model as users get it: int4 decoder layers and the Q8_0 head in C++."""
     prompts = [[1, 9690, 198, 2683, 314, 253, 5356, 11173, 30], [1, 4093, 253, 3565, 8233, 30]]
