@@ -32,6 +32,8 @@ Run::
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --repeats 3 --threads 1
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --before q6k --repeats 5
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --before q5bits8 --repeats 5
+    for i in 1 2 3 4; do for m in before after; do PYTHONPATH=. python \
+        benchmarks/q8_linears.py --part decode --before q5bits8 --mode $m --repeats 5; done; done
     PYTHONPATH=. python benchmarks/q8_linears.py --part decode --before unfused --repeats 5
     PYTHONPATH=. python benchmarks/q8_linears.py --part kernel --group 16 --rows 1 8 64
 """
@@ -149,12 +151,14 @@ def _sweep(rows: list[int], repeats: int) -> None:
             print(f"{m} rows, {n}x{k}: int8 {i8:.1f} us, 5-bit {i5:.1f} us ({i5 / i8:.2f}x)")
 
 
-def _decode(model: str, repeats: int, tokens: int, threads: int, before: str) -> None:
+def _decode(
+    model: str, repeats: int, tokens: int, threads: int, before: str, modes: list[str]
+) -> None:
     from asyncllm import LLM, SamplingParams
     from asyncllm.models import quantization as qz
 
     llms = {}
-    for mode in ("before", "after"):
+    for mode in modes:
         if before == "q8dense":
             qz.Q8_0_LINEAR = "dense" if mode == "before" else "codes"
         elif before == "q6k":
@@ -205,6 +209,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--group", type=int, choices=(32, 16), default=32)
     p.add_argument("--before", choices=("q8dense", "q6k", "q5bits8", "unfused"), default="q8dense")
+    p.add_argument(
+        "--mode",
+        choices=("both", "before", "after"),
+        default="both",
+        help="one engine only: alternate processes (two engines in one process hold two "
+        "OpenMP teams on the cores, which stops libgomp's spin-waiting)",
+    )
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -213,7 +224,8 @@ def main() -> None:
     elif a.part == "sweep":
         _sweep(a.rows, a.repeats)
     else:
-        _decode(a.model, a.repeats, a.tokens, a.threads, a.before)
+        modes = ["before", "after"] if a.mode == "both" else [a.mode]
+        _decode(a.model, a.repeats, a.tokens, a.threads, a.before, modes)
 
 
 if __name__ == "__main__":
