@@ -132,6 +132,9 @@ class AsyncEngine:
             raise self._loop.dead_error()
         if self._tg is not None:
             raise RuntimeError("AsyncEngine is already running")
+        # The compute thread (a new one after an earlier exit, its kernels warmed up) before
+        # the first request, whose time to first token would include it.
+        await anyio.to_thread.run_sync(lambda: self._core.compute_thread)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg, self._token = tg, anyio.lowlevel.current_token()

@@ -226,10 +226,13 @@ class LLMEngine:
         """The thread that runs :meth:`step` (and the async front end's steps). A new one
         (after :meth:`stop_compute_thread`) gets ``config.num_threads`` itself: a thread
         takes torch's process-wide count at its first parallel op, which any thread's
-        ``torch.set_num_threads`` changes."""
+        ``torch.set_num_threads`` changes; and runs ``runner.warm_up_thread`` there."""
         if self._compute_thread is None:
             thread = ComputeThread()
             thread.submit(set_cpu_threads, self.device, self.config.num_threads).result()
+            runner = getattr(self, "runner", None)
+            if runner is not None:  # kernels set up per thread, before a request waits
+                thread.submit(runner.warm_up_thread).result()
             self._compute_thread = thread
         return self._compute_thread
 

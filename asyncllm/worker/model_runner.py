@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import typing
 from typing import Literal
 
 import torch
@@ -27,8 +28,9 @@ from asyncllm.attention.backend_registry import (
 )
 from asyncllm.attention.triton_paged import interpreter_enabled
 from asyncllm.core.plan import SchedulerOutput
-from asyncllm.layers.cpu_linear import pack_linears
-from asyncllm.layers.quant_linear import load_kernels
+from asyncllm.layers.cpu_linear import PackedLinear, pack_linears
+from asyncllm.layers.q8_linear import Q8Linear
+from asyncllm.layers.quant_linear import Int4Linear, load_kernels
 from asyncllm.layers.sibling_linears import fuse_siblings
 from asyncllm.worker.compiled import CompiledForward, ModelSource, pad_to
 from asyncllm.worker.kv_cache import KVCache
@@ -86,6 +88,11 @@ def select_attention_backend(requested: str, device: torch.device) -> AttentionB
             "interpreter)"
         )
     return TRITON_BACKEND
+
+
+#: Rows of :meth:`ModelRunner.warm_up_thread`'s calls: above every few-row kernel's limit
+#: (``q8_linear.MAX_ROWS``, ``quant_linear.int4_max_rows``: 8, or 16 without the fused path).
+WARM_UP_ROWS = 17
 
 
 class ModelRunner:
@@ -178,6 +185,27 @@ class ModelRunner:
         return native
 
     @torch.inference_mode()
+    def warm_up_thread(self) -> None:
+        """Run each quantized or packed linear of the decoder once, on the calling thread (a
+        new compute thread), with :data:`WARM_UP_ROWS` rows of zeros: more than any few-row
+        kernel takes, so the many-row path runs. A new compute thread's first prefill was
+        slower than the next ones (oneDNN's brgemm sets its kernels up per thread): Gemma 3
+        270M's 41-token time to first token 80-85 ms against ~70 (docs/tuning.md, "Gemma 3's
+        prefill"); one call per distinct shape left part of it. The LM head is left out (its
+        many-row path runs only past 8 rows of logits). Nothing is written: no KV cache, no
+        state. A no-op off CPU."""
+        if self.device.type != "cpu":
+            return
+        head = self.model.get_output_embeddings()  # type: ignore[operator]
+        dtype = next(self.model.parameters()).dtype
+        layers = [
+            m for m in self.model.modules() if type(m) in (Q8Linear, Int4Linear, PackedLinear)
+        ]
+        with torch.inference_mode():
+            for m in typing.cast(list[Q8Linear | Int4Linear | PackedLinear], layers):
+                if m is not head:
+                    m(torch.zeros(WARM_UP_ROWS, m.in_features, dtype=dtype))
+
     def execute(
         self,
         plan: SchedulerOutput,

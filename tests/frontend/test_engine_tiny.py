@@ -374,6 +374,40 @@ async def test_a_new_compute_thread_keeps_the_configured_thread_count(tiny_llama
         torch.set_num_threads(before)
 
 
+async def test_a_new_compute_thread_is_warmed_up_before_the_first_request(
+    tiny_llama_dir, make_engine
+):
+    """Entering ``async with`` again starts a new compute thread and runs each quantized
+    linear on it with more rows than the few-row kernels take (their many-row kernels are
+    set up per thread), before any request; the answers do not change."""
+    import threading
+
+    from asyncllm.worker import model_runner
+
+    engine = make_engine(
+        tiny_llama_dir, max_model_len=64, kv_cache_bytes=2**20, quantization="int4"
+    )
+    runner = engine.core.runner
+    layers = [m for m in runner.model.modules() if type(m) is model_runner.Int4Linear]
+    assert layers
+    rows: list[tuple[str, int]] = []
+    for m in layers:
+        m.register_forward_pre_hook(
+            lambda _, args: rows.append((threading.current_thread().name, args[0].shape[0]))
+        )
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    answers = []
+    for _ in range(2):
+        rows.clear()
+        async with engine:
+            warm = list(rows)
+            answers.append((await engine.generate("hello there", params)).token_ids)
+    # the second entry's new thread: every layer, before the request's steps
+    assert len(warm) == len(layers)
+    assert all(n.startswith("asyncllm-step") and r == model_runner.WARM_UP_ROWS for n, r in warm)
+    assert answers[0] == answers[1]
+
+
 async def test_a_dropped_engine_leaves_no_thread(tiny_llama_dir):
     import gc
     import threading
