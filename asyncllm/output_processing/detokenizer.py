@@ -126,8 +126,8 @@ _SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDi
 def _special_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """The ids ``tokenizer.decode(..., skip_special_tokens=True)`` drops. Memoised per
     tokenizer, as :func:`token_bytes`' map (the engine's tokenizer does not change after
-    load): listing Gemma 3's 6,384 added tokens took 3.4 ms on the event loop for every
-    request."""
+    load): listing a large set of added tokens (Gemma 3's) is slow, and it ran on the event
+    loop for every request (docs/tuning.md, "Gemma 3's prefill")."""
     known = _SPECIAL_IDS.get(tokenizer)
     if known is not None:
         return known

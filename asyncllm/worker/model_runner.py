@@ -189,11 +189,10 @@ class ModelRunner:
         """Run each quantized or packed linear of the decoder once, on the calling thread (a
         new compute thread), with :data:`WARM_UP_ROWS` rows of zeros: more than any few-row
         kernel takes, so the many-row path runs. A new compute thread's first prefill was
-        slower than the next ones (oneDNN's brgemm sets its kernels up per thread): Gemma 3
-        270M's 41-token time to first token 80-85 ms against ~70 (docs/tuning.md, "Gemma 3's
-        prefill"); one call per distinct shape left part of it. The LM head is left out (its
-        many-row path runs only past 8 rows of logits). Nothing is written: no KV cache, no
-        state. A no-op off CPU."""
+        slower than the next ones (oneDNN's brgemm sets its kernels up per thread), and one
+        call per distinct shape left part of that (docs/tuning.md, "Gemma 3's prefill").
+        The LM head is left out (its many-row path runs only past 8 rows of logits).
+        Nothing is written: no KV cache, no state. A no-op off CPU."""
         if self.device.type != "cpu":
             return
         head = self.model.get_output_embeddings()  # type: ignore[operator]
