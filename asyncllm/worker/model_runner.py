@@ -200,11 +200,11 @@ class ModelRunner:
         layers = [
             m for m in self.model.modules() if type(m) in (Q8Linear, Int4Linear, PackedLinear)
         ]
-        with torch.inference_mode():
-            for m in typing.cast(list[Q8Linear | Int4Linear | PackedLinear], layers):
-                if m is not head:
-                    m(torch.zeros(WARM_UP_ROWS, m.in_features, dtype=dtype))
+        for m in typing.cast(list[Q8Linear | Int4Linear | PackedLinear], layers):
+            if m is not head:
+                m(torch.zeros(WARM_UP_ROWS, m.in_features, dtype=dtype))
 
+    @torch.inference_mode()
     def execute(
         self,
         plan: SchedulerOutput,

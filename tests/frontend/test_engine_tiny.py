@@ -382,6 +382,8 @@ async def test_a_new_compute_thread_is_warmed_up_before_the_first_request(
     set up per thread), before any request; the answers do not change."""
     import threading
 
+    import torch
+
     from asyncllm.worker import model_runner
 
     engine = make_engine(
@@ -404,6 +406,18 @@ async def test_a_new_compute_thread_is_warmed_up_before_the_first_request(
             answers.append((await engine.generate("hello there", params)).token_ids)
     # the second entry's new thread: every layer, before the request's steps
     assert len(warm) == len(layers)
+    # and the steps themselves still run in inference mode (no autograd bookkeeping)
+    real_forward = runner._forward
+    modes: list[bool] = []
+
+    def forward(*args):
+        modes.append(torch.is_inference_mode_enabled())
+        return real_forward(*args)
+
+    runner._forward = forward
+    async with engine:
+        await engine.generate("hello there", params)
+    assert modes and all(modes)
     assert all(n.startswith("asyncllm-step") and r == model_runner.WARM_UP_ROWS for n, r in warm)
     assert answers[0] == answers[1]
 
