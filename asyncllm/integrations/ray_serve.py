@@ -96,7 +96,10 @@ class LLMServer:
     """
 
     async def __init__(self, model: str = "default", engine_config: dict[str, Any] | None = None):
+        from asyncllm.server.cli import freeze_loaded_objects
+
         self.engine = AsyncEngine.from_pretrained(model, **(engine_config or {}))
+        freeze_loaded_objects()  # the replica's process serves this engine until it ends
         # The engine is entered and left by one task (its task group's rule): this one,
         # which holds it until __del__ sets _stop.
         self._stop = asyncio.Event()

@@ -586,6 +586,32 @@ def test_server_serve_refuses_replicas() -> None:
         serve(parser.parse_args(["--replicas", "2"]))
 
 
+def test_serve_freezes_what_it_loaded(tiny_llama_dir: Any, monkeypatch: Any) -> None:
+    """The serve command moves what it loaded out of the cyclic collector's sight before it
+    serves (a full collection would otherwise walk the model's objects mid-stream)."""
+    import argparse
+    import gc
+
+    import uvicorn
+
+    from asyncllm.server import add_serve_arguments, cli
+
+    order: list[str] = []
+    real = cli.freeze_loaded_objects
+    monkeypatch.setattr(cli, "freeze_loaded_objects", lambda: order.append("freeze"))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: order.append("run"))
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert cli.serve(parser.parse_args(["--model", str(tiny_llama_dir)])) == 0
+    assert order == ["freeze", "run"]
+    before = gc.get_freeze_count()
+    try:
+        real()
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
+
+
 def test_serve_command(tiny_llama_dir: Any) -> None:
     """``python -m asyncllm serve`` on 127.0.0.1 with port 0 (the OS picks a free one), API
     keys from $ASYNCLLM_API_KEY, the served name the model directory's base name; SIGINT
