@@ -6,7 +6,9 @@ Candidates (``--candidates``), each one ``y = x W^T`` of the default model's pro
 
 * ``old``: the int4 op as built from ``--ref`` (default ``main``; its C++ source is read with
   ``git show`` and built as its own module, op ``asyncllm_old::int4_linear``: see
-  ``kernel_at_rev.py``), its many-row path forced (``max_rows=0``);
+  ``kernel_at_rev.py``), its many-row path forced (``max_rows=0``); with ``--dtype
+  float32`` only a ``--ref`` that has the tile-major float32 scales (``Int4Linear``'s layout
+  now) computes the right values;
 * ``new``: this checkout's op (``asyncllm::int4_linear``, the installed kernel: after editing
   ``csrc/``, ``python setup.py build_ext --inplace`` first), many-row path forced
   (``max_rows=0``);
@@ -48,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_at_rev
 
 from asyncllm.kernels import int4_dequant
+from asyncllm.layers.quant_linear import Int4Linear
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
 GROUP = 32
@@ -60,12 +63,12 @@ def old_op(ref: str) -> Callable[..., torch.Tensor]:
 
 
 def pack(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random int4 weight [n, k] in the layer's layout: (packed, scales and zeros)."""
+    """A random int4 weight [n, k] in the layer's layout for ``dtype`` (``Int4Linear``'s:
+    float32 scales tile-major): (packed, scales and zeros)."""
     q = torch.randint(0, 16, (n, k), dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    scale = torch.rand(k // GROUP, n) * 0.01 + 1e-3
-    sz = torch.stack([scale, torch.randn(k // GROUP, n) * 0.01], -1).to(dtype).contiguous()
-    return packed, sz
+    scale = torch.rand(n, k // GROUP) * 0.01 + 1e-3
+    layer = Int4Linear(q, scale, torch.randn(n, k // GROUP) * 0.01, GROUP, None, dtype)
+    return layer.packed, layer.scales_and_zeros
 
 
 def candidate(name: str, n: int, k: int, old: Callable[..., torch.Tensor] | None):  # type: ignore[no-untyped-def]

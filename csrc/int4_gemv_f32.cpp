@@ -2,16 +2,19 @@
 // and float32 scales and zeros (a GGUF file's float16 scales, exact), straight from the codes:
 // what a float32 model's decode step runs (int4_linear in int4_linear.cpp calls it).
 //
-// w[n, k] = (q - 8) * scale + zero, so per group of columns
-//   y[r, n] += scale[n] * sum_k q[n, k] x[r, k] + (zero[n] - 8 scale[n]) * sum_k x[r, k],
+// w[n, k] = q * scale + offset, so per group of columns
+//   y[r, n] += scale[n] * sum_k q[n, k] x[r, k] + offset[n] * sum_k x[r, k],
 // all in float32 (the sums as fused multiply-adds): the function the weights define, as
 // closely as float32 arithmetic computes it (torch's int4 kernel has no vectorized float32
 // path: 15-70x slower than its bfloat16 one, which rounds the rows and scales to bfloat16).
 //
-// Layout: torch's CPU int4pack (int4_pack_block_n): 64 outputs of a column are 32 bytes of
-// block [N / 64, K, 32] (low nibbles outputs 0..31, high 32..63), or two 16-byte runs of
-// blocks [N / 32, K, 16] (low nibbles 0..15, high 16..31 of each). A work item is one tile of
-// 64 outputs for all rows: its codes are read once, widened to 8 float vectors per column
+// Layout: codes in torch's CPU int4pack (int4_pack_block_n): 64 outputs of a column are 32
+// bytes of block [N / 64, K, 32] (low nibbles outputs 0..31, high 32..63), or two 16-byte runs
+// of blocks [N / 32, K, 16] (low nibbles 0..15, high 16..31 of each). Scales and offsets are
+// tile-major, [N / 64, K / group, 2, 64] (a group's 64 scales, then its 64 offsets): a tile's
+// are one run beside its codes (read in 512-byte pieces a row of N apart, the
+// [K / group, N, 2] layout streamed at ~0.8x the speed). A work item is one tile of 64
+// outputs for all rows: its codes are read once, widened to 8 float vectors per column
 // (AVX2: 8 lanes; AVX-512: 4 of 16 lanes), and multiplied into R rows' accumulators. Both
 // vector paths compute each output with the same operations in the same order (the lanes
 // are the outputs), so they agree bit for bit.
@@ -32,6 +35,23 @@ namespace {
 constexpr int64_t TILE = 64;
 
 #if defined(__AVX2__) && defined(__FMA__)
+// The codes this many bytes ahead of a tile's column k are prefetched, every 64 bytes (a core
+// alone keeps too few misses in flight to stream them at the memory's speed).
+constexpr int64_t PREFETCH_BYTES = 2048;
+
+static inline void prefetch_codes(const uint8_t* P, int64_t K, int64_t t, int64_t k,
+                                  int64_t block_n) {
+  const auto at = [](const uint8_t* p) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T0);
+  };
+  if (block_n == 64 && k % 2 == 0) {
+    at(P + (t * K + k) * 32);
+  } else if (block_n != 64 && k % 4 == 0) {
+    at(P + (2 * t * K + k) * 16);
+    at(P + ((2 * t + 1) * K + k) * 16);
+  }
+}
+
 // A tile loop's vector width: 8 float32 lanes (AVX2) or 16 (AVX-512), and the tile's 64 codes
 // of column k as floats 0..15 in TILE / LANES vectors, outputs in order. Layouts: block_n
 // 64: bytes 16h.. of the column hold outputs 16h.. (low nibbles) and 32 + 16h.. (high);
@@ -45,6 +65,7 @@ struct Lanes8 {
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V load(const float* p) { return _mm256_load_ps(p); }
+  static V loadu(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_store_ps(p, v); }
   static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
   static void codes(const uint8_t* P, int64_t K, int64_t t, int64_t k, int64_t block_n,
@@ -85,6 +106,7 @@ struct Lanes16 {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V load(const float* p) { return _mm512_load_ps(p); }
+  static V loadu(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_store_ps(p, v); }
   static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
   static void codes(const uint8_t* P, int64_t K, int64_t t, int64_t k, int64_t block_n,
@@ -120,31 +142,26 @@ constexpr int MAX_ROWS = 2;
 
 // R rows of one tile: per group, each row's sum of codes times x (one FMA chain per lane)
 // and sum of x, then the tile's totals (in memory: they change once per group) gain
-// scale * sum q x + (zero - 8 scale) * sum x. Each output lane runs these operations in this
-// order at either width, so both widths give the same bits.
+// scale * sum q x + offset * sum x. Each output lane runs these operations in this order at
+// either width, so both widths give the same bits.
 template <class L, int R>
 static void tile_rows(const float* X, int64_t K, int64_t group, const uint8_t* P,
                       const float* SZ, int64_t N, int64_t t, int64_t block_n, float* Y) {
   constexpr int NV = TILE / L::LANES;
-  alignas(64) float s[TILE], z8[TILE], tot[R][TILE];
+  alignas(64) float tot[R][TILE];
   typename L::V acc[R][NV], c[NV];
+  const int64_t G = K / group;
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NV; ++i) L::store(tot[r] + L::LANES * i, L::zero());
-  for (int64_t g = 0; g < K / group; ++g) {
-    const float* src = SZ + (g * N + t * TILE) * 2;
-    if (g + 1 < K / group)  // the next group's scales: 512 bytes, a row of N on
-      for (int j = 0; j < TILE * 2 * 4; j += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(src + N * 2) + j, _MM_HINT_T0);
-    for (int j = 0; j < TILE; ++j) {
-      s[j] = src[2 * j];
-      z8[j] = src[2 * j + 1] - 8.f * src[2 * j];  // exact for float16-derived scales
-    }
+  for (int64_t g = 0; g < G; ++g) {
+    const float* s = SZ + (t * G + g) * 2 * TILE;  // 64 scales, then 64 offsets
     float xs[R];
     for (int r = 0; r < R; ++r) {
       xs[r] = 0.f;
       for (int i = 0; i < NV; ++i) acc[r][i] = L::zero();
     }
     for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+      prefetch_codes(P, K, t, k, block_n);
       L::codes(P, K, t, k, block_n, c);
       for (int r = 0; r < R; ++r) {
         const float xv = X[r * K + k];
@@ -157,8 +174,8 @@ static void tile_rows(const float* X, int64_t K, int64_t group, const uint8_t* P
       const typename L::V xb = L::set1(xs[r]);
       for (int i = 0; i < NV; ++i) {
         float* t_ri = tot[r] + L::LANES * i;
-        const typename L::V part = L::fma(L::load(z8 + L::LANES * i), xb,
-                                          L::mul(L::load(s + L::LANES * i), acc[r][i]));
+        const typename L::V part = L::fma(L::loadu(s + TILE + L::LANES * i), xb,
+                                          L::mul(L::loadu(s + L::LANES * i), acc[r][i]));
         L::store(t_ri, L::add(L::load(t_ri), part));
       }
     }
@@ -205,14 +222,15 @@ static void rows_of_tile(const float* X, int64_t M, int64_t K, int64_t group, co
     for (int j = 0; j < TILE; ++j) {
       float tot = 0.f;
       for (int64_t g = 0; g < K / group; ++g) {
-        const float s = SZ[(g * N + t * TILE + j) * 2], z = SZ[(g * N + t * TILE + j) * 2 + 1];
+        const float* sz = SZ + (t * (K / group) + g) * 2 * TILE;
+        const float s = sz[j], o = sz[TILE + j];
         float acc = 0.f, xs = 0.f;
         for (int64_t k = g * group; k < (g + 1) * group; ++k) {
           const float xv = X[r * K + k];
           acc = std::fma(static_cast<float>(code_at(P, K, t, k, block_n, j)), xv, acc);
           xs += xv;
         }
-        tot += std::fma(z - 8.f * s, xs, s * acc);
+        tot += std::fma(o, xs, s * acc);
       }
       Y[r * N + t * TILE + j] = tot;
     }
@@ -222,26 +240,28 @@ static void rows_of_tile(const float* X, int64_t M, int64_t K, int64_t group, co
 
 }  // namespace
 
-// Whether int4_gemv_f32 runs for these arguments: float32 scales, whole 64-output tiles, a
-// packed layout this file reads.
+// Whether int4_gemv_f32 runs for these arguments: float32 scales and offsets in the
+// tile-major layout, whole 64-output tiles, a packed layout this file reads.
 bool int4_gemv_f32_runs(const at::Tensor& sz, int64_t out_features) {
-  return sz.scalar_type() == at::kFloat && out_features % TILE == 0 && int4_pack_block_n() != 0;
+  return sz.scalar_type() == at::kFloat && sz.dim() == 4 && out_features % TILE == 0 &&
+         int4_pack_block_n() != 0;
 }
 
 // rows [M, K] float32 -> y [M, N] float32 (int4_linear calls it; tests call it directly).
 at::Tensor int4_gemv_f32(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
                          int64_t group, int64_t out_features) {
   TORCH_CHECK(int4_gemv_f32_runs(sz, out_features),
-              "int4_gemv_f32: needs float32 scales, out_features % 64 == 0 and a known layout");
+              "int4_gemv_f32: needs tile-major float32 scales, out_features % 64 == 0 and a "
+              "known layout");
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat,
               "int4_gemv_f32: rows must be a float32 [M, K]");
   const int64_t M = rows.size(0), K = rows.size(1), N = out_features;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() * 2 == N * K,
               "int4_gemv_f32: packed must be contiguous uint8 with N * K / 2 bytes");
-  TORCH_CHECK(group > 0 && K % group == 0 && sz.is_contiguous() && sz.dim() == 3 &&
-                  sz.size(0) == K / group && sz.size(1) == N && sz.size(2) == 2,
-              "int4_gemv_f32: sz must be a contiguous [K / group, N, 2]");
+  TORCH_CHECK(group > 0 && K % group == 0 && sz.is_contiguous() && sz.size(0) == N / TILE &&
+                  sz.size(1) == K / group && sz.size(2) == 2 && sz.size(3) == TILE,
+              "int4_gemv_f32: sz must be a contiguous [N / 64, K / group, 2, 64]");
   const at::Tensor r = rows.contiguous();
   at::Tensor y = at::empty({M, N}, r.options());
   if (M == 0) return y;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <map>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #if defined(__x86_64__)
@@ -47,13 +48,14 @@ int64_t int4_pack_block_n() {
 }
 
 // H * 2 outputs from H code bytes p: o[j] from p[j]'s low nibble, o[H + j] from its high
-// nibble, with scales s and zeros z (float, 2H each).
-template <int H, typename T>
+// nibble, each (q - B) * s + z with scales s and zeros z (float, 2H each): B = 8 for torch's
+// (scale, zero), 0 for a tile-major (scale, offset).
+template <int H, typename T, int B = 8>
 static inline void row_codes(const uint8_t* p, const float* s, const float* z, T* o) {
 #pragma omp simd
   for (int j = 0; j < H; ++j) {
-    const float lo = static_cast<float>(static_cast<int>(p[j] & 15) - 8);
-    const float hi = static_cast<float>(static_cast<int>(p[j] >> 4) - 8);
+    const float lo = static_cast<float>(static_cast<int>(p[j] & 15) - B);
+    const float hi = static_cast<float>(static_cast<int>(p[j] >> 4) - B);
     put(lo * s[j] + z[j], o + j);
     put(hi * s[H + j] + z[H + j], o + H + j);
   }
@@ -116,7 +118,37 @@ static inline void dequant_group(const uint8_t* P, const T* S, int64_t K, int64_
   }
 }
 
-// out [K, N] = W^T with W[n, k] = (q[n, k] - 8) * sz[k / group, n, 0] + sz[k / group, n, 1];
+// dequant_group for tile-major float32 scales and offsets sz [N / 64, K / group, 2, 64]
+// (W[n, k] = q[n, k] * scale + offset): the group's 64 of each are one run, read in place.
+static inline void dequant_group_tiled(const uint8_t* P, const float* S, int64_t K,
+                                       int64_t group, int64_t block_n, int64_t g, int64_t b,
+                                       float* o, int64_t ld) {
+  const float* s = S + (b * (K / group) + g) * 128;
+  const float* z = s + 64;
+  for (int64_t k = g * group; k < (g + 1) * group; ++k, o += ld) {
+    if (block_n == 64) {
+      row_codes<32, float, 0>(P + (b * K + k) * 32, s, z, o);
+    } else {
+      row_codes<16, float, 0>(P + (2 * b * K + k) * 16, s, z, o);
+      row_codes<16, float, 0>(P + ((2 * b + 1) * K + k) * 16, s + 32, z + 32, o + 32);
+    }
+  }
+}
+
+// One group g of block b of W^T into o (row stride ld), for either scale layout.
+template <typename T>
+static inline void dequant_any(const uint8_t* P, const at::Tensor& sz, int64_t K, int64_t N,
+                               int64_t group, int64_t block_n, int64_t g, int64_t b, T* o,
+                               int64_t ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (sz.dim() == 4)
+      return dequant_group_tiled(P, sz.data_ptr<float>(), K, group, block_n, g, b, o, ld);
+  }
+  dequant_group<T>(P, sz.data_ptr<T>(), K, N, group, block_n, g, b, o, ld);
+}
+
+// out [K, N] = W^T with W[n, k] = (q[n, k] - 8) * sz[k / group, n, 0] + sz[k / group, n, 1]
+// (or, float32 tile-major, q[n, k] * sz[n / 64, k / group, 0, n % 64] + sz[..., 1, n % 64]);
 // packed uint8 in torch's CPU int4pack layout (int4_pack_block_n: [N / 64, K, 32] or
 // [N / 32, K, 16]), sz [K / group, N, 2] of T. A work item is one group of K rows times 64
 // output columns.
@@ -125,13 +157,12 @@ static void dequant(const at::Tensor& packed, const at::Tensor& sz, int64_t grou
                     at::Tensor& out) {
   const int64_t K = out.size(0), N = out.size(1), NB = N / 64, G = K / group;
   const uint8_t* P = packed.data_ptr<uint8_t>();
-  const T* S = sz.data_ptr<T>();
   T* O = out.data_ptr<T>();
   const int64_t block_n = int4_pack_block_n();
   at::parallel_for(0, G * NB, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = i / NB, b = i % NB;
-      dequant_group<T>(P, S, K, N, group, block_n, g, b, O + g * group * N + b * 64, N);
+      dequant_any<T>(P, sz, K, N, group, block_n, g, b, O + g * group * N + b * 64, N);
     }
   });
 }
@@ -144,10 +175,14 @@ static void check_dequant_args(const at::Tensor& packed, const at::Tensor& sz, i
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() * 2 == N * K,
               who, ": packed must be contiguous uint8 with N * K / 2 bytes");
-  TORCH_CHECK((sz.scalar_type() == at::kBFloat16 || sz.scalar_type() == at::kFloat) &&
-                  sz.is_contiguous() && sz.dim() == 3 && sz.size(0) == K / group &&
-                  sz.size(1) == N && sz.size(2) == 2,
-              who, ": sz must be a contiguous [K / group, N, 2] of bfloat16 or float32");
+  const bool torch_layout = (sz.scalar_type() == at::kBFloat16 || sz.scalar_type() == at::kFloat) &&
+                            sz.dim() == 3 && sz.size(0) == K / group && sz.size(1) == N &&
+                            sz.size(2) == 2;
+  const bool tiled = sz.scalar_type() == at::kFloat && sz.dim() == 4 && sz.size(0) == N / 64 &&
+                     sz.size(1) == K / group && sz.size(2) == 2 && sz.size(3) == 64;
+  TORCH_CHECK(sz.is_contiguous() && (torch_layout || tiled), who,
+              ": sz must be a contiguous [K / group, N, 2] of bfloat16 or float32, or a float32 "
+              "[N / 64, K / group, 2, 64]");
 }
 
 void int4_dequant_t(const at::Tensor& packed, const at::Tensor& sz, int64_t group,
@@ -285,7 +320,6 @@ static void fused_f32(const at::Tensor& rows, const at::Tensor& packed, const at
   const int64_t M = rows.size(0), K = rows.size(1), N = y.size(1), NB = N / 64;
   const auto [MT, mt] = row_tiles(M, NB, m_tile);
   const uint8_t* P = packed.data_ptr<uint8_t>();
-  const float* S = sz.data_ptr<float>();
   const float* A = rows.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   const int64_t block_n = int4_pack_block_n();
@@ -299,7 +333,7 @@ static void fused_f32(const at::Tensor& rows, const at::Tensor& packed, const at
       const int64_t b = i / MT, m0 = (i % MT) * mt, mr = std::min(mt, M - m0);
       if (b != have) {
         for (int64_t g = 0; g < K / group; ++g)
-          dequant_group<float>(P, S, K, N, group, block_n, g, b, W + g * group * 64, 64);
+          dequant_any<float>(P, sz, K, N, group, block_n, g, b, W + g * group * 64, 64);
         have = b;
       }
       if (brgemm) {
@@ -372,6 +406,16 @@ bool int4_gemv_f32_runs(const at::Tensor& sz, int64_t out_features);
 at::Tensor int4_gemv_f32(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
                          int64_t group, int64_t out_features);
 
+// sz in torch's int4 layout [K / group, N, 2] (scale, zero = offset + 8 scale, rounded once
+// from float64): a tile-major float32 sz converted (where torch's kernel must read it), any
+// other as it is. ops.py's torch_scales is the same.
+static at::Tensor torch_scales(const at::Tensor& sz) {
+  if (sz.dim() != 4) return sz;
+  const at::Tensor t = sz.to(at::kDouble).permute({1, 2, 0, 3}).flatten(2);  // [G, 2, N]
+  const at::Tensor scale = t.select(1, 0), offset = t.select(1, 1);
+  return at::stack({scale, offset + 8 * scale}, -1).to(at::kFloat).contiguous();
+}
+
 // y = x W^T + b in x's shape and dtype (ops.py's int4_linear_reference: the same function).
 // Above max_rows rows (and N % 64 == 0, scales bfloat16 or float32) the weight is dequantized
 // block by block and multiplied by a GEMM (int4_mm); up to max_rows float32 scales take
@@ -398,7 +442,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     });
     ++path_calls[2];
   } else {
-    y = at::_weight_int4pack_mm_for_cpu(rows, packed, group, sz);
+    y = at::_weight_int4pack_mm_for_cpu(rows, packed, group, torch_scales(sz));
     ++path_calls[0];
   }
   std::vector<int64_t> shape = x.sizes().vec();

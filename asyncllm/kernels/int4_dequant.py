@@ -32,8 +32,11 @@ checked against the codes in tests/models/test_quantization.py): uint8 ``[N, K/2
 ``[N/64, K, 32]``; byte ``[b, k, j]``'s low nibble is the code of row ``64b + j`` at column
 ``k``, its high nibble that of row ``64b + 32 + j``. Scales and zeros ``sz`` are
 ``[K/group, N, 2]`` (scale, zero) and ``w[n, k] = (q - 8) * scale + zero``, the int4 kernel's
-own formula. Every 32-byte run of codes thus gives 64 consecutive entries of one row of
-``W^T [K, N]``: the kernel streams the codes once and writes ``W^T`` contiguously.
+own formula; a float32 model's layers (``Int4Linear``) keep theirs tile-major instead,
+``[N/64, K/group, 2, 64]`` (a group's 64 scales, then its 64 offsets, ``w = q * scale +
+offset``), which every float32 path here reads. Every 32-byte run of codes thus gives 64
+consecutive entries of one row of ``W^T [K, N]``: the kernel streams the codes once and
+writes ``W^T`` contiguously.
 
 Arithmetic: float32 (a bfloat16 scale widens exactly), the multiply and add rounded
 separately (``-ffp-contract=off``: the same values as torch's float32 ``(q - 8) * s + z``),

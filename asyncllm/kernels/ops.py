@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["LIB", "implement", "int4_linear_reference"]
+__all__ = ["LIB", "implement", "int4_linear_reference", "torch_scales"]
 
 LIB = torch.library.Library("asyncllm", "DEF")
 
@@ -111,6 +111,19 @@ def _int4_linear_fake(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def torch_scales(scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """An ``Int4Linear``'s scales in torch's int4 layout: ``[K / group, N, 2]`` (scale, zero)
+    as it is, or from the tile-major float32 ``[N / 64, K / group, 2, 64]`` (scale, offset)
+    with ``zero = offset + 8 * scale`` rounded once from float64 to float32 (what
+    ``Int4Linear`` stored in that layout before; ``csrc/int4_linear.cpp``'s ``torch_scales``
+    is the same)."""
+    if scales_and_zeros.dim() != 4:
+        return scales_and_zeros
+    t = scales_and_zeros.double().permute(1, 2, 0, 3).flatten(2)  # [G, 2, N]
+    scale, offset = t[:, 0], t[:, 1]
+    return torch.stack([scale, offset + 8 * scale], -1).float().contiguous()
+
+
 @implement("int4_linear")
 def int4_linear_reference(
     x: torch.Tensor,
@@ -126,12 +139,14 @@ def int4_linear_reference(
     """``y = x W^T + b`` for an ``Int4Linear``'s buffers with torch's int4 kernel
     (``aten._weight_int4pack_mm_for_cpu``) at every row count: ``x [..., in_features]`` ->
     ``[..., out_features]`` in ``x``'s dtype, computed in ``scales_and_zeros``' dtype.
-    ``w[n, k] = (q - 8) * scale + zero`` (the packed layout: ``asyncllm.kernels.int4_dequant``).
-    The path where the C++ kernel (``csrc/int4_linear.cpp``, the same plus its few-row and
-    many-row paths) is not installed or switched off; ``max_rows``/``gemv_rows`` are that
-    kernel's thresholds, unused here."""
+    ``w[n, k] = (q - 8) * scale + zero`` (the packed layout: ``asyncllm.kernels.int4_dequant``;
+    tile-major scales and offsets are converted by :func:`torch_scales`). The path where the
+    C++ kernel (``csrc/int4_linear.cpp``, the same plus its few-row and many-row paths) is
+    not installed or switched off; ``max_rows``/``gemv_rows`` are that kernel's thresholds,
+    unused here."""
     rows = x.reshape(-1, in_features).to(scales_and_zeros.dtype)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+    sz = torch_scales(scales_and_zeros)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, sz)
     y = y.view(*x.shape[:-1], out_features).to(x.dtype)
     return y if bias is None else y + bias
 

@@ -135,6 +135,14 @@ class Int4Linear(nn.Module):
             :func:`int4_dtype` of the model's dtype; float32 keeps float16 GGUF scales
             exact.
 
+    Buffers: ``packed`` uint8 [out, in / 2] (torch's CPU int4 packing), ``scales_and_zeros``
+    either torch's int4 layout, [in / group_size, out, 2] of ``dtype`` holding (scale, zero)
+    with ``w = (q - 8) * scale + zero``, or, in float32 where ``out`` is a multiple of 64,
+    tile-major [out / 64, in / group_size, 2, 64] holding a group's 64 scales then its 64
+    offsets, ``w = q * scale + offset`` (the offsets as given: no zero rounded from them;
+    each tile's scales one run, which the few-row kernel streams beside its codes;
+    :func:`asyncllm.kernels.ops.torch_scales` converts it for torch's kernel).
+
     Raises:
         ValueError: a group size that the kernel lacks or that does not divide ``in``.
     """
@@ -161,8 +169,12 @@ class Int4Linear(nn.Module):
             )
         self.in_features, self.out_features, self.group_size = cols, out, group_size
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        zero = offset.double() + 8 * scale.double()  # exact in float64 for float16 inputs
-        sz = torch.stack([scale.T.double(), zero.T], -1).to(dtype).contiguous()
+        if dtype == torch.float32 and out % 64 == 0:
+            pairs = torch.stack([scale.float(), offset.float()])  # [2, out, groups]
+            sz = pairs.view(2, out // 64, 64, -1).permute(1, 3, 0, 2).contiguous()
+        else:
+            zero = offset.double() + 8 * scale.double()  # exact in float64 for float16 inputs
+            sz = torch.stack([scale.T.double(), zero.T], -1).to(dtype).contiguous()
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -171,13 +183,14 @@ class Int4Linear(nn.Module):
     def concat(cls, parts: list[Int4Linear]) -> Int4Linear | None:
         """One layer whose output is ``parts``' outputs side by side (their packed codes,
         scales and zero points concatenated; no repacking), or None where they differ in
-        input width, group size, scale dtype or device, have a bias on some but not all,
-        or a part's rows are not a multiple of 64 (the packed layout's row block)."""
+        input width, group size, scale dtype or layout or device, have a bias on some but not
+        all, or a part's rows are not a multiple of 64 (the packed layout's row block)."""
         first = parts[0]
         if any(
             p.in_features != first.in_features
             or p.group_size != first.group_size
             or p.scales_and_zeros.dtype != first.scales_and_zeros.dtype
+            or p.scales_and_zeros.dim() != first.scales_and_zeros.dim()
             or p.packed.device != first.packed.device
             or p.out_features % 64
             or (p.bias is None) != (first.bias is None)
@@ -189,7 +202,10 @@ class Int4Linear(nn.Module):
         fused.in_features, fused.group_size = first.in_features, first.group_size
         fused.out_features = sum(p.out_features for p in parts)
         fused.register_buffer("packed", torch.cat([p.packed for p in parts]))
-        fused.register_buffer("scales_and_zeros", torch.cat([p.scales_and_zeros for p in parts], 1))
+        tiled = first.scales_and_zeros.dim() == 4  # tiles stack; torch's layout joins outputs
+        fused.register_buffer(
+            "scales_and_zeros", torch.cat([p.scales_and_zeros for p in parts], 0 if tiled else 1)
+        )
         biases = [p.bias for p in parts if p.bias is not None]
         fused.register_buffer("bias", torch.cat(biases) if biases else None)
         return fused

@@ -32,7 +32,8 @@ logger = logging.getLogger("asyncllm")
 #: 8: Q6_K (int8 codes, scales per 16 columns) and Q5_K (with offsets) linears too.
 #: 9: Q5_0 decoder linears as 5-bit codes with float16 scales.
 #: 10: those codes in the layout of ``q8_linear.pack5`` that a table lookup reads.
-CACHE_VERSION = 10
+#: 11: a float32 model's int4 scales and offsets tile-major ([out / 64, in / group, 2, 64]).
+CACHE_VERSION = 11
 
 
 def cache_key(model_dir: pathlib.Path, setting: str, gguf_file: pathlib.Path | None) -> str:

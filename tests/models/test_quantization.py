@@ -207,12 +207,17 @@ def test_quantized_linear_matches_dequantized_reference(mode, rows):
 
 def _int4_layer(n: int, k: int, gs: int, dtype: torch.dtype = ql.COMPUTE_DTYPE):
     """An Int4Linear of random codes [n, k] and its weight dequantized in float32 (rounded
-    through the layer's scale dtype, as the kernels see them)."""
+    through the layer's scale dtype, as the kernels see them): (q - 8) * scale + zero from
+    torch's layout, q * scale + offset from the tile-major one."""
     torch.manual_seed(n + k + gs)
     q, s, o = ql.int4_codes(torch.randn(n, k) * 0.05, gs)
     layer = ql.Int4Linear(q, s, o, gs, None, dtype)
-    sz = layer.scales_and_zeros.float()  # [k / gs, n, 2]
-    scale, zero = (sz[..., i].T.repeat_interleave(gs, 1) for i in (0, 1))
+    sz = layer.scales_and_zeros.float()
+    if sz.dim() == 4:  # [n / 64, k / gs, 2, 64]
+        scale, offset = (sz[:, :, i].permute(0, 2, 1).reshape(n, -1) for i in (0, 1))
+        assert torch.equal(scale, s) and torch.equal(offset, o)  # as given, nothing rounded
+        return layer, q.float() * scale.repeat_interleave(gs, 1) + offset.repeat_interleave(gs, 1)
+    scale, zero = (sz[..., i].mT.repeat_interleave(gs, 1) for i in (0, 1))  # [k / gs, n, 2]
     return layer, (q.float() - 8) * scale + zero
 
 
@@ -227,8 +232,9 @@ needs_dequant = pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int4_dequant_kernel_matches_reference(n, k, gs, dtype):
     """The C++ dequantization of torch's packed layout gives W^T equal, bit for bit, to
-    (q - 8) * scale + zero computed by torch in float32 from the original codes (rounded once
-    to bfloat16): this also checks the layout the kernel assumes."""
+    (q - 8) * scale + zero (float32: q * scale + offset, tile-major) computed by torch in
+    float32 from the original codes (rounded once to bfloat16): this also checks the layouts
+    the kernel assumes."""
     layer, ref = _int4_layer(n, k, gs, dtype)
     got = torch.empty(k, n, dtype=dtype)
     int4_dequant.kernel().int4_dequant_t(layer.packed, layer.scales_and_zeros, gs, got)
