@@ -406,16 +406,6 @@ bool int4_gemv_f32_runs(const at::Tensor& sz, int64_t out_features);
 at::Tensor int4_gemv_f32(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& sz,
                          int64_t group, int64_t out_features);
 
-// sz in torch's int4 layout [K / group, N, 2] (scale, zero = offset + 8 scale, rounded once
-// from float64): a tile-major float32 sz converted (where torch's kernel must read it), any
-// other as it is. ops.py's torch_scales is the same.
-static at::Tensor torch_scales(const at::Tensor& sz) {
-  if (sz.dim() != 4) return sz;
-  const at::Tensor t = sz.to(at::kDouble).permute({1, 2, 0, 3}).flatten(2);  // [G, 2, N]
-  const at::Tensor scale = t.select(1, 0), offset = t.select(1, 1);
-  return at::stack({scale, offset + 8 * scale}, -1).to(at::kFloat).contiguous();
-}
-
 // y = x W^T + b in x's shape and dtype (ops.py's int4_linear_reference: the same function).
 // Above max_rows rows (and N % 64 == 0, scales bfloat16 or float32) the weight is dequantized
 // block by block and multiplied by a GEMM (int4_mm); up to max_rows float32 scales take
@@ -442,7 +432,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     });
     ++path_calls[2];
   } else {
-    y = at::_weight_int4pack_mm_for_cpu(rows, packed, group, torch_scales(sz));
+    // Tile-major scales never come here: they are float32 with N % 64 == 0, and the module
+    // is not loaded where the packing is unknown (int4_pack_block_n() == 0; native.py).
+    TORCH_CHECK(sz.dim() == 3, "int4_linear: tile-major scales need a known int4 packing");
+    y = at::_weight_int4pack_mm_for_cpu(rows, packed, group, sz);
     ++path_calls[0];
   }
   std::vector<int64_t> shape = x.sizes().vec();

@@ -110,6 +110,11 @@ def _load(family: str) -> Any:
         except ImportError as e:  # not built, or built against another torch
             reasons.append(f"{name}: {str(e).strip().splitlines()[-1] if str(e) else e!r}")
             continue
+        if family == "int4" and mod.int4_pack_block_n() == 0:
+            # Nothing of ours reads that packing (and a float32 layer's tile-major scales
+            # would need converting at every call): torch's path with its own kernel.
+            reasons.append(f"{name}: torch packs int4 weights in a layout unknown here")
+            continue
         import asyncllm.kernels.ops  # noqa: F401  (the schemas the kernels implement)
 
         mod.register_ops()

@@ -31,6 +31,7 @@ materialize        copies Inductor does not fuse through       (clone)
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -111,17 +112,33 @@ def _int4_linear_fake(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+#: Tile-major scales converted by :func:`torch_scales`, by ``id`` of the tensor: (a weak
+#: reference to it, the conversion). An entry goes when its tensor does.
+_TORCH_LAYOUT: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+
 def torch_scales(scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """An ``Int4Linear``'s scales in torch's int4 layout: ``[K / group, N, 2]`` (scale, zero)
     as it is, or from the tile-major float32 ``[N / 64, K / group, 2, 64]`` (scale, offset)
     with ``zero = offset + 8 * scale`` rounded once from float64 to float32 (what
-    ``Int4Linear`` stored in that layout before; ``csrc/int4_linear.cpp``'s ``torch_scales``
-    is the same)."""
+    ``Int4Linear`` stored in that layout before). Converted once per tensor (the weights are
+    never written in place): a decode step would otherwise convert each layer's again."""
     if scales_and_zeros.dim() != 4:
         return scales_and_zeros
-    t = scales_and_zeros.double().permute(1, 2, 0, 3).flatten(2)  # [G, 2, N]
-    scale, offset = t[:, 0], t[:, 1]
-    return torch.stack([scale, offset + 8 * scale], -1).float().contiguous()
+    key = id(scales_and_zeros)
+    entry = _TORCH_LAYOUT.get(key)
+    if entry is None or entry[0]() is not scales_and_zeros:
+        t = scales_and_zeros.double().permute(1, 2, 0, 3).flatten(2)  # [G, 2, N]
+        scale, offset = t[:, 0], t[:, 1]
+        converted = torch.stack([scale, offset + 8 * scale], -1).float().contiguous()
+
+        def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
+            if _TORCH_LAYOUT.get(key, (None,))[0] is ref:
+                del _TORCH_LAYOUT[key]
+
+        entry = (weakref.ref(scales_and_zeros, forget), converted)
+        _TORCH_LAYOUT[key] = entry
+    return entry[1]
 
 
 @implement("int4_linear")
@@ -144,7 +161,7 @@ def int4_linear_reference(
     C++ kernel (``csrc/int4_linear.cpp``, the same plus its few-row and many-row paths) is
     not installed or switched off; ``max_rows``/``gemv_rows`` are that kernel's thresholds,
     unused here."""
-    rows = x.reshape(-1, in_features).to(scales_and_zeros.dtype)
+    rows = x.reshape(-1, in_features).to(scales_and_zeros.dtype).contiguous()  # torch's kernel
     sz = torch_scales(scales_and_zeros)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, sz)
     y = y.view(*x.shape[:-1], out_features).to(x.dtype)

@@ -57,6 +57,35 @@ def test_float32_int4_linear_is_the_exact_product_to_float32_rounding(rows, n, k
     assert ((ref.double() - exact).abs() <= tol).all()
 
 
+def test_float32_layers_keep_tile_major_scales_converted_once_for_torch():
+    """A float32 layer's scales are tile-major [N / 64, K / group, 2, 64] with the offsets
+    as given (nothing rounded); torch's kernel gets them in its own layout, converted once
+    per tensor (a decode step calls each layer again), and the conversion goes with it."""
+    q, scale, offset, _ = _layer(128, 64)
+    layer = ql.Int4Linear(q, scale, offset, 32, None, torch.float32)
+    sz = layer.scales_and_zeros
+    assert sz.shape == (2, 2, 2, 64)
+    assert torch.equal(sz[:, :, 0].permute(0, 2, 1).reshape(128, 2), scale)
+    assert torch.equal(sz[:, :, 1].permute(0, 2, 1).reshape(128, 2), offset)
+    first = ops.torch_scales(sz)
+    assert first.shape == (2, 128, 2) and ops.torch_scales(sz) is first
+    want = torch.stack([scale.T.double(), offset.T.double() + 8 * scale.T.double()], -1)
+    assert torch.equal(first, want.float())
+    key = id(sz)
+    del layer, sz
+    assert key not in ops._TORCH_LAYOUT
+
+
+def test_the_torch_reference_takes_strided_rows():
+    """The torch reference (the path without the C++ kernel) multiplies rows that are not
+    contiguous, as the C++ op does (torch's int4 kernel wants contiguous rows)."""
+    q, scale, offset, exact_w = _layer(64, 64)
+    layer = ql.Int4Linear(q, scale, offset, 32, None, torch.float32)
+    x = torch.randn(3, 128)[:, ::2]
+    ref = ops.int4_linear_reference(x, layer.packed, layer.scales_and_zeros, None, 32, 64, 64)
+    torch.testing.assert_close(ref, layer(x.contiguous()), rtol=1e-5, atol=1e-5)
+
+
 def test_bfloat16_rounding_is_what_the_float32_path_removes():
     """The bfloat16 path's error (rows and scales rounded to bfloat16) is orders of
     magnitude above the float32 path's, on the same weights and rows."""

@@ -256,7 +256,9 @@ def test_the_best_installed_variant_is_loaded(monkeypatch, caplog):
     _fresh(monkeypatch)
     tried, registered = [], []
     stand_in = types.SimpleNamespace(
-        __name__="asyncllm._kernels._q8_avx2", register_ops=lambda: registered.append(1)
+        __name__="asyncllm._kernels._q8_avx2",
+        register_ops=lambda: registered.append(1),
+        int4_pack_block_n=lambda: 64,  # status() loads the int4 family too
     )
 
     def import_variant(family: str, name: str) -> Any:
@@ -279,6 +281,23 @@ def test_the_best_installed_variant_is_loaded(monkeypatch, caplog):
         assert native.module("int4") is None
     assert "no kernel variant runs on this CPU" in (native.failure("int4") or "")
     assert caplog.text.count(NOT_INSTALLED) == 1
+
+
+def test_an_int4_module_that_cannot_read_torch_s_packing_is_not_loaded(monkeypatch):
+    """Where torch packs int4 weights in a layout the kernels do not know, the int4 module is
+    not loaded (torch's path runs, its reason in failure()): its op would have to convert a
+    float32 layer's tile-major scales at every call."""
+    _flags(monkeypatch, AVX512_BF16_FLAGS)
+    _fresh(monkeypatch)
+    registered = []
+    stand_in = types.SimpleNamespace(
+        __name__="asyncllm._kernels._int4_avx2",
+        register_ops=lambda: registered.append(1),
+        int4_pack_block_n=lambda: 0,
+    )
+    monkeypatch.setattr(native, "import_variant", lambda family, name: stand_in)
+    assert native.module("int4") is None and registered == []
+    assert "layout unknown here" in (native.failure("int4") or "")
 
 
 def test_installed_variants_import_without_registering():
