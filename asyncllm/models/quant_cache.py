@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import tempfile
 
 import torch
@@ -22,7 +23,14 @@ from torch import nn
 from asyncllm.layers import quant_linear as ql
 from asyncllm.models.fingerprint import fingerprint, fingerprints
 
-__all__ = ["CACHE_VERSION", "cache_key", "gguf_source", "load_cache", "save_cache"]
+__all__ = [
+    "CACHE_VERSION",
+    "cache_key",
+    "gguf_source",
+    "load_cache",
+    "remove_other_versions",
+    "save_cache",
+]
 
 logger = logging.getLogger("asyncllm")
 
@@ -94,6 +102,30 @@ def save_cache(path: pathlib.Path, key: str, modules: dict[str, nn.Module], prec
         os.replace(tmp, path)  # atomic: readers see the old file, none, or the whole new one
     except OSError as exc:
         logger.warning("asyncllm: cannot cache the quantized model in %s: %s", path, exc)
+        return
+    remove_other_versions(path)
+
+
+def remove_other_versions(path: pathlib.Path) -> list[pathlib.Path]:
+    """Delete the files beside ``path`` (``<model>-<setting>-v<version>-<key>.pt``) that hold
+    the same model folder name and setting in another cache version, or in the names before
+    versions were in them (``<model>-<setting>-<key>.pt``): this version never reads them,
+    and each is the model's size. Files of other settings, and of other weights at this
+    version (another folder of the same name), stay. Returns the files removed."""
+    m = re.fullmatch(r"(.+)-v\d+-[0-9a-f]{12}\.pt", path.name)
+    if m is None:
+        return []
+    stale = re.compile(re.escape(m[1]) + r"-(?:v(\d+)-)?[0-9a-f]{12}\.pt")
+    removed = []
+    for other in path.parent.iterdir():
+        s = stale.fullmatch(other.name)
+        if s is not None and s[1] != str(CACHE_VERSION):
+            try:
+                other.unlink()
+                removed.append(other)
+            except OSError:  # gone already, or not ours to remove: leave it
+                pass
+    return removed
 
 
 def gguf_source(model_dir: pathlib.Path) -> pathlib.Path | None:

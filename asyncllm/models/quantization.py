@@ -54,7 +54,7 @@ from torch import nn
 
 from asyncllm.layers import quant_linear as ql
 from asyncllm.layers.q8_linear import Q8Linear
-from asyncllm.models.quant_cache import cache_key, load_cache, save_cache
+from asyncllm.models.quant_cache import CACHE_VERSION, cache_key, load_cache, save_cache
 
 if TYPE_CHECKING:
     from asyncllm.models.gguf_quant import QuantBlocks
@@ -182,8 +182,9 @@ def resolve_quantization(
         q8 += f"-q5bits{Q5_0_BITS}"
     name = f"{resolved}-g{gs}-{dtype_name}{q8}"
     key = cache_key(model_dir, name, gguf_file if resolved == "gguf" else None)
-    # The folder's name only makes the file recognizable; the key tells models apart.
-    path = cache_root / "quant" / f"{model_dir.name}-{name}-{key[:12]}.pt"
+    # The folder's name only makes the file recognizable; the key tells models apart, the
+    # version in the name lets a save remove this setting's files of other versions.
+    path = cache_root / "quant" / f"{model_dir.name}-{name}-v{CACHE_VERSION}-{key[:12]}.pt"
     return QuantSetting(resolved, gs, dtype, device, path, gguf_file, key)
 
 

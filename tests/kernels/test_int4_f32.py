@@ -79,7 +79,7 @@ def test_float32_layers_keep_tile_major_scales_converted_once_for_torch():
 def test_the_torch_reference_takes_strided_rows():
     """The torch reference (the path without the C++ kernel) multiplies rows that are not
     contiguous, as the C++ op does (torch's int4 kernel wants contiguous rows)."""
-    q, scale, offset, exact_w = _layer(64, 64)
+    q, scale, offset, _ = _layer(64, 64)
     layer = ql.Int4Linear(q, scale, offset, 32, None, torch.float32)
     x = torch.randn(3, 128)[:, ::2]
     ref = ops.int4_linear_reference(x, layer.packed, layer.scales_and_zeros, None, 32, 64, 64)

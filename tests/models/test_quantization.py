@@ -711,6 +711,28 @@ def _other_weights(path: pathlib.Path) -> None:
     torch.save(data, path)
 
 
+def test_a_save_removes_the_setting_s_files_of_other_versions(tiny_llama_dir, quant_cache):
+    """Writing a cache file removes the same model name's and setting's files of other cache
+    versions, and of the names before versions were in them (this version never reads them,
+    each the model's size); another setting's file and this version's other files (another
+    folder of the same name) stay."""
+    cpu = torch.device("cpu")
+    load_model(tiny_llama_dir, dtype=torch.float32, device=cpu, quantization="int8")
+    (other_setting,) = (quant_cache / "quant").glob("*.pt")
+    load_model(tiny_llama_dir, dtype=torch.float32, device=cpu, quantization="int4")
+    (own,) = set((quant_cache / "quant").glob("*.pt")) - {other_setting}
+    prefix, version, key = own.name.rsplit("-", 2)
+    assert version == f"v{qz.CACHE_VERSION}"
+    stale = [own.with_name(f"{prefix}-{key}"), own.with_name(f"{prefix}-v3-{key}")]
+    kept = [own.with_name(f"{prefix}-{version}-0123456789ab.pt"), other_setting]
+    for path in [*stale, kept[0]]:
+        path.write_bytes(b"old")
+    own.unlink()  # converted and written again
+    load_model(tiny_llama_dir, dtype=torch.float32, device=cpu, quantization="int4")
+    assert own.exists() and all(p.exists() for p in kept)
+    assert not any(p.exists() for p in stale)
+
+
 @pytest.mark.parametrize(
     "tamper",
     ["other model", "other setting", "other weights", "drop a module", "add a module",
