@@ -12,8 +12,8 @@
 // bytes of block [N / 64, K, 32] (low nibbles outputs 0..31, high 32..63), or two 16-byte runs
 // of blocks [N / 32, K, 16] (low nibbles 0..15, high 16..31 of each). Scales and offsets are
 // tile-major, [N / 64, K / group, 2, 64] (a group's 64 scales, then its 64 offsets): a tile's
-// are one run beside its codes (read in 512-byte pieces a row of N apart, the
-// [K / group, N, 2] layout streamed at ~0.8x the speed). A work item is one tile of 64
+// are one run beside its codes, where torch's [K / group, N, 2] layout has them in 512-byte
+// pieces a row of N apart (docs/tuning.md, "Native forward"). A work item is one tile of 64
 // outputs for all rows: its codes are read once, widened to 8 float vectors per column
 // (AVX2: 8 lanes; AVX-512: 4 of 16 lanes), and multiplied into R rows' accumulators. Both
 // vector paths compute each output with the same operations in the same order (the lanes
